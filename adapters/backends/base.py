@@ -1,0 +1,104 @@
+"""What every backend (embedded engine, vLLM) offers the endpoint.
+
+A backend owns the tokenizer and the chat template, so token ids always come from the
+backend that generated them and are never re-tokenized.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+from typing import Any, Protocol, runtime_checkable
+
+
+class BackendError(Exception):
+    """A request the backend cannot serve; `status` is the HTTP code the endpoint returns."""
+
+    def __init__(self, message: str, status: int = 400, code: str = "invalid_request") -> None:
+        super().__init__(message)
+        self.status = status
+        self.code = code
+
+
+@dataclass
+class SamplingParams:
+    """How to sample. Log-probabilities are always of the raw model distribution (T=1)."""
+
+    max_tokens: int = 256
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 turns top-k off
+    stop: list[str] = field(default_factory=list)
+    stop_token_ids: list[int] = field(default_factory=list)
+    seed: int | None = None
+    n: int = 1
+    top_logprobs: int = 0  # also return this many most likely tokens at each position
+
+
+@dataclass
+class GenerateRequest:
+    """One call: chat `messages` (rendered by the backend's chat template) or a raw `prompt`."""
+
+    model: str  # adapter or model name the policy map resolved; "" or "base" = base model
+    params: SamplingParams
+    messages: list[dict[str, Any]] | None = None
+    tools: list[dict[str, Any]] | None = None
+    prompt: str | list[int] | None = None
+    chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class Completion:
+    """One sampled continuation; `tokenizer.decode(token_ids) == text`."""
+
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]  # log-probability of each sampled token under the raw model
+    finish_reason: str  # "stop" or "length"
+    top_logprobs: list[dict[int, float]] | None = None  # per position: token id -> logprob
+
+
+@dataclass
+class Generation:
+    prompt_token_ids: list[int]
+    completions: list[Completion]
+    model: str
+
+
+@dataclass
+class StreamDelta:
+    """A piece of one choice during streaming; the final event of a choice has finish_reason."""
+
+    index: int
+    token_ids: list[int]
+    text: str
+    logprobs: list[float]
+    finish_reason: str | None = None
+    top_logprobs: list[dict[int, float]] | None = None
+
+
+@runtime_checkable
+class Backend(Protocol):
+    """The interface the endpoint calls; implementations must be safe to call concurrently."""
+
+    async def generate(self, request: GenerateRequest) -> Generation: ...
+
+    def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta | Generation]:
+        """Yield deltas as tokens are produced, then the full `Generation` last."""
+        ...
+
+    def model_names(self) -> list[str]:
+        """Names a request's `model` may resolve to: the base model and each adapter."""
+        ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def tokenizer_id(self) -> str:
+        """Identifies the tokenizer (checked by the trainer to reuse token ids safely)."""
+        ...
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load or replace a LoRA adapter from a peft directory."""
+        ...
+
+    async def close(self) -> None: ...

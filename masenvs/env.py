@@ -1,0 +1,311 @@
+"""The environment contract every masenvs task follows.
+
+A `MASEnv` is a PettingZoo `ParallelEnv` whose agents are roles. One `step` is one round:
+every live agent acts at once and sees the other agents' outputs of the previous round.
+Subclasses supply the task: `generate_task`, `prompt`, `play_round`, `render_text`.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import string
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+import numpy as np
+from gymnasium import spaces
+from pettingzoo import ParallelEnv
+from pydantic import BaseModel, ConfigDict, Field
+
+Message = dict[str, str]
+
+MAX_TEXT = 1 << 20  # one MiB of text per observation or action
+
+# What `Text.sample()` draws from; `contains` accepts any unicode string (see FullText).
+_SAMPLE_CHARSET = string.printable + "äöüßéèçñ€→←↑↓✓✗αβγ中文日本語한국어😀"
+
+
+class FullText(spaces.Text):
+    """A text space over the whole of unicode.
+
+    gymnasium's `Text` checks membership against a finite charset; model output can hold any
+    character, so membership here is any `str` within the length bounds.
+    """
+
+    def __init__(self, max_length: int = MAX_TEXT) -> None:
+        super().__init__(max_length=max_length, min_length=0, charset=_SAMPLE_CHARSET)
+
+    def contains(self, x: Any) -> bool:
+        return isinstance(x, str) and len(x) <= self.max_length
+
+    def sample(self, mask: Any = None, probability: Any = None) -> str:
+        # Short samples keep fuzzing and API tests fast; long text is fuzzed separately.
+        length = int(self.np_random.integers(0, 64))
+        chars = self.np_random.choice(list(_SAMPLE_CHARSET), size=length)
+        return "".join(chars)
+
+    def __repr__(self) -> str:
+        return f"FullText(max_length={self.max_length})"
+
+
+@dataclass
+class RewardParts:
+    """One agent's reward for one round, by level (DESIGN.md: process, agent, team)."""
+
+    process: float = 0.0  # shaping for progress made by this agent's own action
+    agent: float = 0.0  # this agent's own outcome: its answer right or wrong, invalid move
+    team: float = 0.0  # the team's outcome this round, shared by every agent
+
+    def total(self, weights: RewardWeights) -> float:
+        return weights.process * self.process + weights.agent * self.agent + weights.team * self.team
+
+
+class RewardWeights(BaseModel):
+    """How the three reward levels combine into `rewards[agent]`."""
+
+    model_config = ConfigDict(extra="forbid")
+    process: float = Field(1.0, description="Weight of the process (shaping) reward.")
+    agent: float = Field(1.0, description="Weight of the agent's own outcome.")
+    team: float = Field(1.0, description="Weight of the team outcome (alpha in the paper).")
+
+
+class EnvConfig(BaseModel):
+    """Settings every environment has; each env extends it with its own fields."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    max_rounds: int = Field(4, ge=1, le=1000, description="Rounds before the episode truncates.")
+    single_agent: bool = Field(
+        False, description="One role does the whole task (the paper's single-agent baseline)."
+    )
+    reward_weights: RewardWeights = Field(default_factory=RewardWeights)
+    max_action_chars: int = Field(
+        65536, ge=1, description="Longer actions are cut to this many characters before parsing."
+    )
+
+
+@dataclass
+class Snapshot:
+    """Everything needed to branch an episode: restore it any number of times."""
+
+    env_name: str
+    state: Any
+    task: Any
+    round: int
+    agents: list[str]
+    last_actions: dict[str, str]
+    last_feedback: dict[str, str]
+    rng_state: dict[str, Any]
+
+
+@dataclass
+class EpisodeState:
+    """Base of each env's mutable state; the base class reads `success` and `failed`."""
+
+    success: bool = False
+    failed: bool = False  # ends the episode without success (e.g. a deadlocked sokoban)
+
+
+class MASEnv(ParallelEnv):
+    """Base class of all masenvs environments."""
+
+    name: ClassVar[str] = "base"
+    roles: ClassVar[tuple[str, ...]] = ()  # roles in multi-agent mode, in the paper's order
+    solo_role: ClassVar[str] = ""  # the one role in single-agent mode
+    config_class: ClassVar[type[EnvConfig]] = EnvConfig
+    grid_render: ClassVar[bool] = False  # grid tasks also render "rgb_array"
+
+    metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "is_parallelizable": True}
+
+    def __init__(
+        self, config: EnvConfig | None = None, render_mode: str | None = None, **overrides: Any
+    ) -> None:
+        if config is None:
+            config = self.config_class(**overrides)
+        elif overrides:
+            config = self.config_class(**{**config.model_dump(), **overrides})
+        if not isinstance(config, self.config_class):
+            raise TypeError(
+                f"{self.name} needs a {self.config_class.__name__}, got {type(config).__name__}"
+            )
+        modes = self.render_modes()
+        if render_mode is not None and render_mode not in modes:
+            raise ValueError(f"render_mode must be one of {modes}, got {render_mode!r}")
+        self.config = config
+        self.render_mode = render_mode
+        self.metadata = {**type(self).metadata, "render_modes": modes, "name": self.name}
+        self.possible_agents = [self.solo_role] if config.single_agent else list(self.roles)
+        self.agents: list[str] = []
+        self._space = FullText()
+        self.task: Any = None
+        self.state: Any = None
+        self.round = 0
+        self.last_actions: dict[str, str] = {}  # previous round's raw actions, by agent
+        self.last_feedback: dict[str, str] = {}  # previous round's feedback, by agent
+        self._rng = np.random.default_rng()
+
+    @classmethod
+    def render_modes(cls) -> list[str]:
+        return ["ansi", "rgb_array"] if cls.grid_render else ["ansi"]
+
+    # --- what each task defines -------------------------------------------------------------
+
+    def generate_task(self, rng: np.random.Generator) -> Any:
+        """A new task drawn from `rng` (deterministic for a given generator state)."""
+        raise NotImplementedError(f"{type(self).__name__} must define generate_task")
+
+    def load_task(self, task: Any) -> Any:
+        """Accept a task passed by `reset(options={"task": ...})`: the env's type or a dict."""
+        return task
+
+    def initial_state(self, task: Any) -> EpisodeState:
+        return EpisodeState()
+
+    def prompt(self, agent: str) -> list[Message]:
+        """The chat messages `agent` sees now."""
+        raise NotImplementedError(f"{type(self).__name__} must define prompt")
+
+    def play_round(self, actions: dict[str, str]) -> dict[str, RewardParts]:
+        """Apply one round of actions to `self.state`; return each agent's reward parts.
+
+        Must also fill `self.last_feedback[agent]` with what the agent should see next round.
+        """
+        raise NotImplementedError(f"{type(self).__name__} must define play_round")
+
+    def render_text(self) -> str:
+        return f"{self.name} round {self.round}"
+
+    def render_rgb(self) -> np.ndarray:
+        raise ValueError(f"{self.name} has no rgb_array rendering")
+
+    def task_info(self) -> dict[str, Any]:
+        """JSON-friendly facts about the task for `infos` (ids, sizes, optimal lengths)."""
+        return {}
+
+    # --- PettingZoo API ---------------------------------------------------------------------
+
+    def observation_space(self, agent: str) -> spaces.Space:
+        return self._space
+
+    def action_space(self, agent: str) -> spaces.Space:
+        return self._space
+
+    def reset(
+        self, seed: int | None = None, options: dict[str, Any] | None = None
+    ) -> tuple[dict[str, str], dict[str, dict[str, Any]]]:
+        self._rng = np.random.default_rng(seed)
+        if seed is not None:
+            self._space.seed(seed)
+        options = options or {}
+        task = options.get("task")
+        self.task = self.load_task(task) if task is not None else self.generate_task(self._rng)
+        self.state = self.initial_state(self.task)
+        self.round = 0
+        self.agents = list(self.possible_agents)
+        self.last_actions = {}
+        self.last_feedback = {}
+        observations = {agent: self.observe(agent) for agent in self.agents}
+        infos = {agent: self._info(agent, None) for agent in self.agents}
+        return observations, infos
+
+    def step(self, actions: dict[str, Any]) -> tuple[dict, dict, dict, dict, dict]:
+        if not self.agents:
+            raise RuntimeError("step() called on a finished episode: call reset() first")
+        cleaned = {agent: self._clean_action(actions.get(agent)) for agent in self.agents}
+        parts = self.play_round(cleaned)
+        self.last_actions = cleaned
+        self.round += 1
+
+        done = bool(self.state.success or self.state.failed)
+        truncated = not done and self.round >= self.config.max_rounds
+        acting = list(self.agents)
+        weights = self.config.reward_weights
+        rewards = {agent: float(parts[agent].total(weights)) for agent in acting}
+        terminations = dict.fromkeys(acting, done)
+        truncations = dict.fromkeys(acting, truncated)
+        observations = {agent: self.observe(agent) for agent in acting}
+        infos = {agent: self._info(agent, parts[agent]) for agent in acting}
+        if done or truncated:
+            self.agents = []
+        if self.render_mode == "ansi":
+            print(self.render_text())
+        return observations, rewards, terminations, truncations, infos
+
+    def render(self) -> str | np.ndarray | None:
+        if self.render_mode == "rgb_array":
+            return self.render_rgb()
+        if self.render_mode == "ansi":
+            return self.render_text()
+        return None
+
+    def close(self) -> None:
+        pass
+
+    # --- branching --------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        """Capture the episode so `restore` can branch from here (the trainer's tree sampling)."""
+        return Snapshot(
+            env_name=self.name,
+            state=copy.deepcopy(self.state),
+            task=self.task,  # tasks are never mutated, so sharing them is safe
+            round=self.round,
+            agents=list(self.agents),
+            last_actions=dict(self.last_actions),
+            last_feedback=dict(self.last_feedback),
+            rng_state=copy.deepcopy(self._rng.bit_generator.state),
+        )
+
+    def restore(self, snapshot: Snapshot) -> None:
+        if snapshot.env_name != self.name:
+            raise ValueError(f"snapshot of {snapshot.env_name!r} cannot restore {self.name!r}")
+        self.state = copy.deepcopy(snapshot.state)
+        self.task = snapshot.task
+        self.round = snapshot.round
+        self.agents = list(snapshot.agents)
+        self.last_actions = dict(snapshot.last_actions)
+        self.last_feedback = dict(snapshot.last_feedback)
+        self._rng.bit_generator.state = copy.deepcopy(snapshot.rng_state)
+
+    # --- helpers ----------------------------------------------------------------------------
+
+    def observe(self, agent: str) -> str:
+        return messages_to_text(self.prompt(agent))
+
+    def _clean_action(self, action: Any) -> str:
+        if action is None:
+            return ""
+        if isinstance(action, bytes):
+            action = action.decode("utf-8", errors="replace")
+        elif not isinstance(action, str):
+            action = str(action)
+        # Lone surrogates cannot be encoded for a tokenizer or a JSON trace.
+        action = action.encode("utf-8", errors="replace").decode("utf-8")
+        return action[: self.config.max_action_chars]
+
+    def _info(self, agent: str, parts: RewardParts | None) -> dict[str, Any]:
+        info: dict[str, Any] = {
+            "messages": self.prompt(agent),
+            "round": self.round,
+            "success": bool(self.state.success),
+            "task": self.task_info(),
+        }
+        if parts is not None:
+            info["reward_parts"] = dataclasses.asdict(parts)
+        return info
+
+
+def messages_to_text(messages: list[Message]) -> str:
+    """The observation string: every message's content, in order."""
+    return "\n\n".join(m["content"] for m in messages)
+
+
+@dataclass
+class RoundLog:
+    """One line of an episode's history, kept for prompts that show earlier rounds."""
+
+    round: int
+    agent: str
+    action: str
+    feedback: str = ""
+    extra: dict[str, Any] = field(default_factory=dict)

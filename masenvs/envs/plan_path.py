@@ -1,0 +1,279 @@
+"""Plan-path: lead an agent through a grid with obstacles to the goal.
+
+Roles (Stronger-MAS): `tool` writes Python that computes the moves (run in the sandbox; its
+output reaches `plan` next round); `plan` gives the moves the team commits. Single-agent mode:
+`plan` alone, which may also write code.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import Field
+
+from masenvs.env import EnvConfig, EpisodeState, MASEnv, Message, RewardParts
+from masenvs.envs import grid
+from masenvs.envs.tooling import ToolRun, run_tool
+from masenvs.parsing import clip_text, parse_moves
+
+
+class PlanPathConfig(EnvConfig):
+    size: int = Field(6, ge=3, le=40, description="The grid is size x size.")
+    obstacle_ratio: float = Field(0.22, ge=0.0, le=0.6, description="Share of cells blocked.")
+    max_rounds: int = Field(4, ge=1, le=1000, description="Rounds before the episode truncates.")
+    step_cost: float = Field(-0.01, description="Added for every move, valid or not.")
+    invalid_move: float = Field(-0.1, description="Added for a move into a wall or off the grid.")
+    shaping: float = Field(1.0, description="lambda of the potential shaping on -distance/size.")
+    gamma: float = Field(0.99, description="Discount in the potential shaping.")
+    goal_bonus: float = Field(1.0, description="For reaching the goal.")
+    optimal_bonus: float = Field(0.5, description="Extra when the whole path is BFS-optimal.")
+    format_penalty: float = Field(-1.0, description="For an answer with no parsable moves.")
+    tool_timeout: float = Field(5.0, gt=0, description="Wall seconds for the tool's program.")
+
+
+# --- reward --------------------------------------------------------------------------------
+
+
+@dataclass
+class MoveOutcome:
+    """What a list of moves does from a position (applied, or simulated for the tool)."""
+
+    end: grid.Cell
+    valid_moves: int
+    shaping: float  # step costs + invalid-move penalties + potential shaping
+    reached: bool
+
+
+def score_moves(
+    task: PlanPathTask, start: grid.Cell, moves: list[str], cfg: PlanPathConfig
+) -> MoveOutcome:
+    """Walk `moves` from `start`; stop at the goal. Invalid moves leave the position unchanged."""
+    pos, valid, shaping = start, 0, 0.0
+    for move in moves:
+        if pos == task.goal:
+            break
+        nxt = grid.step_cell(pos, move)
+        before = -grid.manhattan(pos, task.goal) / task.size
+        shaping += cfg.step_cost
+        if task.is_free(nxt):
+            pos, valid = nxt, valid + 1
+        else:
+            shaping += cfg.invalid_move
+        after = -grid.manhattan(pos, task.goal) / task.size
+        shaping += cfg.shaping * (cfg.gamma * after - before)
+    return MoveOutcome(end=pos, valid_moves=valid, shaping=shaping, reached=pos == task.goal)
+
+
+def outcome_reward(outcome: MoveOutcome, steps_so_far: int, task: PlanPathTask, cfg) -> float:
+    """Goal bonus, plus the optimal bonus when the total path length equals BFS's."""
+    if not outcome.reached:
+        return 0.0
+    optimal = steps_so_far + outcome.valid_moves == task.optimal_length
+    return cfg.goal_bonus + (cfg.optimal_bonus if optimal else 0.0)
+
+
+# --- task ----------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class PlanPathTask:
+    rows: tuple[str, ...]  # '.' free, '#' wall
+    start: grid.Cell
+    goal: grid.Cell
+    optimal_length: int
+
+    @property
+    def size(self) -> int:
+        return len(self.rows)
+
+    def is_free(self, cell: grid.Cell) -> bool:
+        r, c = cell
+        return 0 <= r < self.size and 0 <= c < self.size and self.rows[r][c] == "."
+
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "rows": list(self.rows),
+            "start": list(self.start),
+            "goal": list(self.goal),
+            "optimal_length": self.optimal_length,
+        }
+
+
+def generate_task(rng: np.random.Generator, size: int, obstacle_ratio: float) -> PlanPathTask:
+    """A random grid whose goal is reachable from the start (BFS-checked)."""
+    while True:
+        walls = rng.random((size, size)) < obstacle_ratio
+        free_cells = np.argwhere(~walls)
+        if len(free_cells) < 2:
+            continue
+        i, j = rng.choice(len(free_cells), size=2, replace=False)
+        start, goal = tuple(map(int, free_cells[i])), tuple(map(int, free_cells[j]))
+        dist = grid.bfs_distances(~walls, start)
+        if dist[goal] > 0:
+            rows = tuple("".join("#" if w else "." for w in row) for row in walls)
+            return PlanPathTask(rows, start, goal, int(dist[goal]))
+
+
+def task_from_dict(data: dict[str, Any]) -> PlanPathTask:
+    rows = tuple(data["rows"])
+    if not rows or any(len(r) != len(rows) for r in rows):
+        raise ValueError("plan_path task rows must form a square grid")
+    start, goal = tuple(data["start"]), tuple(data["goal"])
+    free = np.array([[ch == "." for ch in r] for r in rows])
+    dist = grid.bfs_distances(free, start)
+    if dist[goal] <= 0:
+        raise ValueError("plan_path task: the goal is not reachable from the start")
+    return PlanPathTask(rows, start, goal, int(dist[goal]))
+
+
+# --- prompts -------------------------------------------------------------------------------
+
+_RULES = (
+    "The grid uses '.' for free cells, '#' for walls, 'A' for your position and 'G' for the "
+    "goal. Rows are numbered from the top, columns from the left. Moves: U (row-1), D (row+1), "
+    "L (column-1), R (column+1). A move into a wall or off the grid is invalid and wastes a step."
+)
+
+SYSTEM = {
+    "tool": (
+        "You are the tool agent of a path-planning team. Write a Python program that computes a "
+        "shortest path from A to G (for example with breadth-first search) and prints it as "
+        "`Moves: [..]`. Put the program in one ```python block; it runs with no input and its "
+        "output is shown to the plan agent. " + _RULES
+    ),
+    "plan": (
+        "You are the plan agent of a path-planning team. Decide the moves that take the agent "
+        "from A to G in as few steps as possible. The tool agent's program and its output are "
+        "shown when available. End your answer with `#### [moves]`, e.g. `#### [R, R, D]`. "
+        + _RULES
+    ),
+}
+SOLO_SYSTEM = (
+    "You solve path-planning tasks. You may write a Python program in a ```python block; it "
+    "runs and you see its output next round. End your answer with `#### [moves]`, e.g. "
+    "`#### [R, R, D]`; those moves are executed. " + _RULES
+)
+
+
+@dataclass
+class PlanPathState(EpisodeState):
+    pos: grid.Cell = (0, 0)
+    steps: int = 0  # valid moves taken so far
+    tool_runs: list[ToolRun] = field(default_factory=list)
+
+
+class PlanPathEnv(MASEnv):
+    name = "plan_path"
+    roles = ("tool", "plan")
+    solo_role = "plan"
+    config_class = PlanPathConfig
+    grid_render = True
+
+    config: PlanPathConfig
+    task: PlanPathTask
+    state: PlanPathState
+
+    def generate_task(self, rng: np.random.Generator) -> PlanPathTask:
+        return generate_task(rng, self.config.size, self.config.obstacle_ratio)
+
+    def load_task(self, task: Any) -> PlanPathTask:
+        return task if isinstance(task, PlanPathTask) else task_from_dict(task)
+
+    def initial_state(self, task: PlanPathTask) -> PlanPathState:
+        return PlanPathState(pos=task.start)
+
+    def task_info(self) -> dict[str, Any]:
+        return {"optimal_length": self.task.optimal_length, "size": self.task.size}
+
+    def board(self) -> list[str]:
+        rows = [list(r) for r in self.task.rows]
+        rows[self.task.goal[0]][self.task.goal[1]] = "G"
+        rows[self.state.pos[0]][self.state.pos[1]] = "A"
+        return ["".join(r) for r in rows]
+
+    def prompt(self, agent: str) -> list[Message]:
+        system = SOLO_SYSTEM if self.config.single_agent else SYSTEM[agent]
+        pos, goal = self.state.pos, self.task.goal
+        lines = [
+            f"Grid ({self.task.size}x{self.task.size}):",
+            grid.grid_text(self.board()),
+            f"You are at A (row {pos[0]}, column {pos[1]}); the goal G is at "
+            f"(row {goal[0]}, column {goal[1]}).",
+            f"Round {self.round + 1} of {self.config.max_rounds}.",
+        ]
+        feedback = self.last_feedback.get(agent)
+        if feedback:
+            lines += ["", "Last round:", feedback]
+        if agent == "plan" and not self.config.single_agent and self.state.tool_runs:
+            run = self.state.tool_runs[-1]
+            lines += ["", "The tool agent's program:", f"```python\n{clip_text(run.code, 3000)}\n```"]
+            lines += ["Its output:", clip_text(run.output, 2000) or "(no output)"]
+        return [{"role": "system", "content": system}, {"role": "user", "content": "\n".join(lines)}]
+
+    # --- one round ----------------------------------------------------------------------------
+
+    def play_round(self, actions: dict[str, str]) -> dict[str, RewardParts]:
+        cfg, task = self.config, self.task
+        parts = {agent: RewardParts() for agent in actions}
+        start, steps_before = self.state.pos, self.state.steps
+
+        if "tool" in actions:  # multi-agent: the tool's printed moves are scored on a copy
+            run = run_tool(actions["tool"], cfg.tool_timeout)
+            self.state.tool_runs.append(run)
+            moves = parse_moves(run.output, marker="Moves:") if run.ok else None
+            if moves is None:
+                parts["tool"].agent = cfg.format_penalty
+                self.last_feedback["tool"] = run.describe() + "\nNo moves found in the output."
+            else:
+                sim = score_moves(task, start, moves, cfg)
+                parts["tool"].process = sim.shaping
+                parts["tool"].agent = outcome_reward(sim, steps_before, task, cfg)
+                self.last_feedback["tool"] = (
+                    run.describe() + f"\nYour moves {''.join(moves)} lead to {sim.end}"
+                    + (" — the goal." if sim.reached else ", not the goal.")
+                )
+
+        plan_text = actions["plan"]
+        if cfg.single_agent:
+            run = run_tool(plan_text, cfg.tool_timeout) if "```" in plan_text else None
+            if run is not None:
+                self.state.tool_runs.append(run)
+        moves = parse_moves(plan_text)
+        if moves is None:
+            parts["plan"].agent = cfg.format_penalty
+            self.last_feedback["plan"] = "No moves found: end with `#### [moves]`."
+        else:
+            out = score_moves(task, start, moves, cfg)
+            self.state.pos, self.state.steps = out.end, steps_before + out.valid_moves
+            parts["plan"].process = out.shaping
+            parts["plan"].agent = outcome_reward(out, steps_before, task, cfg)
+            self.state.success = out.reached
+            invalid = len(moves) - out.valid_moves if not out.reached else 0
+            self.last_feedback["plan"] = (
+                f"Moves {''.join(moves)} took you to {out.end}"
+                + (" — the goal." if out.reached else f"; {invalid} move(s) were invalid.")
+            )
+        if cfg.single_agent and self.state.tool_runs and "```" in plan_text:
+            self.last_feedback["plan"] += "\n" + self.state.tool_runs[-1].describe()
+
+        team = outcome_reward(
+            MoveOutcome(self.state.pos, self.state.steps - steps_before, 0.0, self.state.success),
+            steps_before,
+            task,
+            cfg,
+        )
+        for p in parts.values():
+            p.team = team
+        return parts
+
+    # --- pictures -----------------------------------------------------------------------------
+
+    def render_text(self) -> str:
+        status = "solved" if self.state.success else f"round {self.round}"
+        return f"plan_path ({status}, {self.state.steps} steps)\n{grid.grid_text(self.board())}"
+
+    def render_rgb(self) -> np.ndarray:
+        palette = {".": (235, 235, 235), "#": (60, 60, 70), "A": (40, 120, 230), "G": (50, 180, 80)}
+        return grid.render_cells(self.board(), palette)

@@ -1,0 +1,40 @@
+"""The `tool` role: run the last Python block of an answer in the sandbox."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from masenvs.parsing import clip_text, last_code_block
+from masenvs.sandbox import default_sandbox
+
+
+@dataclass
+class ToolRun:
+    """A tool agent's program and what it printed."""
+
+    code: str
+    output: str
+    verdict: str  # a sandbox verdict, or "no_code" when the answer held no code block
+
+    @property
+    def ok(self) -> bool:
+        return self.verdict == "ok"
+
+    def describe(self, limit: int = 1500) -> str:
+        if self.verdict == "no_code":
+            return "No ```python block found in your answer."
+        head = "Your program ran." if self.ok else f"Your program failed ({self.verdict})."
+        return f"{head} Output:\n{clip_text(self.output, limit) or '(no output)'}"
+
+
+def run_tool(answer: str, timeout: float, stdin: str = "") -> ToolRun:
+    """Run the last code block of `answer`; stdout on success, stdout and stderr otherwise."""
+    code = last_code_block(answer)
+    if code is None:
+        return ToolRun(code="", output="", verdict="no_code")
+    sandbox = default_sandbox()
+    limits = dataclasses.replace(sandbox.limits, wall_seconds=timeout, cpu_seconds=timeout)
+    result = sandbox.run(code, stdin=stdin, limits=limits)
+    output = result.stdout if result.ok else (result.stdout + "\n" + result.stderr).strip()
+    return ToolRun(code=code, output=output, verdict=getattr(result.verdict, "value", str(result.verdict)))

@@ -1,0 +1,45 @@
+"""Environment registry: `masenvs.make("sudoku", size=4)` and `masenvs list`."""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from masenvs.env import MASEnv
+
+# name -> "module:Class"; imported on first use so `masenvs list` stays fast.
+_ENVS: dict[str, str] = {}
+
+
+def register(name: str, entry_point: str) -> None:
+    """Register an env class by import path, e.g. `register("maze", "mypkg.maze:MazeEnv")`."""
+    if name in _ENVS and _ENVS[name] != entry_point:
+        raise ValueError(f"environment {name!r} is already registered as {_ENVS[name]}")
+    _ENVS[name] = entry_point
+
+
+def list_envs() -> list[str]:
+    return sorted(_ENVS)
+
+
+def env_class(name: str) -> type[MASEnv]:
+    if name not in _ENVS:
+        known = ", ".join(list_envs())
+        raise KeyError(f"unknown environment {name!r}; known environments: {known}")
+    module, _, attr = _ENVS[name].partition(":")
+    return getattr(importlib.import_module(module), attr)
+
+
+def make(name: str, render_mode: str | None = None, **config: Any) -> MASEnv:
+    """Build a registered environment; keyword arguments are its config fields."""
+    return env_class(name)(render_mode=render_mode, **config)
+
+
+for _name, _entry in {
+    "plan_path": "masenvs.envs.plan_path:PlanPathEnv",
+    "sudoku": "masenvs.envs.sudoku:SudokuEnv",
+    "sokoban": "masenvs.envs.sokoban:SokobanEnv",
+    "math": "masenvs.envs.math:MathEnv",
+    "code": "masenvs.envs.code:CodeEnv",
+}.items():
+    register(_name, _entry)
