@@ -20,7 +20,10 @@ from masenvs.registry import env_class, list_envs, make
 # command -> "module:function" taking argv and returning an exit code.
 COMMANDS: dict[str, tuple[str, str]] = {
     "rollout": ("masenvs.adapters.rollout:main", "run episodes with an LLM policy, write traces"),
-    "serve": ("masenvs.adapters.serve:main", "serve a (trained) policy as an OpenAI-compatible API"),
+    "serve": (
+        "masenvs.adapters.serve:main",
+        "serve a (trained) policy as an OpenAI-compatible API",
+    ),
     "train": ("masenvs.trainer.cli:main", "train agents with AT-GRPO from a YAML config"),
 }
 

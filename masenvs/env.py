@@ -58,7 +58,9 @@ class RewardParts:
     team: float = 0.0  # the team's outcome this round, shared by every agent
 
     def total(self, weights: RewardWeights) -> float:
-        return weights.process * self.process + weights.agent * self.agent + weights.team * self.team
+        return (
+            weights.process * self.process + weights.agent * self.agent + weights.team * self.team
+        )
 
 
 class RewardWeights(BaseModel):

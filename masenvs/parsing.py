@@ -5,20 +5,35 @@ from __future__ import annotations
 import json
 import re
 
-_FENCE = re.compile(r"```[ \t]*([A-Za-z0-9_+-]*)[^\n]*\n(.*?)```", re.DOTALL)
-_UNCLOSED_FENCE = re.compile(r"```[ \t]*(?:python|py)[^\n]*\n(.*)\Z", re.DOTALL | re.IGNORECASE)
 _MOVE = re.compile(r"(?i)\b(up|down|left|right)\b|\b([UDLRudlr]+)\b")
 _MOVE_WORDS = {"up": "U", "down": "D", "left": "L", "right": "R"}
 
 
 def last_code_block(text: str, languages: tuple[str, ...] = ("python", "py", "")) -> str | None:
-    """The last fenced code block in one of `languages` ("" = no language tag)."""
-    blocks = [body for lang, body in _FENCE.findall(text) if lang.lower() in languages]
-    if blocks:
-        return blocks[-1]
-    # A model that ran out of tokens leaves the last fence open; take what it wrote.
-    unclosed = _UNCLOSED_FENCE.search(text)
-    return unclosed.group(1) if unclosed else None
+    """The last fenced code block in one of `languages` ("" = no language tag).
+
+    A linear scan over the fences: regexes with lazy bodies go quadratic on inputs full of
+    backticks, and model output is adversarial input.
+    """
+    fences, at = [], text.find("```")
+    while at >= 0:
+        fences.append(at)
+        at = text.find("```", at + 3)
+    found: str | None = None
+    for i in range(0, len(fences), 2):
+        open_at = fences[i] + 3
+        newline = text.find("\n", open_at)
+        if newline < 0:
+            break
+        lang = text[open_at:newline].strip().split(" ")[0].lower()
+        if lang not in languages:
+            continue
+        if i + 1 < len(fences):
+            found = text[newline + 1 : fences[i + 1]]
+        elif lang in ("python", "py"):
+            # A model that ran out of tokens leaves the last fence open; take what it wrote.
+            found = text[newline + 1 :]
+    return found
 
 
 def answer_segment(text: str, marker: str = "####") -> str | None:
@@ -47,10 +62,11 @@ def parse_moves(text: str, max_moves: int = 10_000, marker: str = "####") -> lis
 
 def parse_json_list(segment: str) -> list | None:
     """A JSON list from `segment`, also accepting single quotes; None when it is not one."""
-    match = re.search(r"\[.*\]", segment, re.DOTALL)
-    if not match:
+    # First "[" to last "]": what a greedy regex would match, without its quadratic backtracking.
+    start, end = segment.find("["), segment.rfind("]")
+    if start < 0 or end < start:
         return None
-    raw = match.group(0)
+    raw = segment[start : end + 1]
     for candidate in (raw, raw.replace("'", '"')):
         try:
             value = json.loads(candidate)

@@ -1,28 +1,79 @@
-"""Run model-written Python in a child process with limits (first, simple version)."""
+"""Run model-written Python in a child process with limits, isolation and explicit verdicts.
+
+A warm "zygote" server (one per `Sandbox`) forks a supervisor per run; the supervisor forks
+the program into fresh PID and mount namespaces under a uid of its own, so starting a run
+costs a few forks instead of a new interpreter. See docs/sandbox.md for the threat model.
+"""
 
 from __future__ import annotations
 
+import array
+import contextlib
 import ctypes
 import enum
+import json
+import math
 import os
 import resource
-import shutil
+import select
 import signal
+import socket
+import struct
 import subprocess
 import sys
-import tempfile
 import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass, field
 
-CLONE_NEWNET = 0x40000000
-NOBODY = 65534
+# Each concurrent run gets its own uid from this range when the sandbox runs as root, so
+# RLIMIT_NPROC, signals and file ownership never cross between runs or reach real users.
+UID_BASE = 2_000_000_000
+UID_SLOTS = 65536
+# Modules imported once in the zygote, so programs that use them start warm.
+DEFAULT_PRELOAD = (
+    "array",
+    "bisect",
+    "collections",
+    "copy",
+    "dataclasses",
+    "datetime",
+    "decimal",
+    "enum",
+    "fractions",
+    "functools",
+    "hashlib",
+    "heapq",
+    "io",
+    "itertools",
+    "json",
+    "math",
+    "operator",
+    "random",
+    "re",
+    "statistics",
+    "string",
+    "struct",
+    "textwrap",
+    "traceback",
+    "types",
+    "typing",
+)
+# The environment a program sees; nothing of the parent's leaks.
+CHILD_ENV = {
+    "PATH": "/usr/local/bin:/usr/bin:/bin",
+    "HOME": "/tmp",
+    "TMPDIR": "/tmp",
+    "LANG": "C.UTF-8",
+    "PYTHONIOENCODING": "utf-8",
+}
+# Parent-side grace on top of the wall limit before the server itself is presumed stuck.
+SERVER_GRACE_SECONDS = 30.0
 
 
 class Verdict(str, enum.Enum):
-    """How a run ended."""
+    """How a run ended; compares equal to its string value."""
 
     OK = "ok"
     ERROR = "error"
@@ -36,21 +87,39 @@ class Verdict(str, enum.Enum):
 
 @dataclass(frozen=True)
 class SandboxLimits:
-    """Resource limits for one run."""
+    """Resource limits for one run; vary with `dataclasses.replace`."""
 
-    cpu_seconds: float = 5.0
-    wall_seconds: float = 10.0
-    memory_mb: int = 512
-    max_processes: int = 32
-    max_file_mb: int = 16
-    max_open_files: int = 64
-    max_output_bytes: int = 65536
-    network: bool = False
+    cpu_seconds: float = 5.0  # CPU time of the whole process tree
+    wall_seconds: float = 10.0  # elapsed time; the whole tree is killed at the deadline
+    memory_mb: int = 512  # address space per process (RLIMIT_AS), interpreter included
+    max_processes: int = 32  # processes and threads alive at once (RLIMIT_NPROC)
+    max_file_mb: int = 16  # largest file the program may write (RLIMIT_FSIZE)
+    max_open_files: int = 64  # file descriptors per process (RLIMIT_NOFILE)
+    max_output_bytes: int = 65536  # per stream; more is verdict "output_limit"
+    network: bool = False  # True keeps the host network (not recommended)
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_seconds", "wall_seconds"):
+            value = getattr(self, name)
+            if not (isinstance(value, int | float) and math.isfinite(value) and value > 0):
+                raise ValueError(f"SandboxLimits.{name} must be a positive number, got {value!r}")
+        for name in ("memory_mb", "max_processes", "max_file_mb", "max_open_files"):
+            value = getattr(self, name)
+            if not (isinstance(value, int) and value >= 1):
+                raise ValueError(f"SandboxLimits.{name} must be an integer >= 1, got {value!r}")
+        if not (isinstance(self.max_output_bytes, int) and self.max_output_bytes >= 0):
+            raise ValueError(
+                f"SandboxLimits.max_output_bytes must be an integer >= 0, got {self.max_output_bytes!r}"
+            )
+        if self.max_open_files < 8:
+            raise ValueError(
+                "SandboxLimits.max_open_files must be >= 8 (the interpreter needs some)"
+            )
 
 
 @dataclass(frozen=True)
 class Job:
-    """One program to run: source, stdin, command-line args and optional limits."""
+    """One program for `Sandbox.run_many`."""
 
     source: str
     stdin: str = ""
@@ -60,60 +129,190 @@ class Job:
 
 @dataclass
 class RunResult:
-    """Outcome of one run."""
+    """Outcome of one run. `returncode` is None when the sandbox killed the program."""
 
     verdict: Verdict
     stdout: str
     stderr: str
     returncode: int | None
     wall_seconds: float
+    cpu_seconds: float = 0.0
 
     @property
     def ok(self) -> bool:
         return self.verdict == Verdict.OK
 
 
-_RUNNER = r"""
-import sys, traceback
-src = open("main.py", encoding="utf-8").read()
-sys.argv = ["main.py"] + sys.argv[1:]
-try:
-    code = compile(src, "main.py", "exec")
-    exec(code, {"__name__": "__main__", "__file__": "main.py", "__builtins__": __builtins__})
-except MemoryError:
-    traceback.print_exc()
-    sys.stderr.flush()
-    import os; os._exit(137)
-"""
+@dataclass(frozen=True)
+class Isolation:
+    """What the sandbox could enforce on this machine (detected when the server starts)."""
+
+    mode: str  # "namespaces" (root), or "rlimits" (no namespaces: weak, see docs)
+    uid_per_run: bool  # program runs as an unprivileged uid of its own
+    network_namespace: bool  # no network unless SandboxLimits.network
+    pid_namespace: bool  # program sees only its own processes; killing its init kills all
+    mount_namespace: bool  # private /tmp (tmpfs, the working dir) and /proc per run
+    readonly_filesystem: bool  # everything else is mounted read-only
+    notes: tuple[str, ...] = ()
+
+    def __str__(self) -> str:
+        on = [
+            name
+            for name in (
+                "uid_per_run",
+                "network_namespace",
+                "pid_namespace",
+                "mount_namespace",
+                "readonly_filesystem",
+            )
+            if getattr(self, name)
+        ]
+        text = f"{self.mode}: {', '.join(on) or 'rlimits, scrubbed env, private dir only'}"
+        return text + "".join(f"\n  note: {n}" for n in self.notes)
 
 
-def _preexec(limits: SandboxLimits, as_root: bool) -> None:
-    os.setsid()
-    mem = limits.memory_mb * 1024 * 1024
-    cpu = max(1, int(limits.cpu_seconds + 0.999))
-    for res, val in (
-        (resource.RLIMIT_AS, mem),
-        (resource.RLIMIT_CPU, cpu),
-        (resource.RLIMIT_FSIZE, limits.max_file_mb * 1024 * 1024),
-        (resource.RLIMIT_NOFILE, limits.max_open_files),
-        (resource.RLIMIT_NPROC, limits.max_processes),
-        (resource.RLIMIT_CORE, 0),
-    ):
-        resource.setrlimit(res, (val, val))
-    if as_root:
-        if not limits.network:
-            ctypes.CDLL(None, use_errno=True).unshare(CLONE_NEWNET)
-        os.setgroups([])
-        os.setgid(NOBODY)
-        os.setuid(NOBODY)
+class SandboxError(RuntimeError):
+    """The sandbox itself failed (not the program it ran)."""
+
+
+# --------------------------------------------------------------------------------------
+# Wire format between the parent and the server: 4-byte length + JSON.
+
+
+def _send_msg(sock: socket.socket, obj: object) -> None:
+    data = json.dumps(obj).encode()
+    sock.sendall(struct.pack("!I", len(data)) + data)
+
+
+def _recv_exact(sock: socket.socket, n: int) -> bytes:
+    chunks = []
+    while n:
+        chunk = sock.recv(min(n, 1 << 20))
+        if not chunk:
+            raise EOFError("connection closed")
+        chunks.append(chunk)
+        n -= len(chunk)
+    return b"".join(chunks)
+
+
+def _recv_msg(sock: socket.socket) -> dict:
+    (n,) = struct.unpack("!I", _recv_exact(sock, 4))
+    return json.loads(_recv_exact(sock, n))
+
+
+# --------------------------------------------------------------------------------------
+# Parent side.
 
 
 class Sandbox:
-    """Runs untrusted Python source with limits; reusable and thread-safe."""
+    """Runs untrusted Python source under `limits`; reusable and safe to share across threads."""
 
-    def __init__(self, limits: SandboxLimits | None = None) -> None:
+    def __init__(
+        self, limits: SandboxLimits | None = None, *, preload: Sequence[str] = DEFAULT_PRELOAD
+    ) -> None:
         self.limits = limits or SandboxLimits()
-        self.isolation = "uid nobody + netns" if os.geteuid() == 0 else "rlimits only"
+        self.preload = tuple(preload)
+        self._lock = threading.Lock()
+        self._server: subprocess.Popen | None = None
+        self._ctrl: socket.socket | None = None
+        self._owner_pid = 0
+        self._isolation: Isolation | None = None
+
+    # -- lifecycle
+
+    @property
+    def isolation(self) -> Isolation:
+        """The isolation in force (starts the server if needed)."""
+        with self._lock:
+            self._ensure_server()
+            assert self._isolation is not None
+            return self._isolation
+
+    def close(self) -> None:
+        """Stop the server; running programs are killed. The sandbox restarts on next use."""
+        with self._lock:
+            self._stop_server()
+
+    def __enter__(self) -> Sandbox:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        with contextlib.suppress(Exception):
+            self._stop_server()
+
+    def _stop_server(self) -> None:
+        if self._ctrl is not None and self._owner_pid == os.getpid():
+            self._ctrl.close()  # EOF tells the server to exit; its supervisors follow it
+            if self._server is not None:
+                try:
+                    self._server.wait(timeout=5)
+                except subprocess.TimeoutExpired:
+                    self._server.kill()
+                    self._server.wait()
+        self._ctrl = self._server = None
+
+    def _ensure_server(self) -> socket.socket:
+        if self._ctrl is not None and self._owner_pid != os.getpid():
+            # We are a forked copy of the process that started the server: start our own.
+            self._ctrl = self._server = None
+        if self._ctrl is not None and self._server is not None and self._server.poll() is None:
+            return self._ctrl
+        self._stop_server()
+        ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
+        config = json.dumps({"preload": self.preload})
+        try:
+            self._server = subprocess.Popen(
+                [sys.executable, "-I", "-c", _BOOT, __file__, str(theirs.fileno()), config],
+                pass_fds=(theirs.fileno(),),
+                stdin=subprocess.DEVNULL,
+                stdout=subprocess.DEVNULL,
+                stderr=subprocess.DEVNULL,
+                env=CHILD_ENV,
+                cwd="/",
+                start_new_session=True,  # Ctrl-C in a terminal goes to us, not the server
+            )
+        finally:
+            theirs.close()
+        ours.settimeout(60)
+        try:
+            hello = json.loads(ours.recv(1 << 16) or b"null")
+        except (OSError, ValueError) as exc:
+            hello = {"error": f"no greeting ({exc})"}
+        if not isinstance(hello, dict) or "error" in hello or "isolation" not in hello:
+            self._server.kill()
+            self._server.wait()
+            self._server = None
+            reason = hello.get("error") if isinstance(hello, dict) else "it exited at start"
+            raise SandboxError(f"the sandbox server failed to start: {reason}")
+        ours.settimeout(None)
+        self._ctrl, self._owner_pid = ours, os.getpid()
+        iso = hello["isolation"]
+        self._isolation = Isolation(**{**iso, "notes": tuple(iso["notes"])})
+        return ours
+
+    def _open_run(self) -> socket.socket:
+        """A socket connected to a fresh supervisor process for one run."""
+        mine, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            with self._lock:
+                for attempt in (0, 1):
+                    ctrl = self._ensure_server()
+                    try:
+                        fds = array.array("i", [theirs.fileno()])
+                        ctrl.sendmsg([b"R"], [(socket.SOL_SOCKET, socket.SCM_RIGHTS, fds)])
+                        break
+                    except OSError:
+                        if attempt:
+                            raise
+                        self._stop_server()  # the server died; start a new one once
+        finally:
+            theirs.close()
+        return mine
+
+    # -- runs
 
     def run(
         self,
@@ -122,61 +321,48 @@ class Sandbox:
         args: Sequence[str] = (),
         limits: SandboxLimits | None = None,
     ) -> RunResult:
-        """Run one program and return its verdict and output."""
+        """Run one program and return its verdict and (capped) output."""
+        if not isinstance(source, str) or not isinstance(stdin, str):
+            raise TypeError("Sandbox.run needs source and stdin as str")
+        if isinstance(args, str) or not all(isinstance(a, str) for a in args):
+            raise TypeError("Sandbox.run needs args as a sequence of str")
         lim = limits or self.limits
-        as_root = os.geteuid() == 0
-        workdir = tempfile.mkdtemp(prefix="masenvs-sb-")
         start = time.monotonic()
-        try:
-            with open(os.path.join(workdir, "main.py"), "w", encoding="utf-8") as f:
-                f.write(source)
-            if as_root:
-                os.chown(workdir, NOBODY, NOBODY)
-            proc = subprocess.Popen(
-                [sys.executable, "-I", "-c", _RUNNER, *args],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                cwd=workdir,
-                env={"PATH": "/usr/bin:/bin", "LANG": "C.UTF-8", "HOME": workdir},
-                preexec_fn=lambda: _preexec(lim, as_root),
-            )
-            verdict = None
+        sock = self._open_run()
+        with sock:
+            sock.settimeout(lim.wall_seconds + SERVER_GRACE_SECONDS)
             try:
-                out, err = proc.communicate(stdin.encode(), timeout=lim.wall_seconds)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                out, err = proc.communicate()
-                verdict = Verdict.TIMEOUT
-            rc = proc.returncode
-            if verdict is None:
-                if rc == -signal.SIGXCPU:
-                    verdict = Verdict.TIMEOUT
-                elif rc == 137 and b"MemoryError" in err:
-                    verdict = Verdict.MEMORY
-                elif len(out) > lim.max_output_bytes or len(err) > lim.max_output_bytes:
-                    verdict = Verdict.OUTPUT_LIMIT
-                else:
-                    verdict = Verdict.OK if rc == 0 else Verdict.ERROR
-            cap = lim.max_output_bytes
-            return RunResult(
-                verdict=verdict,
-                stdout=out[:cap].decode("utf-8", "replace"),
-                stderr=err[:cap].decode("utf-8", "replace"),
-                returncode=rc,
-                wall_seconds=time.monotonic() - start,
-            )
-        finally:
-            shutil.rmtree(workdir, ignore_errors=True)
+                _send_msg(
+                    sock,
+                    {"source": source, "stdin": stdin, "args": list(args), "limits": asdict(lim)},
+                )
+                reply = _recv_msg(sock)
+            except (OSError, EOFError, ValueError) as exc:
+                raise SandboxError(
+                    f"the sandbox server stopped answering ({exc!r}); it restarts on the next run"
+                ) from exc
+        if "error" in reply:
+            raise SandboxError(f"the sandbox could not run the program: {reply['error']}")
+        return RunResult(
+            verdict=Verdict(reply["verdict"]),
+            stdout=reply["stdout"],
+            stderr=reply["stderr"],
+            returncode=reply["returncode"],
+            wall_seconds=time.monotonic() - start,
+            cpu_seconds=reply["cpu_seconds"],
+        )
 
     def run_many(
         self,
         jobs: Sequence[tuple[str, str]] | Sequence[Job],
         max_workers: int | None = None,
     ) -> list[RunResult]:
-        """Run many programs in parallel; results keep the order of `jobs`."""
-        norm = [j if isinstance(j, Job) else Job(j[0], j[1]) for j in jobs]
-        with ThreadPoolExecutor(max_workers or (os.cpu_count() or 2) * 2) as pool:
+        """Run programs in parallel; results keep the order of `jobs`."""
+        norm = [j if isinstance(j, Job) else Job(*j) for j in jobs]
+        if not norm:
+            return []
+        workers = max_workers or min(len(norm), (os.cpu_count() or 2) * 2)
+        with ThreadPoolExecutor(workers, thread_name_prefix="sandbox") as pool:
             return list(pool.map(lambda j: self.run(j.source, j.stdin, j.args, j.limits), norm))
 
 
@@ -185,7 +371,7 @@ _default_lock = threading.Lock()
 
 
 def default_sandbox() -> Sandbox:
-    """Process-wide shared sandbox with default limits."""
+    """The process-wide shared sandbox with default limits."""
     global _default
     with _default_lock:
         if _default is None:
@@ -193,11 +379,650 @@ def default_sandbox() -> Sandbox:
         return _default
 
 
-__all__ = [
-    "Job",
-    "RunResult",
-    "Sandbox",
-    "SandboxLimits",
-    "Verdict",
-    "default_sandbox",
+# --------------------------------------------------------------------------------------
+# Server side: everything below runs in the zygote process and its forks.
+
+_BOOT = (
+    "import importlib.util as u,sys;"
+    "s=u.spec_from_file_location('_masenvs_sandbox_server',sys.argv[1]);"
+    "m=u.module_from_spec(s);sys.modules[s.name]=m;s.loader.exec_module(m);"
+    "m._server_main(int(sys.argv[2]),sys.argv[3])"
+)
+
+CLONE_NEWNS = 0x00020000
+CLONE_NEWPID = 0x20000000
+CLONE_NEWNET = 0x40000000
+MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
+MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 32, 1024, 2048, 4096
+MS_REC, MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 0x4000, 0x40000, 1 << 21, 1 << 24
+PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+_MOUNT_FLAGS = {
+    "ro": MS_RDONLY,
+    "nosuid": MS_NOSUID,
+    "nodev": MS_NODEV,
+    "noexec": MS_NOEXEC,
+    "noatime": MS_NOATIME,
+    "nodiratime": MS_NODIRATIME,
+    "relatime": MS_RELATIME,
+    "strictatime": MS_STRICTATIME,
+}
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_libc.mount.argtypes = [
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_char_p,
+    ctypes.c_ulong,
+    ctypes.c_char_p,
 ]
+_libc.prctl.argtypes = [
+    ctypes.c_int,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+    ctypes.c_ulong,
+]
+
+
+def _check(rc: int, what: str) -> None:
+    if rc != 0:
+        err = ctypes.get_errno()
+        raise OSError(err, f"{what}: {os.strerror(err)}")
+
+
+def _unshare(flags: int) -> None:
+    _check(_libc.unshare(flags), "unshare")
+
+
+def _mount(
+    src: str | None, target: str, fstype: str | None, flags: int, data: str | None = None
+) -> None:
+    enc = lambda s: None if s is None else s.encode()  # noqa: E731
+    _check(_libc.mount(enc(src), enc(target), enc(fstype), flags, enc(data)), f"mount {target}")
+
+
+def _prctl(option: int, arg: int) -> None:
+    _check(_libc.prctl(option, arg, 0, 0, 0), "prctl")
+
+
+@dataclass
+class _Server:
+    """State of the zygote: what isolation works, and the uid slots in use."""
+
+    uid_per_run: bool = False
+    netns: bool = False
+    pidns: bool = False
+    mountns: bool = False
+    readonly: bool = False
+    host_net_fd: int = -1
+    notes: list[str] = field(default_factory=list)
+    slots: dict[int, int] = field(default_factory=dict)  # supervisor pid -> uid slot
+    pid: int = 0
+
+    def isolation(self) -> dict:
+        return {
+            "mode": "namespaces" if self.pidns or self.netns or self.mountns else "rlimits",
+            "uid_per_run": self.uid_per_run,
+            "network_namespace": self.netns,
+            "pid_namespace": self.pidns,
+            "mount_namespace": self.mountns,
+            "readonly_filesystem": self.readonly,
+            "notes": self.notes,
+        }
+
+
+def _server_main(ctrl_fd: int, config_json: str) -> None:
+    """Entry point of the zygote: set up isolation once, then fork a supervisor per run."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    ctrl = socket.socket(fileno=ctrl_fd)
+    config = json.loads(config_json)
+    srv = _Server(pid=os.getpid())
+    try:
+        _setup_server(srv)
+    except Exception as exc:  # report, never crash silently
+        ctrl.send(json.dumps({"error": f"setup failed: {exc!r}"}).encode())
+        return
+    for name in config["preload"]:
+        try:
+            __import__(name)
+        except Exception as exc:
+            srv.notes.append(f"preload of {name!r} failed: {exc!r}")
+    import gc
+
+    gc.freeze()  # keep preloaded objects out of the children's collections (fewer COW faults)
+    ctrl.send(json.dumps({"isolation": srv.isolation()}).encode())
+    # SIGCHLD wakes the loop through this pipe, so finished supervisors are reaped at once.
+    wake_r, wake_w = os.pipe()
+    os.set_blocking(wake_r, False)
+    os.set_blocking(wake_w, False)
+    signal.set_wakeup_fd(wake_w)
+    signal.signal(signal.SIGCHLD, lambda *_: None)
+    while True:
+        readable, _, _ = select.select([ctrl, wake_r], [], [])
+        if wake_r in readable:
+            with contextlib.suppress(BlockingIOError):
+                os.read(wake_r, 4096)
+            _reap_supervisors(srv)
+        if ctrl not in readable:
+            continue
+        msg, anc, _, _ = ctrl.recvmsg(16, socket.CMSG_SPACE(4))
+        if not msg:
+            return  # the parent closed or died; our supervisors follow by PDEATHSIG
+        fds = array.array("i")
+        for level, kind, data in anc:
+            if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+                fds.frombytes(data[: len(data) - len(data) % fds.itemsize])
+        used = set(srv.slots.values())
+        slot = next((i for i in range(UID_SLOTS) if i not in used), None)
+        if not fds or slot is None:
+            for fd in fds:
+                os.close(fd)  # the parent sees EOF and reports it
+            continue
+        pid = os.fork()
+        if pid == 0:
+            code = 0
+            try:
+                signal.set_wakeup_fd(-1)
+                signal.signal(signal.SIGCHLD, signal.SIG_DFL)
+                for fd in (ctrl.detach(), wake_r, wake_w, *fds[1:]):
+                    os.close(fd)
+                _supervise(srv, fds[0], UID_BASE + slot)
+            except BaseException:
+                code = 1
+            finally:
+                os._exit(code)
+        for fd in fds:
+            os.close(fd)
+        srv.slots[pid] = slot
+
+
+def _reap_supervisors(srv: _Server) -> None:
+    while True:
+        try:
+            pid, _ = os.waitpid(-1, os.WNOHANG)
+        except ChildProcessError:
+            return
+        if pid == 0:
+            return
+        srv.slots.pop(pid, None)
+
+
+def _setup_server(srv: _Server) -> None:
+    """Enter private mount and network namespaces, expose the interpreter, make all read-only."""
+    if os.geteuid() != 0:
+        srv.notes.append(
+            "not running as root: no uid switch and no namespaces, so programs can read and "
+            "write whatever this user can, reach the network and signal this user's processes"
+        )
+        return
+    srv.uid_per_run = True
+    srv.host_net_fd = os.open("/proc/self/ns/net", os.O_RDONLY)
+    try:
+        _unshare(CLONE_NEWNET)
+        srv.netns = True
+    except OSError as exc:
+        srv.notes.append(f"no network namespace ({exc}); programs can reach the network")
+    try:
+        _unshare(CLONE_NEWNS)
+        # Private first, so nothing we mount below propagates back to the host.
+        _mount(None, "/", None, MS_REC | MS_PRIVATE)
+    except OSError as exc:
+        srv.notes.append(f"no mount namespace ({exc}); programs share the host /tmp")
+    else:
+        _expose_interpreter(srv)
+        srv.readonly = _remount_readonly(srv)
+        srv.mountns = True
+    srv.pidns = _probe_run_namespaces(srv)
+    if not srv.pidns:
+        srv.notes.append("no PID namespace per run; runaway processes are found via /proc")
+    if not _probe_interpreter(srv):
+        srv.notes.append(
+            "the interpreter's files are not readable by the sandbox uid; imports of modules "
+            "not preloaded will fail"
+        )
+
+
+def _others_can_enter(path: str) -> bool:
+    try:
+        return bool(os.stat(path).st_mode & 0o001)
+    except OSError:
+        return False
+
+
+def _expose_interpreter(srv: _Server) -> None:
+    """Make the Python installation readable by the sandbox uid even if it lives in a
+    private home (e.g. /root/.pyenv): cover the closed directory with a tmpfs that holds
+    only read-only bind mounts of the interpreter's directories. This also hides the home."""
+    needed = {
+        os.path.realpath(p)
+        for p in (sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix, *sys.path)
+        if p and os.path.isdir(p)
+    }
+    needed.add(os.path.dirname(os.path.realpath(sys.executable)))
+    covers: dict[str, set[str]] = {}
+    for path in needed:
+        parts = path.strip("/").split("/")
+        for i in range(1, len(parts)):
+            ancestor = "/" + "/".join(parts[:i])
+            if not _others_can_enter(ancestor):
+                covers.setdefault(ancestor, set()).add(path)
+                break
+    for closed, paths in covers.items():
+        roots = sorted(p for p in paths if not any(p.startswith(q + "/") for q in paths))
+        fds = [os.open(p, os.O_PATH | os.O_DIRECTORY) for p in roots]
+        try:
+            _mount("tmpfs", closed, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0755,size=1m")
+            for path, fd in zip(roots, fds, strict=True):
+                os.makedirs(path, mode=0o755, exist_ok=True)
+                _mount(f"/proc/self/fd/{fd}", path, None, MS_BIND | MS_REC)
+                _mount(None, path, None, MS_BIND | MS_REMOUNT | MS_RDONLY)
+        finally:
+            for fd in fds:
+                os.close(fd)
+        srv.notes.append(f"{closed} is hidden; only {', '.join(roots)} are visible, read-only")
+
+
+def _remount_readonly(srv: _Server) -> bool:
+    """Remount every mount of our private namespace read-only (the host is unaffected)."""
+    failed = []
+    with open("/proc/self/mountinfo") as f:
+        lines = f.read().splitlines()
+    for line in lines:
+        fields = line.split()
+        target = fields[4].encode().decode("unicode_escape")
+        flags = MS_BIND | MS_REMOUNT | MS_RDONLY
+        for opt in fields[5].split(","):
+            flags |= _MOUNT_FLAGS.get(opt, 0)
+        try:
+            _mount(None, target, None, flags)
+        except OSError:
+            failed.append(target)
+    if failed:
+        srv.notes.append(f"could not make read-only: {', '.join(failed)}")
+    return not failed or failed == ["/proc"]
+
+
+def _probe_run_namespaces(srv: _Server) -> bool:
+    """Check that a supervisor can create PID (and mount) namespaces and mount /tmp, /proc."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            _unshare(CLONE_NEWPID | (CLONE_NEWNS if srv.mountns else 0))
+            child = os.fork()
+            if child == 0:
+                ok = os.getpid() == 1
+                if srv.mountns:
+                    _mount_run_dirs(UID_BASE - 1, 1)
+                os._exit(0 if ok else 1)
+            _, status = os.waitpid(child, 0)
+            code = os.waitstatus_to_exitcode(status)
+        except BaseException:
+            pass
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def _probe_interpreter(srv: _Server) -> bool:
+    """As a sandbox uid, read a stdlib module that is not preloaded."""
+    if not srv.uid_per_run:
+        return True
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.setgroups([])
+            os.setresgid(UID_BASE - 1, UID_BASE - 1, UID_BASE - 1)
+            os.setresuid(UID_BASE - 1, UID_BASE - 1, UID_BASE - 1)
+            import importlib.util
+
+            spec = importlib.util.find_spec("this")
+            with open(spec.origin, "rb"):
+                code = 0
+        except BaseException:
+            pass
+        os._exit(code)
+    _, status = os.waitpid(pid, 0)
+    return os.waitstatus_to_exitcode(status) == 0
+
+
+def _mount_run_dirs(uid: int, file_mb: int) -> None:
+    """In a fresh mount namespace: a private tmpfs /tmp owned by `uid`, and a fresh /proc."""
+    size = f"size={max(4 * file_mb, 8)}m,nr_inodes=4096"
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,uid={uid},gid={uid},{size}")
+    if os.path.isdir("/dev/shm"):
+        _mount(
+            "tmpfs",
+            "/dev/shm",
+            "tmpfs",
+            MS_NOSUID | MS_NODEV,
+            f"mode=0700,uid={uid},gid={uid},{size}",
+        )
+    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+
+
+def _supervise(srv: _Server, sock_fd: int, uid: int) -> None:
+    """One run: read the request, start the program, feed and collect it, kill it, reply."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+    if os.getppid() != srv.pid:
+        return  # the server died before we set the signal
+    _prctl(PR_SET_CHILD_SUBREAPER, 1)  # orphans of the program come to us, not to the host init
+    sock = socket.socket(fileno=sock_fd)
+    req = _recv_msg(sock)
+    try:
+        lim = SandboxLimits(**req["limits"])
+        reply = _run_program(srv, req["source"], req["stdin"], req["args"], lim, uid)
+    except Exception as exc:
+        reply = {"error": repr(exc)}
+    _send_msg(sock, reply)
+
+
+def _run_program(
+    srv: _Server, source: str, stdin: str, args: list[str], lim: SandboxLimits, uid: int
+) -> dict:
+    workdir = "/tmp"
+    if not srv.mountns:
+        import tempfile
+
+        workdir = tempfile.mkdtemp(prefix="masenvs-sandbox-")
+        if srv.uid_per_run:
+            os.chown(workdir, uid, uid)
+    if lim.network and srv.netns:
+        _check(_libc.setns(srv.host_net_fd, CLONE_NEWNET), "setns")
+    if srv.pidns:
+        _unshare(CLONE_NEWPID | (CLONE_NEWNS if srv.mountns else 0))
+    in_r, in_w = os.pipe()
+    out_r, out_w = os.pipe()
+    err_r, err_w = os.pipe()
+    st_r, st_w = os.pipe()  # init -> supervisor: the program's wait status
+    rep_r, rep_w = os.pipe()  # program -> supervisor: "M" after an uncaught MemoryError
+    start = time.monotonic()
+    init_pid = os.fork()
+    if init_pid == 0:
+        try:
+            for fd in (in_w, out_r, err_r, st_r, rep_r):
+                os.close(fd)
+            _init(srv, source, args, lim, uid, workdir, (in_r, out_w, err_w, rep_w), st_w)
+        finally:
+            os._exit(127)
+    for fd in (in_r, out_w, err_w, st_w, rep_w):
+        os.close(fd)
+    collected = _collect(
+        init_pid, stdin.encode(), in_w, out_r, err_r, st_r, start + lim.wall_seconds, lim
+    )
+    out, err, status, killed, overflow = collected
+    _, _, usage = os.wait4(init_pid, 0)
+    if not srv.pidns:
+        _kill_descendants()
+    os.set_blocking(rep_r, False)
+    try:
+        memory_error = os.read(rep_r, 1) == b"M"
+    except BlockingIOError:
+        memory_error = False
+    for fd in (out_r, err_r, st_r, rep_r):
+        os.close(fd)
+    if not srv.mountns:
+        import shutil
+
+        shutil.rmtree(workdir, ignore_errors=True)  # fd-based, safe against symlink races
+    cpu = usage.ru_utime + usage.ru_stime
+    returncode = None if killed or overflow or status is None else os.waitstatus_to_exitcode(status)
+    signum = -returncode if returncode is not None and returncode < 0 else 0
+    if overflow:
+        verdict = Verdict.OUTPUT_LIMIT
+    elif killed or signum == signal.SIGXCPU or cpu > lim.cpu_seconds:
+        verdict = Verdict.TIMEOUT
+    elif memory_error or (
+        signum in (signal.SIGSEGV, signal.SIGABRT, signal.SIGKILL)
+        and (b"MemoryError" in err or b"Cannot allocate memory" in err)
+    ):
+        verdict = Verdict.MEMORY
+    elif returncode == 0:
+        verdict = Verdict.OK
+    else:
+        verdict = Verdict.ERROR
+    cap = lim.max_output_bytes
+    return {
+        "verdict": verdict.value,
+        "stdout": out[:cap].decode("utf-8", "replace"),
+        "stderr": err[:cap].decode("utf-8", "replace"),
+        "returncode": returncode,
+        "cpu_seconds": cpu,
+    }
+
+
+def _collect(
+    init_pid: int,
+    data: bytes,
+    in_w: int,
+    out_r: int,
+    err_r: int,
+    st_r: int,
+    deadline: float,
+    lim: SandboxLimits,
+) -> tuple[bytes, bytes, int | None, bool, bool]:
+    """Feed stdin and read output until the program ends, the deadline, or too much output."""
+    cap = lim.max_output_bytes
+    bufs = {out_r: bytearray(), err_r: bytearray(), st_r: bytearray()}
+    poller = select.poll()
+    for fd in bufs:
+        poller.register(fd, select.POLLIN)
+    if data:
+        os.set_blocking(in_w, False)
+        poller.register(in_w, select.POLLOUT)
+    else:
+        os.close(in_w)
+    sent = 0
+    killed = overflow = False
+    open_fds = set(bufs)
+    while st_r in open_fds and not overflow:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            killed = True
+            break
+        for fd, _ in poller.poll(remaining * 1000):
+            if fd == in_w:
+                try:
+                    sent += os.write(in_w, data[sent : sent + 65536])
+                    done = sent >= len(data)
+                except (BrokenPipeError, BlockingIOError) as exc:
+                    done = isinstance(exc, BrokenPipeError)
+                if done:
+                    poller.unregister(in_w)
+                    os.close(in_w)
+                    data = b""
+                continue
+            chunk = os.read(fd, 65536)
+            if not chunk:
+                poller.unregister(fd)
+                open_fds.discard(fd)
+                continue
+            bufs[fd] += chunk
+            if fd != st_r and len(bufs[fd]) > cap:
+                overflow = True
+    if data:
+        os.close(in_w)
+    if killed or overflow:
+        os.kill(init_pid, signal.SIGKILL)
+    # The program and (in a PID namespace) everything it started are dead or dying now;
+    # take what is left in the pipes without waiting on stragglers outside a namespace.
+    for fd in open_fds:
+        os.set_blocking(fd, False)
+        try:
+            while (chunk := os.read(fd, 65536)) and len(bufs[fd]) <= cap:
+                bufs[fd] += chunk
+        except BlockingIOError:
+            pass
+    status = int(bufs[st_r]) if bufs[st_r].strip() else None
+    return bytes(bufs[out_r]), bytes(bufs[err_r]), status, killed, overflow
+
+
+def _kill_descendants() -> None:
+    """Without a PID namespace: SIGKILL every descendant (orphans included, as we are their
+    subreaper) and reap them, until none is left."""
+    me = os.getpid()
+    while True:
+        children: dict[int, list[int]] = {}
+        for name in os.listdir("/proc"):
+            if not name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue
+            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+            children.setdefault(ppid, []).append(int(name))
+        todo, found = list(children.get(me, [])), []
+        while todo:
+            pid = todo.pop()
+            found.append(pid)
+            todo.extend(children.get(pid, []))
+        for pid in found:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        try:
+            while os.waitpid(-1, 0 if found else os.WNOHANG)[0]:
+                pass
+        except ChildProcessError:
+            return
+        if not found:
+            return
+
+
+def _init(
+    srv: _Server,
+    source: str,
+    args: list[str],
+    lim: SandboxLimits,
+    uid: int,
+    workdir: str,
+    stdio: tuple[int, int, int, int],
+    st_w: int,
+) -> None:
+    """PID 1 of the run's namespace: mount its private dirs, start the program, report how
+    it ended, exit. Exiting makes the kernel kill everything else left in the namespace."""
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the supervisor died: take the namespace down
+    try:
+        if srv.mountns:
+            _mount_run_dirs(uid, lim.max_file_mb)
+        pid = os.fork()
+    except BaseException as exc:
+        os.write(stdio[2], f"sandbox: could not start the program: {exc!r}\n".encode())
+        raise
+    if pid == 0:
+        try:
+            os.close(st_w)
+            _program(srv, source, args, lim, uid, workdir, stdio)
+        except BaseException as exc:
+            os.write(2, f"sandbox: could not start the program: {exc!r}\n".encode())
+        finally:
+            os._exit(127)
+    for fd in stdio:
+        os.close(fd)
+    while True:  # as PID 1 we also reap orphans; only the program's own end matters
+        try:
+            child, status = os.waitpid(-1, 0)
+        except ChildProcessError:
+            os._exit(0)
+        if child == pid:
+            os.write(st_w, b"%d\n" % status)
+            os._exit(0)
+
+
+def _program(
+    srv: _Server,
+    source: str,
+    args: list[str],
+    lim: SandboxLimits,
+    uid: int,
+    workdir: str,
+    stdio: tuple[int, int, int, int],
+) -> None:
+    """Become the program: its stdio, limits and uid, then run the source as __main__."""
+    in_r, out_w, err_w, rep_w = stdio
+    os.setsid()
+    for target, fd in ((0, in_r), (1, out_w), (2, err_w), (3, rep_w)):
+        os.dup2(fd, target)
+    os.closerange(4, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+    if srv.uid_per_run:
+        os.setgroups([])
+        os.setresgid(uid, uid, uid)
+        os.setresuid(uid, uid, uid)
+    _prctl(PR_SET_NO_NEW_PRIVS, 1)
+    _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
+    os.chdir(workdir)
+    path = os.path.join(workdir, "main.py")
+    with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
+        f.write(source)
+    mb = 1024 * 1024
+    cpu = max(1, math.ceil(lim.cpu_seconds))
+    for res, value in (
+        (resource.RLIMIT_CPU, (cpu, cpu + 1)),
+        (resource.RLIMIT_AS, (lim.memory_mb * mb,) * 2),
+        (resource.RLIMIT_FSIZE, (lim.max_file_mb * mb,) * 2),
+        (resource.RLIMIT_NOFILE, (lim.max_open_files,) * 2),
+        (resource.RLIMIT_NPROC, (lim.max_processes,) * 2),
+        (resource.RLIMIT_CORE, (0, 0)),
+        (resource.RLIMIT_MEMLOCK, (0, 0)),
+        (resource.RLIMIT_MSGQUEUE, (0, 0)),
+    ):
+        resource.setrlimit(res, value)
+    os.environ.clear()
+    os.environ.update(CHILD_ENV)
+    signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it
+    signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # too large a write raises OSError(EFBIG)
+    os._exit(_exec_main(source, path, args))
+
+
+def _exec_main(source: str, path: str, args: list[str]) -> int:
+    """Run `source` like `python main.py args...` would and return the exit status."""
+    import atexit
+    import builtins
+    import io
+    import types
+
+    def stream(fd: int, mode: str, errors: str, line: bool) -> io.TextIOWrapper:
+        raw = open(fd, mode + "b", buffering=0 if line else -1, closefd=False)  # noqa: SIM115
+        return io.TextIOWrapper(raw, "utf-8", errors, line_buffering=line, write_through=line)
+
+    sys.stdin = sys.__stdin__ = stream(0, "r", "strict", False)
+    sys.stdout = sys.__stdout__ = stream(1, "w", "strict", False)
+    sys.stderr = sys.__stderr__ = stream(2, "w", "backslashreplace", True)
+    main = types.ModuleType("__main__")
+    main.__file__ = path
+    main.__builtins__ = builtins
+    sys.modules["__main__"] = main
+    sys.argv = [path, *args]
+    sys.path.insert(0, os.path.dirname(path))
+    atexit._clear()
+    code = 0
+    try:
+        exec(compile(source, path, "exec"), main.__dict__)
+    except SystemExit as exc:
+        code = _exit_status(exc)
+    except BaseException as exc:
+        tb = exc.__traceback__.tb_next if exc.__traceback__ else None  # hide this frame
+        sys.excepthook(type(exc), exc.with_traceback(tb), tb)
+        if isinstance(exc, MemoryError):
+            os.write(3, b"M")
+        code = 1
+    with contextlib.suppress(BaseException):
+        threading._shutdown()  # join non-daemon threads, as interpreter exit does
+    atexit._run_exitfuncs()
+    for f in (sys.stdout, sys.stderr):
+        try:
+            f.flush()
+        except BaseException:
+            code = code or 120  # what CPython returns when flushing stdout fails
+    return code
+
+
+def _exit_status(exc: SystemExit) -> int:
+    if exc.code is None:
+        return 0
+    if isinstance(exc.code, int):
+        return exc.code & 0xFF
+    print(exc.code, file=sys.stderr)
+    return 1

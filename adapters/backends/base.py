@@ -49,13 +49,16 @@ class GenerateRequest:
 
 @dataclass
 class Completion:
-    """One sampled continuation; `tokenizer.decode(token_ids) == text`."""
+    """One sampled continuation; `text` is `tokenizer.decode(token_ids)` minus a final stop token."""
 
     token_ids: list[int]
     text: str
     logprobs: list[float]  # log-probability of each sampled token under the raw model
     finish_reason: str  # "stop" or "length"
     top_logprobs: list[dict[int, float]] | None = None  # per position: token id -> logprob
+    # What ended a "stop" choice: a stop token id (kept as the last of `token_ids`, with its
+    # logprob, so a trainer learns to stop, but not in `text`) or a stop string (in neither).
+    stop_reason: int | str | None = None
 
 
 @dataclass

@@ -66,14 +66,20 @@ def render_cells(
     palette: dict[str, tuple[int, int, int]],
     cell: int = 24,
     digit_color: tuple[int, int, int] = (20, 20, 20),
+    cell_colors: dict[Cell, tuple[int, int, int]] | None = None,
 ) -> np.ndarray:
-    """An RGB picture (H, W, 3, uint8) of a character grid; digits are drawn as glyphs."""
+    """An RGB picture (H, W, 3, uint8) of a character grid; digits are drawn as glyphs.
+
+    `cell_colors` overrides the palette's background for single cells (e.g. sudoku clues).
+    """
+    cell_colors = cell_colors or {}
     height, width = len(rows), len(rows[0])
     image = np.full((height * cell, width * cell, 3), 255, dtype=np.uint8)
     for r, row in enumerate(rows):
         for c, char in enumerate(row):
             top, left = r * cell, c * cell
-            image[top : top + cell, left : left + cell] = palette.get(char, (255, 255, 255))
+            background = cell_colors.get((r, c)) or palette.get(char, (255, 255, 255))
+            image[top : top + cell, left : left + cell] = background
             if char in _DIGITS:
                 _draw_digit(image, char, top, left, cell, digit_color)
     # Thin grid lines make cells countable.

@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import dataclasses
+import logging
 from dataclasses import dataclass
 
 from masenvs.parsing import clip_text, last_code_block
 from masenvs.sandbox import default_sandbox
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -35,6 +38,12 @@ def run_tool(answer: str, timeout: float, stdin: str = "") -> ToolRun:
         return ToolRun(code="", output="", verdict="no_code")
     sandbox = default_sandbox()
     limits = dataclasses.replace(sandbox.limits, wall_seconds=timeout, cpu_seconds=timeout)
-    result = sandbox.run(code, stdin=stdin, limits=limits)
+    try:
+        result = sandbox.run(code, stdin=stdin, limits=limits)
+    except OSError as exc:  # the sandbox itself failed: the agent is not to blame, say so
+        log.error("sandbox failed to run a tool program: %s", exc)
+        return ToolRun(code=code, output=f"sandbox failure: {exc}", verdict="sandbox_error")
     output = result.stdout if result.ok else (result.stdout + "\n" + result.stderr).strip()
-    return ToolRun(code=code, output=output, verdict=getattr(result.verdict, "value", str(result.verdict)))
+    return ToolRun(
+        code=code, output=output, verdict=getattr(result.verdict, "value", str(result.verdict))
+    )

@@ -1,0 +1,651 @@
+"""The embedded backend: an in-process PyTorch engine with continuous batching.
+
+One background thread owns the model. Between decode steps it admits waiting requests
+(prefilling their prompts into free KV-cache slots) and applies adapter updates; every
+step then decodes one token for all running sequences at once, whatever their adapter.
+Requests come in from asyncio code and get their tokens back through asyncio queues.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import hashlib
+import json
+import secrets
+import threading
+from collections.abc import AsyncIterator, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from torch import Tensor
+
+from masenvs.adapters.backends.base import (
+    BackendError,
+    Completion,
+    GenerateRequest,
+    Generation,
+    SamplingParams,
+    StreamDelta,
+)
+from masenvs.adapters.backends.llama import LlamaForward, LoraAdapter, LoraRows, lora_from_state_dict
+from masenvs.adapters.backends.sampling import RowSampling, sample
+from masenvs.adapters.models import LoadedModel, load_model
+
+BASE_NAMES = ("", "base")
+MAX_TOP_LOGPROBS = 20
+PREFILL_CHUNK = 512  # prompt tokens per forward pass; bounds the attention matrix
+
+
+@dataclass
+class _Request:
+    request: GenerateRequest
+    prompt_ids: list[int]
+    adapter: LoraAdapter | None
+    model_name: str
+    stops: list[str]
+    stop_token_ids: frozenset[int]
+    max_tokens: int
+    streaming: bool
+    loop: asyncio.AbstractEventLoop
+    queue: asyncio.Queue
+    sequences: list[_Sequence] = field(default_factory=list)
+    cancelled: bool = False
+
+
+@dataclass
+class _Sequence:
+    """One choice of a request while it decodes."""
+
+    request: _Request
+    index: int
+    sampling: RowSampling
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    top_logprobs: list[dict[int, float]] = field(default_factory=list)
+    finish_reason: str | None = None
+    stop_reason: int | str | None = None
+    text: str = ""  # decode of token_ids, kept current only when stop strings need it
+    sent_tokens: int = 0  # streamed so far
+    sent_text: str = ""
+
+    @property
+    def length(self) -> int:
+        """Tokens in the KV cache once the last sampled token has been fed."""
+        return len(self.request.prompt_ids) + len(self.token_ids)
+
+
+@dataclass
+class _AdapterUpdate:
+    name: str
+    adapter: LoraAdapter | None  # None removes the adapter
+    in_place: bool
+    done: threading.Event = field(default_factory=threading.Event)
+    error: BaseException | None = None
+
+
+class EmbeddedBackend:
+    """Serves a transformers causal LM and its LoRA adapters from a background thread."""
+
+    def __init__(
+        self,
+        loaded: LoadedModel,
+        *,
+        max_batch_size: int = 32,
+        max_model_len: int | None = None,
+        num_threads: int | None = None,
+    ) -> None:
+        if num_threads is not None:
+            torch.set_num_threads(num_threads)
+        self.loaded = loaded
+        self.model = loaded.model
+        self.tokenizer = loaded.tokenizer
+        self.name = loaded.name
+        self.max_batch_size = max_batch_size
+        self.max_model_len = min(max_model_len or loaded.context_length, loaded.context_length)
+        self.forward = LlamaForward(self.model, max_batch_size, self.max_model_len)
+        self.eos_token_ids = _eos_ids(loaded)
+        self._tokenizer_id = _fingerprint(self.tokenizer)
+        self._adapters: dict[str, LoraAdapter] = {}
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._updates: collections.deque[_AdapterUpdate] = collections.deque()
+        self._running: list[_Sequence] = []  # row i of the KV cache holds _running[i]
+        self._wakeup = threading.Condition()
+        self._closed = False
+        self._thread = threading.Thread(target=self._loop, name="masenvs-engine", daemon=True)
+        self._thread.start()
+
+    @classmethod
+    def from_spec(
+        cls,
+        spec: str = "smollm2-135m",
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype | str | None = None,
+        **kwargs: Any,
+    ) -> EmbeddedBackend:
+        """Load `spec` (see `load_model`) and serve it."""
+        return cls(load_model(spec, device=device, dtype=dtype), **kwargs)
+
+    # ---- Backend protocol ----------------------------------------------------------------
+
+    async def generate(self, request: GenerateRequest) -> Generation:
+        result: Generation | None = None
+        async for item in self._run(request, streaming=False):
+            if isinstance(item, Generation):
+                result = item
+        assert result is not None
+        return result
+
+    def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta | Generation]:
+        """Yield deltas as tokens are produced, then the full `Generation` last."""
+        return self._run(request, streaming=True)
+
+    def model_names(self) -> list[str]:
+        return [self.name, *self._adapters]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def tokenizer_id(self) -> str:
+        return self._tokenizer_id
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        """Load or replace a LoRA adapter from a peft directory."""
+        state_dict, config = await asyncio.to_thread(_read_peft_dir, Path(path))
+        await asyncio.to_thread(
+            self.add_adapter,
+            name,
+            state_dict,
+            rank=int(config["r"]),
+            alpha=float(config.get("lora_alpha", config["r"])),
+            use_rslora=bool(config.get("use_rslora", False)),
+        )
+
+    async def close(self) -> None:
+        await asyncio.to_thread(self.shutdown)
+
+    # ---- adapters, synchronous (for the trainer) ----------------------------------------------
+
+    def add_adapter(
+        self,
+        name: str,
+        state_dict: Mapping[str, Tensor],
+        *,
+        rank: int,
+        alpha: float,
+        use_rslora: bool = False,
+    ) -> None:
+        """Add adapter `name` from a peft LoRA state dict, or replace it if it exists."""
+        if name in BASE_NAMES or name == self.name:
+            raise BackendError(f"{name!r} names the base model; pick another adapter name.")
+        try:
+            adapter = lora_from_state_dict(
+                name,
+                dict(state_dict),
+                rank=rank,
+                alpha=alpha,
+                use_rslora=use_rslora,
+                device=self.forward.device,
+                dtype=self.forward.dtype,
+            )
+        except ValueError as exc:
+            raise BackendError(str(exc)) from exc
+        self._check_adapter_shapes(adapter)
+        self._apply(_AdapterUpdate(name, adapter, in_place=False))
+
+    def set_adapter_weights(self, name: str, state_dict: Mapping[str, Tensor]) -> None:
+        """Replace adapter `name`'s weights in place (same rank and alpha), between decode steps."""
+        current = self._adapters.get(name)
+        if current is None:
+            raise BackendError(f"No adapter named {name!r}; add it first with add_adapter.", 404, "model_not_found")
+        try:
+            adapter = lora_from_state_dict(
+                name,
+                dict(state_dict),
+                rank=current.rank,
+                alpha=1.0,
+                device=self.forward.device,
+                dtype=self.forward.dtype,
+            )
+        except ValueError as exc:
+            raise BackendError(str(exc)) from exc
+        adapter.scale = current.scale
+        for key, (a, b) in adapter.weights.items():
+            adapter.weights[key] = (a, b * current.scale)
+        self._check_adapter_shapes(adapter)
+        self._apply(_AdapterUpdate(name, adapter, in_place=True))
+
+    def remove_adapter(self, name: str) -> None:
+        """Forget adapter `name`; requests already running with it finish with its weights."""
+        if name not in self._adapters:
+            raise BackendError(f"No adapter named {name!r}.", 404, "model_not_found")
+        self._apply(_AdapterUpdate(name, None, in_place=False))
+
+    def shutdown(self) -> None:
+        """Stop the engine thread; waiting and running requests fail with status 503."""
+        with self._wakeup:
+            self._closed = True
+            self._wakeup.notify_all()
+        if threading.current_thread() is not self._thread:
+            self._thread.join()
+
+    # ---- request intake (event-loop side) ----------------------------------------------------
+
+    async def _run(self, request: GenerateRequest, streaming: bool) -> AsyncIterator[StreamDelta | Generation]:
+        job = self._prepare(request, streaming)
+        with self._wakeup:
+            if self._closed:
+                raise BackendError("The embedded engine is shut down.", 503, "engine_closed")
+            self._waiting.append(job)
+            self._wakeup.notify()
+        try:
+            while True:
+                item = await job.queue.get()
+                if isinstance(item, BaseException):
+                    raise item
+                yield item
+                if isinstance(item, Generation):
+                    return
+        finally:
+            job.cancelled = True  # the engine drops the sequences if they still run
+
+    def _prepare(self, request: GenerateRequest, streaming: bool) -> _Request:
+        params = request.params
+        _validate(params, self.max_batch_size)
+        adapter = self._resolve(request.model)
+        prompt_ids = self._prompt_ids(request)
+        room = self.max_model_len - len(prompt_ids)
+        if room < 1:
+            raise BackendError(
+                f"The prompt has {len(prompt_ids)} tokens but the context window is "
+                f"{self.max_model_len}; shorten the prompt.",
+                400,
+                "context_length_exceeded",
+            )
+        return _Request(
+            request=request,
+            prompt_ids=prompt_ids,
+            adapter=adapter,
+            model_name=request.model or self.name,
+            stops=[s for s in params.stop if s],
+            stop_token_ids=frozenset(params.stop_token_ids) | self.eos_token_ids,
+            max_tokens=min(params.max_tokens, room),  # clamped to the context window
+            streaming=streaming,
+            loop=asyncio.get_running_loop(),
+            queue=asyncio.Queue(),
+        )
+
+    def _resolve(self, model: str) -> LoraAdapter | None:
+        if model in BASE_NAMES or model == self.name:
+            return None
+        adapter = self._adapters.get(model)
+        if adapter is None:
+            raise BackendError(
+                f"The model {model!r} does not exist; this backend serves {self.model_names()}.",
+                404,
+                "model_not_found",
+            )
+        return adapter
+
+    def _prompt_ids(self, request: GenerateRequest) -> list[int]:
+        if (request.messages is None) == (request.prompt is None):
+            raise BackendError("Give either chat messages or a prompt, not both or neither.")
+        if request.messages is not None:
+            if not request.messages:
+                raise BackendError("messages is empty; give at least one message.")
+            try:
+                ids = self.tokenizer.apply_chat_template(
+                    [_plain_message(m) for m in request.messages],
+                    tools=request.tools,
+                    add_generation_prompt=True,
+                    tokenize=True,
+                    return_dict=False,
+                    **request.chat_template_kwargs,
+                )
+            except Exception as exc:  # jinja errors of any kind: the template rejected the input
+                raise BackendError(f"The chat template cannot render these messages: {exc}") from exc
+            return list(ids)
+        if isinstance(request.prompt, str):
+            ids = self.tokenizer(request.prompt)["input_ids"]
+        else:
+            ids = list(request.prompt)
+            vocab = len(self.tokenizer)
+            if not all(isinstance(t, int) and 0 <= t < vocab for t in ids):
+                raise BackendError(f"Prompt token ids must be integers in [0, {vocab}).")
+        if not ids:
+            raise BackendError("The prompt is empty; give at least one token.")
+        return ids
+
+    def _check_adapter_shapes(self, adapter: LoraAdapter) -> None:
+        layers = self.forward.layers
+        for (index, module), (a, b) in adapter.weights.items():
+            if index >= len(layers):
+                raise BackendError(f"Adapter {adapter.name!r} has layer {index}; the model has {len(layers)}.")
+            weight = layers[index].linears[module].weight
+            if a.shape[1] != weight.shape[1] or b.shape[0] != weight.shape[0] or a.shape[0] != b.shape[1]:
+                raise BackendError(
+                    f"Adapter {adapter.name!r} does not fit {module} of layer {index}: "
+                    f"A {tuple(a.shape)}, B {tuple(b.shape)}, weight {tuple(weight.shape)}."
+                )
+
+    def _apply(self, update: _AdapterUpdate) -> None:
+        with self._wakeup:
+            if self._closed:
+                raise BackendError("The embedded engine is shut down.", 503, "engine_closed")
+            self._updates.append(update)
+            self._wakeup.notify()
+        update.done.wait()
+        if update.error is not None:
+            raise update.error
+
+    # ---- engine thread ---------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._wakeup:
+                while not (self._closed or self._waiting or self._updates or self._running):
+                    self._wakeup.wait()
+                if self._closed:
+                    break
+                updates = list(self._updates)
+                self._updates.clear()
+            for update in updates:
+                self._apply_update(update)
+            try:
+                self._admit()
+                if self._running:
+                    self._step()
+            except Exception as exc:  # a bug or OOM: fail what is running, keep serving
+                error = BackendError(f"The embedded engine failed: {exc!r}", 500, "engine_error")
+                for seq in self._running:
+                    _send(seq.request, error)
+                self._running.clear()
+        self._fail_all(BackendError("The embedded engine is shut down.", 503, "engine_closed"))
+
+    def _fail_all(self, error: BackendError) -> None:
+        with self._wakeup:
+            waiting = list(self._waiting)
+            self._waiting.clear()
+            for update in self._updates:
+                update.error = error
+                update.done.set()
+            self._updates.clear()
+        for job in waiting:
+            _send(job, error)
+        for seq in self._running:
+            _send(seq.request, error)
+        self._running.clear()
+
+    def _apply_update(self, update: _AdapterUpdate) -> None:
+        current = self._adapters.get(update.name)
+        if update.adapter is None:
+            self._adapters.pop(update.name, None)
+        elif update.in_place and current is not None and _same_shapes(current, update.adapter):
+            for key, (a, b) in update.adapter.weights.items():
+                current.weights[key][0].copy_(a)
+                current.weights[key][1].copy_(b)
+        else:
+            self._adapters[update.name] = update.adapter
+        update.done.set()
+
+    def _admit(self) -> None:
+        """Prefill waiting requests while cache rows are free."""
+        while True:
+            with self._wakeup:
+                if not self._waiting:
+                    return
+                job = self._waiting[0]
+                if job.cancelled:
+                    self._waiting.popleft()
+                    continue
+                if len(self._running) + job.request.params.n > self.max_batch_size:
+                    return
+                self._waiting.popleft()
+            self._prefill(job)
+
+    def _prefill(self, job: _Request) -> None:
+        params = job.request.params
+        first = len(self._running)
+        prompt = torch.tensor(job.prompt_ids, dtype=torch.long)
+        logits = None
+        for start in range(0, len(job.prompt_ids), PREFILL_CHUNK):
+            chunk = prompt[start : start + PREFILL_CHUNK]
+            logits = self.forward.prefill(first, chunk, start, job.adapter)
+        for i in range(1, params.n):  # the n choices share one prefill
+            self.forward.copy_slot(first, first + i, len(job.prompt_ids))
+        seeds = _choice_seeds(params.seed, params.n)
+        for i in range(params.n):
+            generator = torch.Generator().manual_seed(seeds[i])
+            sampling = RowSampling(params.temperature, params.top_p, params.top_k, params.top_logprobs, generator)
+            job.sequences.append(_Sequence(job, i, sampling))
+        self._running.extend(job.sequences)
+        self._accept(job.sequences, logits[None].expand(params.n, -1))
+
+    def _step(self) -> None:
+        """Decode one token for every running sequence."""
+        running = self._running
+        last = torch.tensor([seq.token_ids[-1] for seq in running], dtype=torch.long)
+        positions = torch.tensor([seq.length - 1 for seq in running], dtype=torch.long)
+        logits = self.forward.decode(last.to(self.forward.device), positions.to(self.forward.device), _lora_rows(running))
+        self._accept(list(running), logits)
+
+    def _accept(self, sequences: list[_Sequence], logits: Tensor) -> None:
+        """Record the sampled tokens, stream them, and retire finished sequences."""
+        drawn = sample(logits, [seq.sampling for seq in sequences])
+        for row, seq in enumerate(sequences):
+            job = seq.request
+            seq.token_ids.append(drawn.tokens[row])
+            seq.logprobs.append(drawn.logprobs[row])
+            if seq.sampling.top_logprobs:
+                seq.top_logprobs.append(drawn.top_logprobs[row])
+            self._check_finished(seq, job)
+            if job.streaming and not job.cancelled:
+                self._stream(seq)
+        finished = [seq for seq in self._running if seq.finish_reason or seq.request.cancelled]
+        if finished:
+            self._retire(finished)
+
+    def _check_finished(self, seq: _Sequence, job: _Request) -> None:
+        token = seq.token_ids[-1]
+        if token in job.stop_token_ids:
+            seq.finish_reason, seq.stop_reason = "stop", token
+            return
+        if job.stops:
+            self._check_stop_strings(seq, job)
+            if seq.finish_reason:
+                return
+        if len(seq.token_ids) >= job.max_tokens:
+            seq.finish_reason = "length"
+
+    def _check_stop_strings(self, seq: _Sequence, job: _Request) -> None:
+        searched = len(seq.text)
+        seq.text = self.tokenizer.decode(seq.token_ids)
+        longest = max(len(s) for s in job.stops)
+        begin = max(0, searched - longest + 1)
+        hits = [(seq.text.find(s, begin), s) for s in job.stops]
+        hits = [(pos, s) for pos, s in hits if pos >= 0]
+        if not hits:
+            return
+        cut, stop = min(hits)
+        # Keep the longest run of whole tokens whose text ends before the stop string, so
+        # that token ids and text stay consistent (a token straddling it is dropped).
+        keep = len(seq.token_ids) - 1
+        while keep > 0:
+            text = self.tokenizer.decode(seq.token_ids[:keep])
+            if len(text) <= cut and seq.text.startswith(text) and not text.endswith("\ufffd"):
+                break
+            keep -= 1
+        del seq.token_ids[keep:], seq.logprobs[keep:]
+        del seq.top_logprobs[keep:]
+        seq.text = self.tokenizer.decode(seq.token_ids)
+        seq.finish_reason, seq.stop_reason = "stop", stop
+
+    def _stream(self, seq: _Sequence) -> None:
+        """Send the tokens that can no longer be cut by a stop string, as one delta."""
+        if seq.finish_reason:
+            ids, text = seq.token_ids, self._text(seq)
+            upto = len(ids)
+        else:
+            full = seq.text if seq.request.stops else self.tokenizer.decode(seq.token_ids)
+            hold = max((len(s) for s in seq.request.stops), default=1) - 1
+            safe = len(full) - hold
+            upto, text = seq.sent_tokens, seq.sent_text
+            for k in range(len(seq.token_ids), max(seq.sent_tokens, len(seq.token_ids) - 8), -1):
+                candidate = full if k == len(seq.token_ids) else self.tokenizer.decode(seq.token_ids[:k])
+                if len(candidate) <= safe and not candidate.endswith("\ufffd") and candidate.startswith(seq.sent_text):
+                    upto, text = k, candidate
+                    break
+            if upto == seq.sent_tokens:
+                return
+        delta = StreamDelta(
+            index=seq.index,
+            token_ids=seq.token_ids[seq.sent_tokens : upto],
+            text=text[len(seq.sent_text) :],
+            logprobs=seq.logprobs[seq.sent_tokens : upto],
+            finish_reason=seq.finish_reason,
+            top_logprobs=seq.top_logprobs[seq.sent_tokens : upto] if seq.sampling.top_logprobs else None,
+        )
+        seq.sent_tokens, seq.sent_text = upto, text
+        _send(seq.request, delta)
+
+    def _text(self, seq: _Sequence) -> str:
+        """The completion text: the decoded ids, without a final stop token."""
+        ids = seq.token_ids
+        if isinstance(seq.stop_reason, int):
+            ids = ids[:-1]
+        return self.tokenizer.decode(ids)
+
+    def _retire(self, finished: list[_Sequence]) -> None:
+        done = set(map(id, finished))
+        keep = [seq for seq in self._running if id(seq) not in done]
+        # Compact the cache: surviving sequences move to rows 0..len(keep)-1.
+        for new_row, seq in enumerate(keep):
+            old_row = next(i for i, s in enumerate(self._running) if s is seq)
+            if old_row != new_row:
+                self.forward.copy_slot(old_row, new_row, seq.length - 1)
+        self._running = keep
+        for job in {id(seq.request): seq.request for seq in finished}.values():
+            if not job.cancelled and all(seq.finish_reason for seq in job.sequences):
+                _send(job, self._generation(job))
+
+    def _generation(self, job: _Request) -> Generation:
+        completions = [
+            Completion(
+                token_ids=list(seq.token_ids),
+                text=self._text(seq),
+                logprobs=list(seq.logprobs),
+                finish_reason=seq.finish_reason or "length",
+                top_logprobs=list(seq.top_logprobs) if seq.sampling.top_logprobs else None,
+                stop_reason=seq.stop_reason,
+            )
+            for seq in job.sequences
+        ]
+        return Generation(list(job.prompt_ids), completions, job.model_name)
+
+
+def _send(job: _Request, item: Any) -> None:
+    try:
+        job.loop.call_soon_threadsafe(job.queue.put_nowait, item)
+    except RuntimeError:  # the caller's event loop is gone
+        job.cancelled = True
+
+
+def _lora_rows(running: list[_Sequence]) -> LoraRows | None:
+    groups: dict[int, tuple[LoraAdapter, list[int]]] = {}
+    for row, seq in enumerate(running):
+        adapter = seq.request.adapter
+        if adapter is not None:
+            groups.setdefault(id(adapter), (adapter, []))[1].append(row)
+    if not groups:
+        return None
+    result = []
+    for adapter, rows in groups.values():
+        if len(rows) == len(running):
+            result.append((adapter, slice(None)))
+        elif rows == list(range(rows[0], rows[-1] + 1)):
+            result.append((adapter, slice(rows[0], rows[-1] + 1)))
+        else:
+            result.append((adapter, torch.tensor(rows, dtype=torch.long)))
+    return LoraRows(result)
+
+
+def _validate(params: SamplingParams, max_batch_size: int) -> None:
+    problems = []
+    if params.max_tokens < 1:
+        problems.append("max_tokens must be at least 1")
+    if params.temperature < 0:
+        problems.append("temperature must be >= 0")
+    if not 0 < params.top_p <= 1:
+        problems.append("top_p must be in (0, 1]")
+    if params.top_k < 0:
+        problems.append("top_k must be >= 0 (0 turns it off)")
+    if not 1 <= params.n <= max_batch_size:
+        problems.append(f"n must be between 1 and {max_batch_size}")
+    if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
+        problems.append(f"top_logprobs must be between 0 and {MAX_TOP_LOGPROBS}")
+    if problems:
+        raise BackendError("; ".join(problems) + ".")
+
+
+def _choice_seeds(seed: int | None, n: int) -> list[int]:
+    """One independent 63-bit seed per choice, derived from the request seed."""
+    base = secrets.randbits(63) if seed is None else seed
+    state = np.random.SeedSequence([abs(base), int(base < 0)]).generate_state(n, dtype=np.uint64)
+    return [int(s) >> 1 for s in state]
+
+
+def _plain_message(message: dict[str, Any]) -> dict[str, Any]:
+    """OpenAI content parts ([{"type": "text", ...}]) become one string for the template."""
+    content = message.get("content")
+    if isinstance(content, list):
+        text = "".join(part.get("text", "") for part in content if isinstance(part, dict))
+        return {**message, "content": text}
+    if content is None:
+        return {**message, "content": ""}
+    return message
+
+
+def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
+    ids: set[int] = set()
+    for source in (loaded.model.generation_config, loaded.model.config):
+        eos = getattr(source, "eos_token_id", None)
+        ids.update(eos if isinstance(eos, list) else [eos] if eos is not None else [])
+    if loaded.tokenizer.eos_token_id is not None:
+        ids.add(loaded.tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+def _fingerprint(tokenizer: Any) -> str:
+    """A hash of the vocabulary, merges and chat template: equal ids mean interchangeable ids."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    digest = hashlib.sha256(body.encode())
+    digest.update((tokenizer.chat_template or "").encode())
+    return f"sha256:{digest.hexdigest()[:16]}"
+
+
+def _same_shapes(a: LoraAdapter, b: LoraAdapter) -> bool:
+    return a.weights.keys() == b.weights.keys() and all(
+        a.weights[k][0].shape == b.weights[k][0].shape and a.weights[k][1].shape == b.weights[k][1].shape
+        for k in a.weights
+    )
+
+
+def _read_peft_dir(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
+    config_file = path / "adapter_config.json"
+    if not config_file.is_file():
+        raise BackendError(f"{path} is not a peft adapter directory (no adapter_config.json).")
+    config = json.loads(config_file.read_text())
+    if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
+        raise BackendError(f"{path} holds a {config.get('peft_type')} adapter; the embedded engine runs plain LoRA.")
+    if (path / "adapter_model.safetensors").is_file():
+        from safetensors.torch import load_file
+
+        return load_file(str(path / "adapter_model.safetensors")), config
+    if (path / "adapter_model.bin").is_file():
+        return torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True), config
+    raise BackendError(f"{path} has no adapter_model.safetensors.")

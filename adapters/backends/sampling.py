@@ -1,0 +1,108 @@
+"""Token sampling for a batch whose rows each have their own settings and random stream.
+
+Every row draws one uniform number from its own `torch.Generator` per token, so a seeded
+request samples the same tokens whether it runs alone or batched with others (up to
+floating-point differences in the logits). Log-probabilities are always those of the raw
+model distribution (temperature 1, no top-p/top-k), the quantity an RL trainer needs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass
+class RowSampling:
+    """How one row samples: temperature 0 means greedy."""
+
+    temperature: float
+    top_p: float
+    top_k: int
+    top_logprobs: int
+    generator: torch.Generator
+
+
+@dataclass
+class Sampled:
+    tokens: list[int]
+    logprobs: list[float]  # raw model log-probability of each sampled token
+    top_logprobs: list[dict[int, float] | None]
+
+
+def sample(logits: Tensor, rows: list[RowSampling]) -> Sampled:
+    """Sample one token per row of `logits` [B, V] (float32)."""
+    batch = logits.shape[0]
+    logprobs = torch.log_softmax(logits, dim=-1)
+    tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
+
+    greedy = [i for i, r in enumerate(rows) if r.temperature <= 0.0]
+    plain = [i for i, r in enumerate(rows) if r.temperature > 0.0 and r.top_k <= 0 and r.top_p >= 1.0]
+    filtered = [i for i, r in enumerate(rows) if r.temperature > 0.0 and (r.top_k > 0 or r.top_p < 1.0)]
+    if greedy:
+        index = _index(greedy, batch, logits.device)
+        tokens[index] = logits[index].argmax(dim=-1)
+    if plain:
+        index = _index(plain, batch, logits.device)
+        temps = _column([rows[i].temperature for i in plain], logits)
+        if all(rows[i].temperature == 1.0 for i in plain):
+            probs = logprobs[index].exp()
+        else:
+            probs = torch.softmax(logits[index] / temps, dim=-1)
+        tokens[index] = _inverse_cdf(probs, _uniforms([rows[i] for i in plain], logits.device))
+    if filtered:
+        tokens[filtered] = _sample_filtered(logits[filtered], [rows[i] for i in filtered])
+
+    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    top: list[dict[int, float] | None] = [None] * batch
+    most = max(r.top_logprobs for r in rows)
+    if most > 0:
+        values, ids = logprobs.topk(most, dim=-1)
+        values, ids = values.tolist(), ids.tolist()
+        for i, r in enumerate(rows):
+            if r.top_logprobs > 0:
+                top[i] = dict(zip(ids[i][: r.top_logprobs], values[i][: r.top_logprobs]))
+    return Sampled(tokens.tolist(), chosen.tolist(), top)
+
+
+def _sample_filtered(logits: Tensor, rows: list[RowSampling]) -> Tensor:
+    """Temperature, then top-k, then top-p (nucleus) on the sorted distribution."""
+    temps = _column([r.temperature for r in rows], logits)
+    sorted_logits, sorted_ids = torch.sort(logits / temps, dim=-1, descending=True)
+    vocab = logits.shape[-1]
+    ranks = torch.arange(vocab, device=logits.device)[None]
+    top_k = torch.tensor([r.top_k if r.top_k > 0 else vocab for r in rows], device=logits.device)
+    sorted_logits = sorted_logits.masked_fill(ranks >= top_k[:, None], float("-inf"))
+    probs = torch.softmax(sorted_logits, dim=-1)
+    top_p = _column([r.top_p for r in rows], probs)
+    # Drop a token when the tokens ranked above it already hold top_p of the mass; the
+    # most likely token always stays.
+    mass_before = probs.cumsum(dim=-1) - probs
+    probs = probs.masked_fill(mass_before >= top_p, 0.0)
+    picks = _inverse_cdf(probs, _uniforms(rows, logits.device))
+    return sorted_ids.gather(1, picks[:, None])[:, 0]
+
+
+def _inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
+    cdf = probs.cumsum(dim=-1)
+    targets = uniforms[:, None] * cdf[:, -1:]
+    picks = torch.searchsorted(cdf, targets, right=True)[:, 0]
+    # Never pick a zero-probability token: u * total can round onto the last edge.
+    return picks.clamp_(max=probs.shape[-1] - 1)
+
+
+def _uniforms(rows: list[RowSampling], device: torch.device) -> Tensor:
+    values = [float(torch.rand((), generator=r.generator)) for r in rows]
+    return torch.tensor(values, dtype=torch.float32, device=device)
+
+
+def _column(values: list[float], like: Tensor) -> Tensor:
+    return torch.tensor(values, dtype=like.dtype, device=like.device)[:, None]
+
+
+def _index(rows: list[int], batch: int, device: torch.device) -> slice | Tensor:
+    if len(rows) == batch:
+        return slice(None)
+    return torch.tensor(rows, dtype=torch.long, device=device)

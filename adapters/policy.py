@@ -1,0 +1,127 @@
+"""`ChatPolicy`: env observations in, endpoint calls out, one model name per agent."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Any
+
+import httpx
+from openai import AsyncOpenAI
+
+
+@dataclass
+class Sampling:
+    """Sampling settings sent with every call (the endpoint's `top_k` is an extra field)."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    max_tokens: int = 256
+    seed: int | None = None
+
+
+@dataclass
+class Reply:
+    """One sampled answer of an agent, with the ids the endpoint recorded."""
+
+    text: str
+    completion_tokens: int
+    finish_reason: str
+    call_id: str | None = None
+    token_ids: list[int] = field(default_factory=list)
+    prompt_token_ids: list[int] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+
+
+class ChatPolicy:
+    """Asks the endpoint for each agent's action; the request's `model` is the agent's name.
+
+    Every rollout gets its own base URL (`/r/{rollout_id}/v1`) so the endpoint attributes
+    each call to its rollout, exactly as it does for framework agents.
+    """
+
+    def __init__(
+        self,
+        base_url: str,
+        *,
+        api_key: str = "masenvs",
+        sampling: Sampling | None = None,
+        models: dict[str, str] | None = None,
+        max_concurrency: int = 64,
+        timeout: float = 600.0,
+    ) -> None:
+        self.base_url = base_url.rstrip("/")
+        self.api_key = api_key
+        self.sampling = sampling or Sampling()
+        self.models = models or {}
+        self._http = httpx.AsyncClient(
+            timeout=timeout, limits=httpx.Limits(max_connections=max_concurrency)
+        )
+        self._limit = asyncio.Semaphore(max_concurrency)
+
+    def client(self, rollout_id: str) -> AsyncOpenAI:
+        """An `openai` client whose calls land in `rollout_id`'s trace."""
+        return AsyncOpenAI(
+            base_url=f"{self.base_url}/r/{rollout_id}/v1",
+            api_key=self.api_key,
+            http_client=self._http,
+            max_retries=0,
+        )
+
+    async def act(
+        self,
+        rollout_id: str,
+        agent: str,
+        messages: list[dict[str, Any]],
+        n: int = 1,
+        sampling: Sampling | None = None,
+    ) -> list[Reply]:
+        """`n` answers of `agent` to `messages` (one request; the backend shares the prefill)."""
+        s = sampling or self.sampling
+        extra: dict[str, Any] = {"return_token_ids": True}
+        if s.top_k:
+            extra["top_k"] = s.top_k
+        async with self._limit:
+            response = await self.client(rollout_id).chat.completions.create(
+                model=self.models.get(agent, agent),
+                messages=messages,
+                n=n,
+                temperature=s.temperature,
+                top_p=s.top_p,
+                max_tokens=s.max_tokens,
+                seed=s.seed,
+                logprobs=True,
+                extra_body=extra,
+            )
+        prompt_ids = list(getattr(response, "prompt_token_ids", None) or [])
+        replies = []
+        for choice in sorted(response.choices, key=lambda c: c.index):
+            logprobs = (
+                [t.logprob for t in (choice.logprobs.content or [])] if choice.logprobs else []
+            )
+            replies.append(
+                Reply(
+                    text=choice.message.content or "",
+                    completion_tokens=len(getattr(choice, "token_ids", None) or logprobs),
+                    finish_reason=choice.finish_reason or "stop",
+                    call_id=response.id,
+                    token_ids=list(getattr(choice, "token_ids", None) or []),
+                    prompt_token_ids=prompt_ids,
+                    logprobs=logprobs,
+                )
+            )
+        return replies
+
+    async def act_all(
+        self, rollout_id: str, infos: dict[str, dict[str, Any]], n: int = 1
+    ) -> dict[str, list[Reply]]:
+        """Every live agent's answers to its current prompt, requested concurrently."""
+        agents = list(infos)
+        results = await asyncio.gather(
+            *(self.act(rollout_id, a, infos[a]["messages"], n=n) for a in agents)
+        )
+        return dict(zip(agents, results))
+
+    async def aclose(self) -> None:
+        await self._http.aclose()

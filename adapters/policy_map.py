@@ -1,0 +1,47 @@
+"""Which adapter or model serves each agent: the request's `model` names the agent."""
+
+from __future__ import annotations
+
+from collections.abc import Collection
+from dataclasses import dataclass, field
+
+BASE = "base"  # the backend's name for the base model without any adapter
+
+
+class UnknownModel(LookupError):
+    """No adapter serves this agent; the endpoint answers 404 `model_not_found`."""
+
+
+@dataclass
+class PolicyMap:
+    """Agent -> adapter routes, e.g. `PolicyMap({"tool": "tool_lora", "plan": "plan_lora"})`.
+
+    An agent not in `routes` is served by the adapter of the same name if the backend has
+    one, else by `default` ("base" = the base model); `default=None` rejects such agents.
+    """
+
+    routes: dict[str, str] = field(default_factory=dict)
+    default: str | None = BASE
+
+    def resolve(self, agent: str, available: Collection[str]) -> str:
+        """The backend model name for `agent`; `available` is what the backend can serve."""
+        if agent in self.routes:
+            target = self.routes[agent]
+            if target != BASE and target not in available:
+                raise UnknownModel(
+                    f"Agent {agent!r} maps to adapter {target!r}, which the backend has not "
+                    f"loaded (loaded: {', '.join(sorted(available)) or 'none'})."
+                )
+            return target
+        if agent in available:
+            return agent
+        if self.default is None:
+            raise UnknownModel(
+                f"The model {agent!r} does not exist: it is neither an agent of the policy map "
+                f"({', '.join(sorted(self.routes)) or 'none'}) nor a loaded model."
+            )
+        if self.default != BASE and self.default not in available:
+            raise UnknownModel(
+                f"Agent {agent!r} falls back to adapter {self.default!r}, which is not loaded."
+            )
+        return self.default

@@ -1,0 +1,230 @@
+"""Run episodes of an env with a `ChatPolicy`; `masenvs rollout` on the command line."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import time
+import uuid
+from collections import defaultdict
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.table import Table
+
+from masenvs.adapters.policy import ChatPolicy, Sampling
+from masenvs.env import MASEnv
+from masenvs.registry import make
+from masenvs.traces import EpisodeRecord, TraceStore
+
+
+@dataclass
+class EpisodeResult:
+    rollout_id: str
+    env: str
+    seed: int
+    success: bool
+    rounds: int
+    rewards: dict[str, float]  # summed over rounds, per agent
+    completion_tokens: int
+    seconds: float
+    error: str | None = None  # why the episode stopped early, if it did
+    actions: list[dict[str, str]] = field(default_factory=list)
+
+
+def new_rollout_id(prefix: str = "ro") -> str:
+    return f"{prefix}-{uuid.uuid4().hex[:12]}"
+
+
+async def run_episode(
+    env: MASEnv,
+    policy: ChatPolicy,
+    seed: int,
+    *,
+    rollout_id: str | None = None,
+    store: TraceStore | None = None,
+    options: dict[str, Any] | None = None,
+) -> EpisodeResult:
+    """One episode: every round, each live agent answers its prompt; the env scores them."""
+    rollout_id = rollout_id or new_rollout_id()
+    started = time.perf_counter()
+    _, infos = env.reset(seed=seed, options=options)
+    totals: dict[str, float] = defaultdict(float)
+    tokens, error, actions_log = 0, None, []
+    while env.agents:
+        try:
+            replies = await policy.act_all(rollout_id, infos)
+        except Exception as exc:  # an unreachable backend ends this episode, not the run
+            error = f"{type(exc).__name__}: {exc}"
+            break
+        actions = {agent: r[0].text for agent, r in replies.items()}
+        tokens += sum(r[0].completion_tokens for r in replies.values())
+        actions_log.append(actions)
+        # Env steps may run sandboxed programs: keep them off the event loop.
+        _, rewards, _, _, infos = await asyncio.to_thread(env.step, actions)
+        for agent, reward in rewards.items():
+            totals[agent] += reward
+    result = EpisodeResult(
+        rollout_id=rollout_id,
+        env=env.name,
+        seed=seed,
+        success=bool(env.state.success),
+        rounds=env.round,
+        rewards=dict(totals),
+        completion_tokens=tokens,
+        seconds=time.perf_counter() - started,
+        error=error,
+        actions=actions_log,
+    )
+    if store is not None:
+        store.append(
+            EpisodeRecord(
+                rollout_id=rollout_id,
+                task_id=f"{env.name}:{seed}",
+                env=env.name,
+                rewards=result.rewards,
+                success=result.success,
+                extra={"rounds": result.rounds, "seed": seed, "error": error},
+            )
+        )
+    return result
+
+
+async def run_episodes(
+    env_name: str,
+    policy: ChatPolicy,
+    seeds: list[int],
+    *,
+    env_config: dict[str, Any] | None = None,
+    store: TraceStore | None = None,
+    concurrency: int = 8,
+    progress: Progress | None = None,
+) -> list[EpisodeResult]:
+    """Many episodes in flight at once; the backend batches their calls."""
+    limit = asyncio.Semaphore(concurrency)
+    task_id = progress.add_task(env_name, total=len(seeds)) if progress else None
+
+    async def one(seed: int) -> EpisodeResult:
+        async with limit:
+            env = make(env_name, **(env_config or {}))
+            result = await run_episode(env, policy, seed, store=store)
+            if progress is not None:
+                progress.advance(task_id)
+            return result
+
+    return await asyncio.gather(*(one(s) for s in seeds))
+
+
+def summary_table(results: list[EpisodeResult], seconds: float) -> Table:
+    table = Table(title=f"{len(results)} episodes of {results[0].env}" if results else "episodes")
+    agents = sorted({a for r in results for a in r.rewards})
+    table.add_column("success")
+    for agent in agents:
+        table.add_column(f"reward {agent}")
+    for column in ("rounds", "tokens", "tokens/s", "errors"):
+        table.add_column(column)
+    n = max(len(results), 1)
+    tokens = sum(r.completion_tokens for r in results)
+    table.add_row(
+        f"{sum(r.success for r in results) / n:.0%}",
+        *(f"{sum(r.rewards.get(a, 0.0) for r in results) / n:+.3f}" for a in agents),
+        f"{sum(r.rounds for r in results) / n:.2f}",
+        str(tokens),
+        f"{tokens / max(seconds, 1e-9):.1f}",
+        str(sum(r.error is not None for r in results)),
+    )
+    return table
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="masenvs rollout", description="Run episodes of an env with an LLM policy."
+    )
+    parser.add_argument("--env", required=True, help="environment name (see `masenvs list`)")
+    parser.add_argument("--episodes", type=int, default=8)
+    parser.add_argument("--seed", type=int, default=0, help="first task seed")
+    parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny or a path")
+    parser.add_argument("--backend", choices=["embedded", "vllm"], default="embedded")
+    parser.add_argument("--vllm-url", help="URL of a running `vllm serve` (with --backend vllm)")
+    parser.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")
+    parser.add_argument(
+        "--policy", action="append", default=[], metavar="AGENT=ADAPTER", help="route an agent"
+    )
+    parser.add_argument("--concurrency", type=int, default=8, help="episodes in flight")
+    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument("--temperature", type=float, default=0.7)
+    parser.add_argument("--single-agent", action="store_true")
+    parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
+    parser.add_argument("--traces", type=Path, help="trace directory (default runs/rollout-*)")
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    from masenvs.adapters.stack import StackError, parse_pairs, start_stack
+    from masenvs.cli import parse_overrides
+
+    args = build_parser().parse_args(argv)
+    console = Console()
+    env_config = parse_overrides(args.set)
+    if args.single_agent:
+        env_config["single_agent"] = True
+    try:
+        make(args.env, **env_config)  # fail on a bad env or config before loading a model
+    except (KeyError, ValueError, TypeError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
+    traces = args.traces or Path("runs") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}"
+    try:
+        with console.status(f"loading {args.model} ({args.backend})"):
+            stack = start_stack(
+                model=args.model,
+                backend=args.backend,
+                vllm_url=args.vllm_url,
+                traces=traces,
+                adapters=parse_pairs(args.adapter, "--adapter"),
+                policy_map=parse_pairs(args.policy, "--policy"),
+            )
+    except StackError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
+    sampling = Sampling(temperature=args.temperature, max_tokens=args.max_tokens)
+    seeds = list(range(args.seed, args.seed + args.episodes))
+    started = time.perf_counter()
+    try:
+        with Progress(
+            TextColumn("[bold]{task.description}"),
+            BarColumn(),
+            MofNCompleteColumn(),
+            TimeElapsedColumn(),
+            console=console,
+        ) as progress:
+            results = asyncio.run(
+                _run(stack.base_url, sampling, args, seeds, env_config, stack, progress)
+            )
+    finally:
+        stack.close()
+    console.print(summary_table(results, time.perf_counter() - started))
+    for r in results:
+        if r.error:
+            console.print(f"[yellow]{r.rollout_id} (seed {r.seed}) stopped: {r.error}[/yellow]")
+    console.print(f"traces: {traces}")
+    return 0
+
+
+async def _run(base_url, sampling, args, seeds, env_config, stack, progress):
+    policy = ChatPolicy(base_url, sampling=sampling, api_key=stack.api_key or "masenvs")
+    try:
+        return await run_episodes(
+            args.env,
+            policy,
+            seeds,
+            env_config=env_config,
+            store=stack.store,
+            concurrency=args.concurrency,
+            progress=progress,
+        )
+    finally:
+        await policy.aclose()

@@ -1,0 +1,90 @@
+"""Environment-side speed: sandboxed program runs (and, later, env steps) per second.
+
+Run: python bench/envs.py [--repeats 5] [--runs 100]
+Figures depend on the machine and its load; compare the rows of one run, not across runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+
+from rich.console import Console
+from rich.table import Table
+
+from masenvs.sandbox import Sandbox, SandboxLimits
+
+SHORT_PROGRAM = "print(sum(range(1000)))"
+EXPECTED = "499500\n"
+
+
+def _rate(fn: Callable[[], list[str]], runs: int, repeats: int) -> float:
+    """Median runs per second of `fn` (which does `runs` runs) over `repeats` repeats."""
+    rates = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        outputs = fn()
+        rates.append(runs / (time.perf_counter() - start))
+        if outputs != [EXPECTED] * runs:  # a fast wrong answer is not a result
+            raise RuntimeError(f"unexpected output: {outputs[:3]!r}")
+    return statistics.median(rates)
+
+
+def _naive(src: str) -> str:
+    return subprocess.run(
+        [sys.executable, "-c", src], capture_output=True, text=True, timeout=10
+    ).stdout
+
+
+def bench_sandbox(repeats: int = 5, runs: int = 100, console: Console | None = None) -> None:
+    """Sandbox runs/s against a naive `subprocess.run([python, -c, src])`, serial and parallel."""
+    console = console or Console()
+    workers = (os.cpu_count() or 2) * 2
+    sandbox = Sandbox(SandboxLimits())
+    sandbox.run(SHORT_PROGRAM)  # start the server outside the timing
+    pool = ThreadPoolExecutor(workers)
+    cases = {
+        "serial": (
+            lambda: [sandbox.run(SHORT_PROGRAM).stdout for _ in range(runs)],
+            lambda: [_naive(SHORT_PROGRAM) for _ in range(runs)],
+        ),
+        f"parallel ({workers} threads)": (
+            lambda: [r.stdout for r in sandbox.run_many([(SHORT_PROGRAM, "")] * runs, workers)],
+            lambda: list(pool.map(_naive, [SHORT_PROGRAM] * runs)),
+        ),
+    }
+    table = Table(title=f"sandbox: {SHORT_PROGRAM!r}, median of {repeats} x {runs} runs")
+    for column in ("mode", "sandbox runs/s", "subprocess runs/s", "ratio"):
+        table.add_column(column, justify="left" if column == "mode" else "right")
+    for mode, (ours, naive) in cases.items():
+        a, b = _rate(ours, runs, repeats), _rate(naive, runs, repeats)
+        table.add_row(mode, f"{a:.0f}", f"{b:.0f}", f"{a / b:.1f}x")
+    pool.shutdown()
+    isolation = sandbox.isolation
+    sandbox.close()
+    console.print(table)
+    console.print(f"isolation: {isolation}", highlight=False)
+
+
+# bench_env_steps() goes here: env steps per second for each env in masenvs.envs.
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--runs", type=int, default=100)
+    args = parser.parse_args()
+    console = Console()
+    console.print(f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
+    bench_sandbox(args.repeats, args.runs, console)
+    # bench_env_steps(args.repeats, console)
+
+
+if __name__ == "__main__":
+    main()

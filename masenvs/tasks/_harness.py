@@ -1,0 +1,226 @@
+"""Test harness: the program the code judge runs in the sandbox (stdlib only).
+
+It reads one JSON request on stdin: the candidate `code`, `fn_name` (None for stdin
+programs), `cases` (each an `input` and an output `cap` in bytes), a per-case `timeout` and
+`stop_on_error`. Each case runs in a fresh forked process with its own stdin, stdout and
+stderr; the harness reports one JSON line per case on its stdout: `status` (ok, error,
+timeout, memory, output_limit), `output` (what was printed, or the JSON of the return value)
+and the tail of `stderr`. Expected outputs never enter this process: the parent compares.
+"""
+
+# Loaded once here so every forked case starts with them imported.
+import bisect  # noqa: F401
+import builtins
+import collections  # noqa: F401
+import ctypes
+import errno
+import functools  # noqa: F401
+import heapq  # noqa: F401
+import itertools  # noqa: F401
+import json
+import math  # noqa: F401
+import os
+import resource
+import select
+import signal
+import sys
+import threading
+import time
+import traceback
+import typing  # noqa: F401
+
+# What LeetCode-style solutions assume is in scope (List, deque, lru_cache, heappush, ...).
+PREAMBLE = (
+    "from typing import *\nfrom collections import *\nfrom heapq import *\n"
+    "from bisect import *\nfrom itertools import *\nfrom functools import *\n"
+    "import bisect, collections, functools, heapq, itertools, math, re, string\n"
+)
+EXIT_OK, EXIT_ERROR, EXIT_MEMORY, EXIT_OUTPUT = 0, 1, 3, 4
+PR_SET_DUMPABLE = 4
+ERR_TAIL = 2000
+
+
+def jsonable(value):
+    """json.dumps fallback: sets become sorted lists; anything else is an error."""
+    if isinstance(value, set | frozenset):
+        try:
+            return sorted(value)
+        except TypeError:
+            return list(value)
+    raise TypeError(f"the return value holds a {type(value).__name__}, which is not JSON")
+
+
+def find_function(namespace, fn_name):
+    fn = namespace.get(fn_name)
+    if callable(fn) and not isinstance(fn, type):
+        return fn
+    solution = namespace.get("Solution")
+    if isinstance(solution, type) and hasattr(solution, fn_name):
+        return getattr(solution(), fn_name)
+    raise NameError(f"no function {fn_name!r} (nor a Solution class with that method) defined")
+
+
+def print_error() -> None:
+    """The traceback from the candidate's own frames on (the harness's are noise to it)."""
+    _, exc, tb = sys.exc_info()
+    while tb is not None and tb.tb_frame.f_code.co_filename != "solution.py":
+        tb = tb.tb_next
+    traceback.print_exception(type(exc), exc, tb)
+
+
+def run_candidate(code, preamble, fn_name, args) -> int:
+    """Inside the case process: run the program (or call the function) and exit."""
+    try:
+        if fn_name is None:
+            namespace = {"__name__": "__main__", "__builtins__": builtins}
+            try:
+                exec(code, namespace)
+            except SystemExit:
+                pass  # exit() after printing is how many contest programs end
+            threading._shutdown()  # join the program's non-daemon threads, as exit does
+        else:
+            namespace = {"__name__": "solution", "__builtins__": builtins}
+            exec(preamble, namespace)
+            exec(code, namespace)
+            result = find_function(namespace, fn_name)(*args)
+            data = json.dumps(result, default=jsonable, ensure_ascii=False).encode()
+            view = memoryview(data)
+            while view:
+                view = view[os.write(3, view) :]
+        sys.stdout.flush()
+        return EXIT_OK
+    except MemoryError:
+        print_error()
+        return EXIT_MEMORY
+    except OSError as exc:
+        if exc.errno == errno.EFBIG:  # RLIMIT_FSIZE: far more output than any test wants
+            return EXIT_OUTPUT
+        print_error()
+        return EXIT_ERROR
+    except BaseException:
+        print_error()
+        return EXIT_ERROR
+
+
+def memfile(name: str, data: bytes = b"") -> int:
+    fd = os.memfd_create(name)
+    if data:
+        view = memoryview(data)
+        while view:
+            view = view[os.write(fd, view) :]
+        os.lseek(fd, 0, os.SEEK_SET)
+    return fd
+
+
+def wait_for(pid: int, timeout: float):
+    """The case process's wait status, or None when it ran past `timeout` (then killed)."""
+    try:
+        pidfd = os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        pidfd = None
+    deadline = time.monotonic() + timeout
+    status = None
+    if pidfd is not None:
+        if select.select([pidfd], [], [], timeout)[0]:
+            status = os.waitpid(pid, 0)[1]
+        os.close(pidfd)
+    else:
+        while time.monotonic() < deadline:
+            done, wait_status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                status = wait_status
+                break
+            time.sleep(0.002)
+    try:  # the case and anything it left running in its process group
+        os.killpg(pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        pass
+    if status is None:
+        os.waitpid(pid, 0)
+    return status
+
+
+def tail(fd: int) -> str:
+    size = os.fstat(fd).st_size
+    data = os.pread(fd, ERR_TAIL, max(0, size - ERR_TAIL))
+    return data.decode("utf-8", "replace")
+
+
+def run_case(code, preamble, fn_name, case, timeout) -> dict:
+    call_based = fn_name is not None
+    stdin = b"" if call_based else str(case["input"]).encode("utf-8", "replace")
+    in_fd, out_fd, err_fd = memfile("stdin", stdin), memfile("stdout"), memfile("stderr")
+    res_fd = memfile("result") if call_based else None
+    sys.stdout.flush()
+    try:
+        pid = os.fork()
+    except OSError as exc:  # the process limit: nothing of the case could run
+        return {"status": "error", "output": "", "stderr": f"could not start the test: {exc}"}
+    if pid == 0:
+        code_ = EXIT_ERROR
+        try:
+            os.setpgid(0, 0)
+            for target, fd in ((0, in_fd), (1, out_fd), (2, err_fd)):
+                os.dup2(fd, target)
+            if res_fd is not None:
+                os.dup2(res_fd, 3)
+            # The report pipe and the memfiles of other streams stay out of the program's reach.
+            os.closerange(4 if call_based else 3, resource.getrlimit(resource.RLIMIT_NOFILE)[0])
+            sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
+            sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
+            sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+            code_ = run_candidate(code, preamble, fn_name, case["input"])
+            sys.stderr.flush()
+        finally:
+            os._exit(code_)
+    status = wait_for(pid, timeout)
+    cap = int(case["cap"])
+    source_fd = res_fd if call_based else out_fd
+    output = os.pread(source_fd, cap + 1, 0)
+    result = {"stderr": tail(err_fd)}
+    for fd in (in_fd, out_fd, err_fd, res_fd):
+        if fd is not None:
+            os.close(fd)
+    if status is None:
+        verdict = "timeout"
+    elif os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        verdict = {signal.SIGXCPU: "timeout", signal.SIGXFSZ: "output_limit"}.get(sig, "error")
+    else:
+        code_ = os.WEXITSTATUS(status)
+        verdict = {EXIT_OK: "ok", EXIT_MEMORY: "memory", EXIT_OUTPUT: "output_limit"}.get(
+            code_, "error"
+        )
+    if verdict == "ok" and len(output) > cap:
+        verdict = "output_limit"
+    result.update(status=verdict, output=output[:cap].decode("utf-8", "replace"))
+    return result
+
+
+def main() -> None:
+    # Not dumpable: a test process (same uid) cannot open /proc/<harness>/fd/1 or ptrace us
+    # to forge the report.
+    ctypes.CDLL(None).prctl(PR_SET_DUMPABLE, 0, 0, 0, 0)
+    request = json.loads(sys.stdin.buffer.read())
+    fn_name = request.get("fn_name")
+    report = os.fdopen(os.dup(1), "w", encoding="utf-8")
+    try:
+        code = compile(request["code"], "solution.py", "exec")
+        preamble = compile(PREAMBLE, "preamble.py", "exec")
+    except (SyntaxError, ValueError) as exc:
+        message = "".join(traceback.format_exception_only(type(exc), exc))
+        for i in range(len(request["cases"])):
+            report.write(json.dumps({"i": i, "status": "error", "output": "", "stderr": message}))
+            report.write("\n")
+        report.flush()
+        return
+    for i, case in enumerate(request["cases"]):
+        result = run_case(code, preamble, fn_name, case, float(request["timeout"]))
+        report.write(json.dumps({"i": i, **result}, ensure_ascii=False) + "\n")
+        report.flush()
+        if request.get("stop_on_error") and result["status"] != "ok":
+            break
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,97 @@
+"""Plan-path: generator, hand-computed rewards, the two-role round."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import masenvs
+from masenvs.envs import grid
+from masenvs.envs.plan_path import PlanPathTask
+
+TASK = {"rows": ["....", ".##.", "....", "...."], "start": [0, 0], "goal": [0, 3]}
+
+
+def bfs_moves(task: PlanPathTask) -> list[str]:
+    """A shortest move list, found independently of the env's own BFS."""
+    free = np.array([[ch == "." for ch in row] for row in task.rows])
+    dist = grid.bfs_distances(free, task.goal)
+    pos, moves = task.start, []
+    while pos != task.goal:
+        for move in "UDLR":
+            nxt = grid.step_cell(pos, move)
+            if task.is_free(nxt) and dist[nxt] == dist[pos] - 1:
+                pos, moves = nxt, [*moves, move]
+                break
+    return moves
+
+
+def test_generated_tasks_are_solvable_and_optimal_length_is_bfs() -> None:
+    env = masenvs.make("plan_path", size=8, single_agent=True)
+    for seed in range(30):
+        env.reset(seed=seed)
+        task = env.task
+        assert task.is_free(task.start) and task.is_free(task.goal) and task.start != task.goal
+        moves = bfs_moves(task)
+        assert len(moves) == task.optimal_length
+        _, rewards, terms, _, infos = env.step({"plan": f"#### {moves}"})
+        assert terms["plan"] and infos["plan"]["success"]
+        assert infos["plan"]["reward_parts"]["agent"] == pytest.approx(1.5)  # goal + optimal
+
+
+def test_optimal_path_reward_by_hand() -> None:
+    env = masenvs.make("plan_path", single_agent=True)
+    env.reset(seed=0, options={"task": TASK})
+    _, rewards, terms, _, infos = env.step({"plan": "Going right.\n#### [R, R, R]"})
+    parts = infos["plan"]["reward_parts"]
+    # Shaping per move: 0.99 * (-d'/4) - (-d/4) with d = 3, 2, 1 -> 0.255 + 0.2525 + 0.25.
+    assert parts["process"] == pytest.approx(0.255 + 0.2525 + 0.25 - 3 * 0.01)
+    assert parts["agent"] == pytest.approx(1.5)
+    assert parts["team"] == pytest.approx(1.5)
+    assert rewards["plan"] == pytest.approx(0.7275 + 3.0)
+    assert terms["plan"] and env.state.success
+
+
+def test_invalid_move_and_detour_by_hand() -> None:
+    env = masenvs.make("plan_path", single_agent=True)
+    env.reset(seed=0, options={"task": TASK})
+    _, _, terms, _, infos = env.step({"plan": "#### D R"})
+    parts = infos["plan"]["reward_parts"]
+    # D: 0.99 * -1.0 + 0.75 - 0.01; R into a wall: -0.01 - 0.1 + (0.99 * -1.0 + 1.0).
+    assert parts["process"] == pytest.approx(-0.25 - 0.10)
+    assert parts["agent"] == 0 and parts["team"] == 0
+    assert env.state.pos == (1, 0) and not terms["plan"]
+    assert "1 move(s) were invalid" in infos["plan"]["messages"][-1]["content"]
+
+
+def test_non_optimal_path_gets_no_optimal_bonus() -> None:
+    env = masenvs.make("plan_path", single_agent=True)
+    env.reset(seed=0, options={"task": TASK})
+    env.step({"plan": "#### [D]"})
+    _, _, _, _, infos = env.step({"plan": "#### [U, R, R, R]"})
+    assert infos["plan"]["success"] and infos["plan"]["reward_parts"]["agent"] == pytest.approx(1.0)
+
+
+def test_unparsable_answer_is_a_format_penalty() -> None:
+    env = masenvs.make("plan_path", single_agent=True)
+    env.reset(seed=0, options={"task": TASK})
+    _, _, _, _, infos = env.step({"plan": "I would go right a few times."})
+    assert infos["plan"]["reward_parts"]["agent"] == -1.0
+    assert env.state.pos == (0, 0)
+
+
+def test_tool_program_output_is_scored_and_shown_to_plan() -> None:
+    env = masenvs.make("plan_path")
+    env.reset(seed=0, options={"task": TASK})
+    tool = "```python\nprint('Moves: [R, R, R]')\n```"
+    obs, _, _, _, infos = env.step({"tool": tool, "plan": "no idea"})
+    assert infos["tool"]["reward_parts"]["agent"] == pytest.approx(1.5)
+    assert infos["plan"]["reward_parts"]["agent"] == -1.0
+    assert infos["tool"]["reward_parts"]["team"] == 0.0  # the team did not move
+    assert "Moves: [R, R, R]" in obs["plan"] and "print(" in obs["plan"]
+
+
+def test_bad_task_option_is_a_clear_error() -> None:
+    env = masenvs.make("plan_path")
+    with pytest.raises(ValueError, match="not reachable"):
+        env.reset(options={"task": {"rows": [".#", "#."], "start": [0, 0], "goal": [1, 1]}})

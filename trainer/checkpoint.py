@@ -1,0 +1,206 @@
+"""Atomic checkpoints: a run killed at any moment resumes with no lost or repeated step.
+
+    <run_dir>/checkpoints/
+        step_00000012/
+            adapters/<policy>/adapter_config.json, adapter_model.safetensors   (peft / vLLM)
+            learner.pt     optimizer states per policy + LR schedule position
+            rng.pt         torch CPU (and CUDA) generator states
+            rng.json       python and numpy generator states
+            state.json     step, next task seed, extra loop state
+            config.yaml    the run's TrainConfig
+        latest             name of the newest complete checkpoint
+
+A checkpoint is written into a hidden temp directory, every file fsynced, then renamed into
+place (rename is atomic), so a `step_*` directory is always complete. `latest` is replaced
+atomically afterwards.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from masenvs.trainer.config import TrainConfig, config_yaml
+from masenvs.trainer.learner import Learner
+
+CHECKPOINTS = "checkpoints"
+LATEST = "latest"
+_PREFIX = "step_"
+
+
+@dataclass
+class TrainState:
+    """Where the training loop is: what a resumed run needs besides weights and RNG."""
+
+    step: int  # training steps completed; the resumed run continues with step + 1
+    next_task_seed: int  # data position: the first task seed the next step draws
+    extra: dict[str, Any] = field(default_factory=dict)  # JSON-serialisable loop state
+
+
+@dataclass
+class Checkpoint:
+    """A complete checkpoint directory; `restore(learner)` puts its contents back."""
+
+    path: Path
+    state: TrainState
+
+    def restore(self, learner: Learner) -> TrainState:
+        """Load adapters, optimizer states, LR schedule position and RNG states."""
+        for policy in learner.policies:
+            learner.load_adapter(policy, self.path / "adapters" / policy)
+        learner.load_state_dict(torch.load(self.path / "learner.pt", weights_only=True))
+        _set_rng(self.path)
+        return self.state
+
+    def config(self) -> TrainConfig:
+        from masenvs.trainer.config import load_config
+
+        return load_config(self.path / "config.yaml")
+
+
+def save_checkpoint(
+    run_dir: str | Path,
+    learner: Learner,
+    state: TrainState,
+    config: TrainConfig | None = None,
+    keep_last: int = 3,
+) -> Path:
+    """Write a checkpoint of `state.step` atomically and keep only the newest `keep_last`."""
+    root = Path(run_dir) / CHECKPOINTS
+    root.mkdir(parents=True, exist_ok=True)
+    name = f"{_PREFIX}{state.step:08d}"
+    tmp = root / f".tmp-{name}-{uuid.uuid4().hex[:8]}"
+    tmp.mkdir()
+    try:
+        for policy in learner.policies:
+            learner.save_adapter(policy, tmp / "adapters" / policy)
+        torch.save(learner.state_dict(), tmp / "learner.pt")
+        _save_rng(tmp)
+        if config is not None:
+            (tmp / "config.yaml").write_text(config_yaml(config))
+        # state.json last: its presence marks the content complete (checked on load).
+        (tmp / "state.json").write_text(json.dumps(asdict(state), indent=1))
+        _fsync_tree(tmp)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+    final = root / name
+    if final.exists():  # the same step saved before (a resumed run saving again): replace it
+        old = root / f".old-{name}-{uuid.uuid4().hex[:8]}"
+        os.rename(final, old)
+        os.rename(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, final)
+    _fsync(root)
+    _write_atomic(root / LATEST, name + "\n")
+    _prune(root, keep_last, keep=final)
+    return final
+
+
+def load_latest(run_dir: str | Path) -> Checkpoint | None:
+    """The newest complete checkpoint of a run, or None if it has none.
+
+    The newest `step_*` directory wins even when `latest` lags behind it (a crash between
+    the rename and the pointer update): a renamed directory is complete by construction.
+    """
+    steps = list_checkpoints(run_dir)
+    if not steps:
+        return None
+    path = steps[-1]
+    state = json.loads((path / "state.json").read_text())
+    return Checkpoint(path=path, state=TrainState(**state))
+
+
+def list_checkpoints(run_dir: str | Path) -> list[Path]:
+    """Complete checkpoint directories, oldest first."""
+    root = Path(run_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    found = [
+        p
+        for p in root.iterdir()
+        if p.is_dir() and p.name.startswith(_PREFIX) and (p / "state.json").is_file()
+    ]
+    return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
+
+
+def _prune(root: Path, keep_last: int, keep: Path) -> None:
+    for stale in root.glob(".tmp-*"):  # left by a crashed save
+        shutil.rmtree(stale, ignore_errors=True)
+    for stale in root.glob(".old-*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    complete = list_checkpoints(root.parent)
+    for path in complete[: max(0, len(complete) - keep_last)]:
+        if path != keep:
+            shutil.rmtree(path, ignore_errors=True)
+
+
+# -- RNG ---------------------------------------------------------------------------------------
+
+
+def _save_rng(directory: Path) -> None:
+    version, mt, gauss = random.getstate()
+    kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
+    (directory / "rng.json").write_text(
+        json.dumps(
+            {
+                "python": [version, list(mt), gauss],
+                "numpy": [kind, keys.tolist(), int(pos), int(has_gauss), float(cached)],
+            }
+        )
+    )
+    torch_state: dict[str, Any] = {"cpu": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        torch_state["cuda"] = torch.cuda.get_rng_state_all()
+    torch.save(torch_state, directory / "rng.pt")
+
+
+def _set_rng(directory: Path) -> None:
+    saved = json.loads((directory / "rng.json").read_text())
+    version, mt, gauss = saved["python"]
+    random.setstate((version, tuple(mt), gauss))
+    kind, keys, pos, has_gauss, cached = saved["numpy"]
+    np.random.set_state((kind, np.array(keys, dtype=np.uint32), pos, has_gauss, cached))
+    torch_state = torch.load(directory / "rng.pt", weights_only=True)
+    torch.set_rng_state(torch_state["cpu"])
+    if "cuda" in torch_state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(torch_state["cuda"])
+
+
+# -- durability --------------------------------------------------------------------------------
+
+
+def _fsync_tree(directory: Path) -> None:
+    for dirpath, _dirnames, filenames in os.walk(directory):
+        for filename in filenames:
+            _fsync(Path(dirpath) / filename)
+        _fsync(Path(dirpath))
+
+
+def _fsync(path: Path) -> None:
+    """Flush a file's data, or a directory's entries, to disk."""
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex[:8]}")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    _fsync(path.parent)

@@ -1,0 +1,354 @@
+"""One training configuration: `TrainConfig`, read from YAML with `--set a.b.c=value` overrides.
+
+Every field is documented where it is declared; unknown keys fail (a typo is an error, not a
+silently ignored setting). `load_config("run.yaml", ["optim.lr=1e-5"])` is the entry point.
+"""
+
+from __future__ import annotations
+
+import difflib
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+
+class ConfigError(ValueError):
+    """A configuration that cannot be used; the message names the field and the fix."""
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+class ModelConfig(_Section):
+    """The base model every adapter is trained on."""
+
+    name: str = Field(
+        "smollm2-135m",
+        description="Base model: a name known to `masenvs.adapters.models.load_model` "
+        "('tiny', 'smollm2-135m'), a local directory, or a Hugging Face hub id.",
+    )
+    device: Literal["auto", "cpu", "cuda"] = Field(
+        "auto", description="Where the learner runs; 'auto' picks CUDA when available."
+    )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Base weights dtype; 'auto' is float32 on CPU and bfloat16 on GPU. "
+        "LoRA weights and optimizer state stay float32 either way.",
+    )
+
+
+class EnvSpec(_Section):
+    """Which environment to train in and which task seeds training draws."""
+
+    name: str = Field("plan_path", description="A registered env (`masenvs list`).")
+    options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Keyword arguments for `masenvs.make(name, **options)` (the env's own config).",
+    )
+    seed_start: int = Field(
+        0,
+        ge=0,
+        description="First training task seed; every task uses the next seed, so training draws "
+        "seeds [seed_start, seed_start + steps * rollout.tasks_per_step).",
+    )
+
+
+class RolloutConfig(_Section):
+    """How training episodes are sampled (AT-GRPO tree sampling)."""
+
+    branches: int = Field(
+        4,
+        ge=1,
+        description="K: candidates each agent samples from the same state at every round; "
+        "they form one advantage group (paper: 4 to 8).",
+    )
+    tasks_per_step: int = Field(8, ge=1, description="B: tasks (env seeds) per training step.")
+    max_rounds: int | None = Field(
+        None, ge=1, description="Round limit per episode; None keeps the env's own max_rounds."
+    )
+    temperature: float = Field(
+        1.0,
+        gt=0.0,
+        description="Sampling temperature during training. The learner scores tokens at this "
+        "temperature too, so the PPO ratio is against the distribution that was sampled.",
+    )
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    max_tokens: int = Field(512, ge=1, description="Completion token limit per LLM call.")
+    select_by: Literal["team", "agent"] = Field(
+        "team",
+        description="Which reward picks the branch that continues: the team reward (default) or "
+        "the acting agent's own reward.",
+    )
+
+
+class AlgorithmConfig(_Section):
+    """AT-GRPO: group-relative advantages and the token-level PPO-clip loss."""
+
+    adv_eps: float = Field(
+        1e-6, gt=0.0, description="eps in A = (r - mean) / (std + eps); keeps tiny stds finite."
+    )
+    unbiased_std: bool = Field(
+        False,
+        description="Divide by the sample std (n-1) instead of the population std (n). The "
+        "population std (default) gives every group unit-RMS advantages whatever its size; "
+        "VERL and TRL use the sample std.",
+    )
+    drop_zero_std_groups: bool = Field(
+        False,
+        description="Drop groups whose rewards are all equal (their advantages are 0; dropping "
+        "them stops them diluting the token mean). Single-sample groups are such groups.",
+    )
+    keep_top_groups: float = Field(
+        1.0,
+        gt=0.0,
+        le=1.0,
+        description="Keep this fraction of groups (rounded up), ranked by `keep_top_by`; "
+        "1.0 keeps all. Applied after `drop_zero_std_groups`.",
+    )
+    keep_top_by: Literal["std", "mean"] = Field(
+        "std",
+        description="Rank groups by reward std (most informative first) or by mean reward.",
+    )
+    clip_low: float = Field(
+        0.2, ge=0.0, lt=1.0, description="Ratio lower clip: ratio is clipped at 1 - clip_low."
+    )
+    clip_high: float = Field(
+        0.2, ge=0.0, description="Ratio upper clip: ratio is clipped at 1 + clip_high (DAPO: 0.28)."
+    )
+    clip_c: float | None = Field(
+        3.0,
+        gt=1.0,
+        description="Dual-clip constant c: for negative advantages the per-token loss is at most "
+        "-c * A, so a huge ratio on a bad token cannot blow up the step. None turns it off.",
+    )
+    kl_coef: float = Field(
+        0.0,
+        ge=0.0,
+        description="Weight of the k3 KL penalty to the base model (adapter disabled); 0 skips "
+        "the extra forward pass (the paper's setting).",
+    )
+    ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    mini_batches: int = Field(
+        1, ge=1, description="Optimizer steps per epoch; the batch is split into this many parts."
+    )
+
+    @model_validator(mode="after")
+    def _clip_c_above_upper_clip(self) -> AlgorithmConfig:
+        if self.clip_c is not None and self.clip_c <= 1.0 + self.clip_high:
+            raise ValueError(
+                f"clip_c={self.clip_c} must exceed 1 + clip_high={1 + self.clip_high}; "
+                "otherwise the dual clip cuts into the ordinary clip range"
+            )
+        return self
+
+
+class OptimConfig(_Section):
+    """AdamW with linear warmup then cosine decay, gradient clipping, token-budget micro-batches."""
+
+    lr: float = Field(1e-5, gt=0.0, description="Peak learning rate (after warmup).")
+    warmup_steps: int = Field(10, ge=0, description="Linear warmup from 0 over this many steps.")
+    min_lr_ratio: float = Field(
+        0.3, ge=0.0, le=1.0, description="Cosine decay floor as a fraction of `lr`."
+    )
+    weight_decay: float = Field(0.01, ge=0.0, description="AdamW decoupled weight decay.")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas.")
+    adam_eps: float = Field(1e-8, gt=0.0, description="AdamW epsilon.")
+    grad_clip: float | None = Field(
+        1.0, gt=0.0, description="Max global grad norm per adapter; None turns clipping off."
+    )
+    max_tokens_per_microbatch: int = Field(
+        4096,
+        ge=16,
+        description="Token budget of one forward/backward (packed rows incl. padding); bounds "
+        "memory. Gradients accumulate so the step equals one full-batch step.",
+    )
+
+
+class PolicyConfig(_Section):
+    """Which adapter or model each agent trains."""
+
+    mode: Literal["shared", "per_agent", "separate"] = Field(
+        "per_agent",
+        description="'shared': one LoRA adapter for every agent; 'per_agent': one adapter per "
+        "agent on one base model; 'separate': one base model + adapter per agent.",
+    )
+    shared_name: str = Field("shared", description="Adapter name used in 'shared' mode.")
+    models: dict[str, str] = Field(
+        default_factory=dict,
+        description="'separate' mode: base model per agent; agents not listed use model.name.",
+    )
+
+    def policy_of(self, agent: str) -> str:
+        """The adapter name that trains (and serves) `agent`."""
+        return self.shared_name if self.mode == "shared" else agent
+
+    def policies(self, agents: list[str]) -> list[str]:
+        """Adapter names for these agents, in agent order, without repeats."""
+        return list(dict.fromkeys(self.policy_of(a) for a in agents))
+
+
+class LoRAParams(_Section):
+    """LoRA adapter shape (kept within what vLLM serves: bias 'none', no DoRA)."""
+
+    rank: int = Field(16, ge=1, description="LoRA rank r (vLLM serves up to --max-lora-rank).")
+    alpha: int = Field(32, ge=1, description="LoRA alpha; the update is scaled by alpha / r.")
+    dropout: float = Field(0.0, ge=0.0, lt=1.0, description="Dropout on the LoRA input.")
+    target_modules: list[str] | Literal["all-linear"] = Field(
+        "all-linear",
+        description="Modules that get adapters: 'all-linear' (every attention and MLP "
+        "projection, not the LM head) or a list of module names such as ['q_proj', 'v_proj'].",
+    )
+
+
+class CheckpointConfig(_Section):
+    """Atomic checkpoints under `<run_dir>/checkpoints`."""
+
+    every: int = Field(10, ge=1, description="Save every N training steps (and at the end).")
+    keep_last: int = Field(3, ge=1, description="Checkpoints kept; older ones are deleted.")
+    resume: bool = Field(True, description="Resume from the latest checkpoint in run_dir if any.")
+
+
+class LoggingConfig(_Section):
+    """Where metrics go; `metrics.jsonl` in run_dir is always written."""
+
+    tensorboard: bool = Field(True, description="Also write TensorBoard events to run_dir/tb.")
+    wandb: bool = Field(False, description="Also log to Weights & Biases (if installed).")
+    wandb_project: str = Field("masenvs", description="W&B project name.")
+    plot_every: int = Field(
+        10, ge=0, description="Redraw run_dir/curves.png every N steps; 0 only at the end."
+    )
+    entropy: bool = Field(
+        True,
+        description="Log the policy entropy of completion tokens (one extra pass over logits).",
+    )
+
+
+class ValidationConfig(_Section):
+    """Held-out episodes with independent chains (no branching)."""
+
+    every: int = Field(10, ge=0, description="Validate every N training steps; 0 turns it off.")
+    episodes: int = Field(32, ge=1, description="Validation episodes (one task seed each).")
+    seed_start: int = Field(
+        1_000_000,
+        ge=0,
+        description="First validation task seed; seeds [seed_start, seed_start + episodes) "
+        "must not overlap the training seeds.",
+    )
+    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 is greedy).")
+
+
+class TrainConfig(_Section):
+    """Everything one AT-GRPO run needs; YAML sections map to the fields below."""
+
+    run_dir: str = Field("runs/default", description="Checkpoints, metrics and plots go here.")
+    seed: int = Field(0, description="Seeds python, numpy and torch (LoRA init, dropout).")
+    steps: int = Field(200, ge=1, description="Training steps (one rollout batch + update each).")
+    model: ModelConfig = Field(default_factory=ModelConfig)
+    env: EnvSpec = Field(default_factory=EnvSpec)
+    rollout: RolloutConfig = Field(default_factory=RolloutConfig)
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig)
+    optim: OptimConfig = Field(default_factory=OptimConfig)
+    policy: PolicyConfig = Field(default_factory=PolicyConfig)
+    lora: LoRAParams = Field(default_factory=LoRAParams)
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = Field(default_factory=LoggingConfig)
+    validation: ValidationConfig = Field(default_factory=ValidationConfig)
+
+    def train_seeds(self) -> range:
+        """Every task seed training will draw."""
+        start = self.env.seed_start
+        return range(start, start + self.steps * self.rollout.tasks_per_step)
+
+    def validation_seeds(self) -> range:
+        start = self.validation.seed_start
+        return range(start, start + self.validation.episodes)
+
+    @model_validator(mode="after")
+    def _seeds_do_not_overlap(self) -> TrainConfig:
+        train, val = self.train_seeds(), self.validation_seeds()
+        if train.start < val.stop and val.start < train.stop:
+            raise ValueError(
+                f"training seeds [{train.start}, {train.stop}) overlap validation seeds "
+                f"[{val.start}, {val.stop}); move validation.seed_start to {train.stop} or more"
+            )
+        return self
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | None = None) -> TrainConfig:
+    """Read a YAML file (or start from defaults when None) and apply `a.b.c=value` overrides.
+
+    Override values are parsed as YAML (`3`, `1e-5`, `true`, `[q_proj, v_proj]`, `null`), then the
+    whole config is validated, so a wrong type or an unknown key fails with the field's path.
+    """
+    data: dict[str, Any] = {}
+    source = "defaults"
+    if path is not None:
+        source = str(path)
+        try:
+            loaded = yaml.safe_load(Path(path).read_text())
+        except FileNotFoundError:
+            raise ConfigError(f"config file {path} does not exist") from None
+        except yaml.YAMLError as exc:
+            raise ConfigError(f"config file {path} is not valid YAML: {exc}") from None
+        if loaded is not None and not isinstance(loaded, dict):
+            raise ConfigError(f"config file {path} must hold a mapping of sections")
+        data = loaded or {}
+    for item in overrides or []:
+        _apply_override(data, item)
+    try:
+        return TrainConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(_explain(exc, source)) from None
+
+
+def save_config(config: TrainConfig, path: str | Path) -> None:
+    Path(path).write_text(config_yaml(config))
+
+
+def config_yaml(config: TrainConfig) -> str:
+    return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
+
+
+def _apply_override(data: dict[str, Any], item: str) -> None:
+    key, sep, raw = item.partition("=")
+    if not sep or not key.strip():
+        raise ConfigError(f"override {item!r} must look like section.field=value")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError:
+        value = raw  # a value YAML cannot parse is taken as a plain string
+    parts = key.strip().split(".")
+    node = data
+    for depth, part in enumerate(parts[:-1]):
+        child = node.setdefault(part, {})
+        if not isinstance(child, dict):
+            where = ".".join(parts[: depth + 1])
+            raise ConfigError(f"override {item!r}: {where} is a value, not a section")
+        node = child
+    node[parts[-1]] = value
+
+
+def _explain(exc: ValidationError, source: str) -> str:
+    lines = [f"invalid config ({source}):"]
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
+        message = err["msg"]
+        if err["type"] == "extra_forbidden":
+            message = "unknown field" + _did_you_mean(err["loc"])
+        lines.append(f"  {where}: {message}")
+    return "\n".join(lines)
+
+
+def _did_you_mean(loc: tuple[Any, ...]) -> str:
+    section: type[BaseModel] = TrainConfig
+    for part in loc[:-1]:
+        field = section.model_fields.get(str(part))
+        annotation = field.annotation if field else None
+        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
+            return ""
+        section = annotation
+    close = difflib.get_close_matches(str(loc[-1]), list(section.model_fields), n=1)
+    return f" (did you mean {close[0]!r}?)" if close else ""

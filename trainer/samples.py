@@ -1,0 +1,59 @@
+"""The trainer's unit of data: one `Sample` is one LLM call with its reward.
+
+Token ids and behaviour log-probabilities come from the backend that generated them
+(never re-tokenized). The group key decides which samples share an advantage baseline.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Hashable
+from dataclasses import dataclass, field
+from typing import Any
+
+GroupKey = tuple[Hashable, ...]
+
+
+def tree_group(task_id: Hashable, round: int, agent: str) -> GroupKey:
+    """AT-GRPO tree rollouts: the K candidates of one agent at one round of one task."""
+    return (task_id, round, agent)
+
+
+def workflow_group(task_id: Hashable, agent: str, call_index: int) -> GroupKey:
+    """Framework workflows (no branching): the same call of K independent runs of one task."""
+    return (task_id, agent, call_index)
+
+
+@dataclass
+class Sample:
+    """One training sample = one LLM call: its tokens, who made it, and how good it was."""
+
+    prompt_token_ids: list[int]
+    completion_token_ids: list[int]  # includes the EOS token when the model stopped on it
+    behavior_logprobs: list[float]  # backend log-prob of each completion token (T=1), or []
+    agent: str  # role that made the call
+    policy: str  # adapter (or model) this sample trains
+    group: GroupKey  # samples with equal keys share a baseline, see tree_group / workflow_group
+    reward: float
+    advantage: float | None = None  # filled by group_advantages
+    meta: dict[str, Any] = field(default_factory=dict)  # free-form: trace id, episode, round
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise ValueError("a sample needs at least one prompt token")
+        if self.behavior_logprobs and len(self.behavior_logprobs) != len(self.completion_token_ids):
+            raise ValueError(
+                f"behavior_logprobs has {len(self.behavior_logprobs)} entries for "
+                f"{len(self.completion_token_ids)} completion tokens; they must match one to one"
+            )
+        if not math.isfinite(self.reward):
+            raise ValueError(f"reward must be a finite number, got {self.reward!r}")
+        try:
+            hash(self.group)
+        except TypeError:
+            raise ValueError(f"group key {self.group!r} must be hashable (a tuple)") from None
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus completion length."""
+        return len(self.prompt_token_ids) + len(self.completion_token_ids)
