@@ -102,6 +102,7 @@ async def run_episodes(
     store: TraceStore | None = None,
     concurrency: int = 8,
     progress: Progress | None = None,
+    rollout_prefix: str = "ro",
 ) -> list[EpisodeResult]:
     """Many episodes in flight at once; the backend batches their calls."""
     limit = asyncio.Semaphore(concurrency)
@@ -110,7 +111,8 @@ async def run_episodes(
     async def one(seed: int) -> EpisodeResult:
         async with limit:
             env = make(env_name, **(env_config or {}))
-            result = await run_episode(env, policy, seed, store=store)
+            rollout_id = new_rollout_id(rollout_prefix)
+            result = await run_episode(env, policy, seed, rollout_id=rollout_id, store=store)
             if progress is not None:
                 progress.advance(task_id)
             return result

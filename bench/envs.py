@@ -72,6 +72,74 @@ def bench_sandbox(repeats: int = 5, runs: int = 100, console: Console | None = N
     console.print(f"isolation: {isolation}", highlight=False)
 
 
+def bench_code_tests(repeats: int = 5, console: Console | None = None) -> None:
+    """Code-env test cases/s: the judge against a fresh `subprocess.run` per test case.
+
+    Same cases both ways: every built-in problem's reference solution on its hidden and
+    public tests, graded with the same comparison; both sides use one worker per CPU.
+    """
+    import json
+
+    from masenvs.tasks.code_judge import CodeJudge, Suite, outputs_match, values_match
+    from masenvs.tasks.code_problems import PROBLEMS
+
+    console = console or Console()
+    workers = os.cpu_count() or 2
+    suites = [Suite(p.reference_solution, p.tests + p.public_tests, p.fn_name) for p in PROBLEMS]
+    cases = [(s, t) for s in suites for t in s.tests]
+    call = "\nimport json, sys\n_f = {0} if {0!r} in globals() else getattr(Solution(), {0!r})\n"
+    call += "print(json.dumps(_f(*json.loads(sys.stdin.read()))))\n"
+    preamble = "from typing import *\nfrom collections import *\n"
+
+    def naive_case(case: tuple[Suite, object]) -> bool:
+        suite, test = case
+        if suite.fn_name is None:
+            src, stdin = suite.code, test.input
+        else:
+            src, stdin = preamble + suite.code + call.format(suite.fn_name), json.dumps(test.input)
+        done = subprocess.run(
+            [sys.executable, "-c", src], input=stdin, capture_output=True, text=True, timeout=10
+        )
+        if suite.fn_name is None:
+            return outputs_match(done.stdout, test.output)
+        return values_match(json.loads(done.stdout), test.output)
+
+    def rate(fn: Callable[[], list[bool]]) -> float:
+        rates = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            passed = fn()
+            rates.append(len(cases) / (time.perf_counter() - start))
+            if not all(passed):  # a fast wrong grade is not a result
+                raise RuntimeError(f"{passed.count(False)} reference cases failed")
+        return statistics.median(rates)
+
+    chunked, per_case = CodeJudge(workers=workers), CodeJudge(workers=workers, cases_per_run=1)
+    chunked.run_many(suites[:1])  # start the sandbox server outside the timing
+    pool = ThreadPoolExecutor(workers)
+    rows = {
+        "judge, cases chunked per run (default)": lambda: [
+            c.passed for r in chunked.run_many(suites) for c in r.cases
+        ],
+        "judge, one sandbox run per case": lambda: [
+            c.passed for r in per_case.run_many(suites) for c in r.cases
+        ],
+        "subprocess.run per case": lambda: list(pool.map(naive_case, cases)),
+    }
+    rates = {name: rate(fn) for name, fn in rows.items()}
+    pool.shutdown()
+    base = rates["subprocess.run per case"]
+    table = Table(
+        title=f"code env: {len(cases)} test cases of {len(suites)} problems, "
+        f"{workers} workers, median of {repeats}"
+    )
+    for column in ("runner", "cases/s", "vs subprocess.run"):
+        table.add_column(column, justify="left" if column == "runner" else "right")
+    for name, value in rates.items():
+        table.add_row(name, f"{value:.0f}", f"{value / base:.1f}x")
+    console.print(table)
+
+
 # bench_env_steps() goes here: env steps per second for each env in masenvs.envs.
 
 
@@ -83,6 +151,7 @@ def main() -> None:
     console = Console()
     console.print(f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
     bench_sandbox(args.repeats, args.runs, console)
+    bench_code_tests(args.repeats, console)
     # bench_env_steps(args.repeats, console)
 
 

@@ -67,6 +67,12 @@ CHILD_ENV = {
     "TMPDIR": "/tmp",
     "LANG": "C.UTF-8",
     "PYTHONIOENCODING": "utf-8",
+    # RLIMIT_AS counts reserved address space: keep glibc from reserving 64 MB per thread
+    # and numeric libraries from starting a thread pool per core.
+    "MALLOC_ARENA_MAX": "2",
+    "OMP_NUM_THREADS": "1",
+    "OPENBLAS_NUM_THREADS": "1",
+    "MKL_NUM_THREADS": "1",
 }
 # Parent-side grace on top of the wall limit before the server itself is presumed stuck.
 SERVER_GRACE_SECONDS = 30.0
@@ -147,12 +153,13 @@ class RunResult:
 class Isolation:
     """What the sandbox could enforce on this machine (detected when the server starts)."""
 
-    mode: str  # "namespaces" (root), or "rlimits" (no namespaces: weak, see docs)
+    mode: str  # "root" (strongest), "userns" (non-root), "rlimits" (weak); see docs/sandbox.md
     uid_per_run: bool  # program runs as an unprivileged uid of its own
     network_namespace: bool  # no network unless SandboxLimits.network
     pid_namespace: bool  # program sees only its own processes; killing its init kills all
     mount_namespace: bool  # private /tmp (tmpfs, the working dir) and /proc per run
     readonly_filesystem: bool  # everything else is mounted read-only
+    nproc_per_run: bool  # max_processes counts this run's processes only
     notes: tuple[str, ...] = ()
 
     def __str__(self) -> str:
@@ -164,6 +171,7 @@ class Isolation:
                 "pid_namespace",
                 "mount_namespace",
                 "readonly_filesystem",
+                "nproc_per_run",
             )
             if getattr(self, name)
         ]
@@ -208,10 +216,17 @@ class Sandbox:
     """Runs untrusted Python source under `limits`; reusable and safe to share across threads."""
 
     def __init__(
-        self, limits: SandboxLimits | None = None, *, preload: Sequence[str] = DEFAULT_PRELOAD
+        self,
+        limits: SandboxLimits | None = None,
+        *,
+        preload: Sequence[str] = DEFAULT_PRELOAD,
+        namespaces: bool = True,
     ) -> None:
+        """`preload`: modules imported once by the server so programs start warm.
+        `namespaces=False` skips all namespaces (mode "rlimits"), for machines where they fail."""
         self.limits = limits or SandboxLimits()
         self.preload = tuple(preload)
+        self.namespaces = namespaces
         self._lock = threading.Lock()
         self._server: subprocess.Popen | None = None
         self._ctrl: socket.socket | None = None
@@ -262,7 +277,7 @@ class Sandbox:
             return self._ctrl
         self._stop_server()
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        config = json.dumps({"preload": self.preload})
+        config = json.dumps({"preload": self.preload, "namespaces": self.namespaces})
         try:
             self._server = subprocess.Popen(
                 [sys.executable, "-I", "-c", _BOOT, __file__, str(theirs.fileno()), config],
@@ -390,12 +405,14 @@ _BOOT = (
 )
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
 MS_RDONLY, MS_NOSUID, MS_NODEV, MS_NOEXEC = 1, 2, 4, 8
 MS_REMOUNT, MS_NOATIME, MS_NODIRATIME, MS_BIND = 32, 1024, 2048, 4096
 MS_REC, MS_PRIVATE, MS_RELATIME, MS_STRICTATIME = 0x4000, 0x40000, 1 << 21, 1 << 24
-PR_SET_PDEATHSIG, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 36, 38
+M_ARENA_MAX = -8
+PR_SET_PDEATHSIG, PR_CAPBSET_DROP, PR_SET_CHILD_SUBREAPER, PR_SET_NO_NEW_PRIVS = 1, 24, 36, 38
 _MOUNT_FLAGS = {
     "ro": MS_RDONLY,
     "nosuid": MS_NOSUID,
@@ -449,24 +466,30 @@ def _prctl(option: int, arg: int) -> None:
 class _Server:
     """State of the zygote: what isolation works, and the uid slots in use."""
 
+    mode: str = "rlimits"  # "root", "userns" or "rlimits"; see Isolation
     uid_per_run: bool = False
-    netns: bool = False
+    netns: bool = False  # the server's network namespace has no usable interface
+    net_per_run: bool = False  # userns mode: each run unshares its own network namespace
     pidns: bool = False
     mountns: bool = False
     readonly: bool = False
+    fresh_proc: bool = True  # a run's /proc shows its own namespace (else /proc is hidden)
+    userns_per_run: bool = False  # userns mode: each program gets its own user namespace
     host_net_fd: int = -1
+    cap_last: int = 63
     notes: list[str] = field(default_factory=list)
     slots: dict[int, int] = field(default_factory=dict)  # supervisor pid -> uid slot
     pid: int = 0
 
     def isolation(self) -> dict:
         return {
-            "mode": "namespaces" if self.pidns or self.netns or self.mountns else "rlimits",
+            "mode": self.mode,
             "uid_per_run": self.uid_per_run,
-            "network_namespace": self.netns,
+            "network_namespace": self.netns or self.net_per_run,
             "pid_namespace": self.pidns,
             "mount_namespace": self.mountns,
             "readonly_filesystem": self.readonly,
+            "nproc_per_run": self.uid_per_run or self.userns_per_run,
             "notes": self.notes,
         }
 
@@ -478,7 +501,7 @@ def _server_main(ctrl_fd: int, config_json: str) -> None:
     config = json.loads(config_json)
     srv = _Server(pid=os.getpid())
     try:
-        _setup_server(srv)
+        _setup_server(srv, config["namespaces"])
     except Exception as exc:  # report, never crash silently
         ctrl.send(json.dumps({"error": f"setup failed: {exc!r}"}).encode())
         return
@@ -547,39 +570,72 @@ def _reap_supervisors(srv: _Server) -> None:
         srv.slots.pop(pid, None)
 
 
-def _setup_server(srv: _Server) -> None:
-    """Enter private mount and network namespaces, expose the interpreter, make all read-only."""
-    if os.geteuid() != 0:
+def _setup_server(srv: _Server, namespaces: bool) -> None:
+    """Pick the strongest mode this machine allows and set up the server's namespaces."""
+    with contextlib.suppress(OSError, ValueError), open("/proc/sys/kernel/cap_last_cap") as f:
+        srv.cap_last = int(f.read())
+    if not namespaces:
+        srv.notes.append("namespaces turned off by Sandbox(namespaces=False)")
+    elif os.geteuid() == 0:
+        srv.mode, srv.uid_per_run = "root", True
+        srv.host_net_fd = os.open("/proc/self/ns/net", os.O_RDONLY)
+        try:
+            _unshare(CLONE_NEWNET)
+            srv.netns = True
+        except OSError as exc:
+            srv.notes.append(f"no network namespace ({exc}); programs can reach the network")
+    else:
+        try:
+            _enter_user_namespace()
+            srv.mode, srv.net_per_run = "userns", True
+        except OSError as exc:
+            srv.notes.append(f"no user namespace ({exc})")
+    if srv.mode == "rlimits":
         srv.notes.append(
-            "not running as root: no uid switch and no namespaces, so programs can read and "
-            "write whatever this user can, reach the network and signal this user's processes"
+            "no namespaces: programs run as this user, so they can read and write what it can, "
+            "reach the network, see /proc and signal its processes; only limits and the "
+            "scrubbed environment apply"
         )
         return
-    srv.uid_per_run = True
-    srv.host_net_fd = os.open("/proc/self/ns/net", os.O_RDONLY)
-    try:
-        _unshare(CLONE_NEWNET)
-        srv.netns = True
-    except OSError as exc:
-        srv.notes.append(f"no network namespace ({exc}); programs can reach the network")
     try:
         _unshare(CLONE_NEWNS)
         # Private first, so nothing we mount below propagates back to the host.
         _mount(None, "/", None, MS_REC | MS_PRIVATE)
     except OSError as exc:
-        srv.notes.append(f"no mount namespace ({exc}); programs share the host /tmp")
+        srv.notes.append(f"no mount namespace ({exc}); programs share the host's files and /tmp")
     else:
-        _expose_interpreter(srv)
+        if srv.uid_per_run:
+            _expose_interpreter(srv)
         srv.readonly = _remount_readonly(srv)
         srv.mountns = True
     srv.pidns = _probe_run_namespaces(srv)
     if not srv.pidns:
+        srv.net_per_run = False
         srv.notes.append("no PID namespace per run; runaway processes are found via /proc")
+    if not srv.fresh_proc:
+        srv.notes.append("cannot mount a fresh /proc per run; programs see an empty /proc")
     if not _probe_interpreter(srv):
         srv.notes.append(
             "the interpreter's files are not readable by the sandbox uid; imports of modules "
             "not preloaded will fail"
         )
+
+
+def _enter_user_namespace() -> None:
+    """Become root of a new user namespace that maps only our own uid and gid."""
+    uid, gid = os.geteuid(), os.getegid()
+    _unshare(CLONE_NEWUSER)
+    for name, text in (("setgroups", "deny"), ("uid_map", f"0 {uid} 1"), ("gid_map", f"0 {gid} 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
+def _drop_capabilities(cap_last: int) -> None:
+    """Give up every capability for good (bounding set too, so exec cannot regain them)."""
+    for cap in range(cap_last + 1):
+        _libc.prctl(PR_CAPBSET_DROP, cap, 0, 0, 0)
+    header = (ctypes.c_uint32 * 2)(0x20080522, 0)  # _LINUX_CAPABILITY_VERSION_3, this thread
+    _check(_libc.capset(header, (ctypes.c_uint32 * 6)()), "capset")
 
 
 def _others_can_enter(path: str) -> bool:
@@ -642,26 +698,75 @@ def _remount_readonly(srv: _Server) -> bool:
     return not failed or failed == ["/proc"]
 
 
+def _run_flags(srv: _Server, network: bool) -> int:
+    """The namespaces a supervisor unshares for one run."""
+    if not srv.pidns:
+        return 0
+    flags = CLONE_NEWPID | (CLONE_NEWNS if srv.mountns else 0)
+    return flags | (CLONE_NEWNET if srv.net_per_run and not network else 0)
+
+
 def _probe_run_namespaces(srv: _Server) -> bool:
-    """Check that a supervisor can create PID (and mount) namespaces and mount /tmp, /proc."""
+    """Check that a supervisor can create the per-run namespaces and mount /tmp and /proc,
+    and (userns mode) that a program can get a user namespace of its own."""
+    r, w = os.pipe()
     pid = os.fork()
     if pid == 0:
         code = 1
         try:
-            _unshare(CLONE_NEWPID | (CLONE_NEWNS if srv.mountns else 0))
+            os.close(r)
+            flags = CLONE_NEWPID | (CLONE_NEWNS if srv.mountns else 0)
+            _unshare(flags | (CLONE_NEWNET if srv.net_per_run else 0))
             child = os.fork()
             if child == 0:
                 ok = os.getpid() == 1
-                if srv.mountns:
-                    _mount_run_dirs(UID_BASE - 1, 1)
+                if srv.mountns and _mount_run_dirs(srv, UID_BASE - 1, 1):
+                    os.write(w, b"P")
+                if srv.mode == "userns" and os.fork() == 0:
+                    with contextlib.suppress(BaseException):
+                        _own_user_namespace()
+                        os.write(w, b"U")
+                    os._exit(0)
+                with contextlib.suppress(ChildProcessError):
+                    os.wait()
                 os._exit(0 if ok else 1)
             _, status = os.waitpid(child, 0)
             code = os.waitstatus_to_exitcode(status)
         except BaseException:
             pass
         os._exit(code)
+    os.close(w)
     _, status = os.waitpid(pid, 0)
+    with os.fdopen(r, "rb") as f:
+        report = f.read()
+    srv.fresh_proc = b"P" in report or not srv.mountns
+    # Since Linux 5.14 RLIMIT_NPROC counts per user namespace, so one per run isolates it.
+    srv.userns_per_run = b"U" in report and tuple(map(int, os.uname().release.split(".")[:2])) >= (
+        5,
+        14,
+    )
     return os.waitstatus_to_exitcode(status) == 0
+
+
+def _own_user_namespace() -> None:
+    """(userns mode) Enter a user namespace of this run's own, mapping root to our root."""
+    _unshare(CLONE_NEWUSER)
+    for name, text in (("setgroups", "deny"), ("uid_map", "0 0 1"), ("gid_map", "0 0 1")):
+        with open(f"/proc/self/{name}", "w") as f:
+            f.write(text)
+
+
+def _count_processes_of(uid: int) -> int:
+    """How many processes (threads included, as RLIMIT_NPROC counts) `uid` has now."""
+    count = 0
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        with contextlib.suppress(OSError, ValueError), open(f"/proc/{name}/status") as f:
+            fields = dict(line.split(":", 1) for line in f if ":" in line)
+            if int(fields["Uid"].split()[0]) == uid:
+                count += int(fields["Threads"])
+    return count
 
 
 def _probe_interpreter(srv: _Server) -> bool:
@@ -687,19 +792,22 @@ def _probe_interpreter(srv: _Server) -> bool:
     return os.waitstatus_to_exitcode(status) == 0
 
 
-def _mount_run_dirs(uid: int, file_mb: int) -> None:
-    """In a fresh mount namespace: a private tmpfs /tmp owned by `uid`, and a fresh /proc."""
-    size = f"size={max(4 * file_mb, 8)}m,nr_inodes=4096"
-    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, f"mode=0700,uid={uid},gid={uid},{size}")
+def _mount_run_dirs(srv: _Server, uid: int, file_mb: int) -> bool:
+    """In a fresh mount namespace: a private tmpfs /tmp (and /dev/shm) owned by the program,
+    and a /proc of its PID namespace. Returns False if /proc could only be hidden."""
+    owner = f"uid={uid},gid={uid}" if srv.uid_per_run else "uid=0,gid=0"
+    opts = f"mode=0700,{owner},size={max(4 * file_mb, 8)}m,nr_inodes=4096"
+    _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts)
     if os.path.isdir("/dev/shm"):
-        _mount(
-            "tmpfs",
-            "/dev/shm",
-            "tmpfs",
-            MS_NOSUID | MS_NODEV,
-            f"mode=0700,uid={uid},gid={uid},{size}",
-        )
-    _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, opts)
+    try:
+        _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
+        return True
+    except OSError:
+        # A user namespace may not mount proc over a partly masked one (containers);
+        # an empty /proc is better than the host's, which shows other processes.
+        _mount("tmpfs", "/proc", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0555,size=4k")
+        return False
 
 
 def _supervise(srv: _Server, sock_fd: int, uid: int) -> None:
@@ -730,8 +838,13 @@ def _run_program(
             os.chown(workdir, uid, uid)
     if lim.network and srv.netns:
         _check(_libc.setns(srv.host_net_fd, CLONE_NEWNET), "setns")
+    # RLIMIT_NPROC counts all processes of the program's user; where that user is shared
+    # with this machine's (no uid or user namespace of its own), the limit comes on top.
+    shared_nproc = 0
+    if not srv.uid_per_run and not srv.userns_per_run:
+        shared_nproc = _count_processes_of(os.getuid())
     if srv.pidns:
-        _unshare(CLONE_NEWPID | (CLONE_NEWNS if srv.mountns else 0))
+        _unshare(_run_flags(srv, lim.network))
     in_r, in_w = os.pipe()
     out_r, out_w = os.pipe()
     err_r, err_w = os.pipe()
@@ -743,7 +856,17 @@ def _run_program(
         try:
             for fd in (in_w, out_r, err_r, st_r, rep_r):
                 os.close(fd)
-            _init(srv, source, args, lim, uid, workdir, (in_r, out_w, err_w, rep_w), st_w)
+            _init(
+                srv,
+                source,
+                args,
+                lim,
+                uid,
+                workdir,
+                (in_r, out_w, err_w, rep_w),
+                st_w,
+                shared_nproc,
+            )
         finally:
             os._exit(127)
     for fd in (in_r, out_w, err_w, st_w, rep_w):
@@ -859,36 +982,33 @@ def _collect(
 
 
 def _kill_descendants() -> None:
-    """Without a PID namespace: SIGKILL every descendant (orphans included, as we are their
-    subreaper) and reap them, until none is left."""
+    """Without a PID namespace: SIGKILL every descendant (orphans come to us, as we are
+    their subreaper) and reap them; rescan until none is left, as one may fork meanwhile."""
     me = os.getpid()
     while True:
         children: dict[int, list[int]] = {}
         for name in os.listdir("/proc"):
             if not name.isdigit():
                 continue
-            try:
+            with contextlib.suppress(OSError, ValueError, IndexError):
                 with open(f"/proc/{name}/stat", "rb") as f:
                     stat = f.read()
-            except OSError:
-                continue
-            ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
-            children.setdefault(ppid, []).append(int(name))
-        todo, found = list(children.get(me, [])), []
+                ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+                children.setdefault(ppid, []).append(int(name))
+        todo, found = list(children.get(me, [])), 0
         while todo:
             pid = todo.pop()
-            found.append(pid)
+            found += 1
             todo.extend(children.get(pid, []))
-        for pid in found:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
         try:
-            while os.waitpid(-1, 0 if found else os.WNOHANG)[0]:
+            while os.waitpid(-1, os.WNOHANG)[0]:
                 pass
         except ChildProcessError:
-            return
+            return  # no child left, dead or alive
         if not found:
-            return
+            time.sleep(0.001)  # only zombies-to-be left; let them finish dying
 
 
 def _init(
@@ -900,13 +1020,14 @@ def _init(
     workdir: str,
     stdio: tuple[int, int, int, int],
     st_w: int,
+    shared_nproc: int,
 ) -> None:
     """PID 1 of the run's namespace: mount its private dirs, start the program, report how
     it ended, exit. Exiting makes the kernel kill everything else left in the namespace."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the supervisor died: take the namespace down
     try:
         if srv.mountns:
-            _mount_run_dirs(uid, lim.max_file_mb)
+            _mount_run_dirs(srv, uid, lim.max_file_mb)
         pid = os.fork()
     except BaseException as exc:
         os.write(stdio[2], f"sandbox: could not start the program: {exc!r}\n".encode())
@@ -914,7 +1035,7 @@ def _init(
     if pid == 0:
         try:
             os.close(st_w)
-            _program(srv, source, args, lim, uid, workdir, stdio)
+            _program(srv, source, args, lim, uid, workdir, stdio, shared_nproc)
         except BaseException as exc:
             os.write(2, f"sandbox: could not start the program: {exc!r}\n".encode())
         finally:
@@ -927,7 +1048,7 @@ def _init(
         except ChildProcessError:
             os._exit(0)
         if child == pid:
-            os.write(st_w, b"%d\n" % status)
+            os.write(st_w, b"%d\n" % status); os.close(st_w); time.sleep(1000)
             os._exit(0)
 
 
@@ -939,6 +1060,7 @@ def _program(
     uid: int,
     workdir: str,
     stdio: tuple[int, int, int, int],
+    shared_nproc: int,
 ) -> None:
     """Become the program: its stdio, limits and uid, then run the source as __main__."""
     in_r, out_w, err_w, rep_w = stdio
@@ -950,6 +1072,10 @@ def _program(
         os.setgroups([])
         os.setresgid(uid, uid, uid)
         os.setresuid(uid, uid, uid)
+    elif srv.mode == "userns":
+        if srv.userns_per_run:
+            _own_user_namespace()
+        _drop_capabilities(srv.cap_last)  # root of a user namespace, but powerless
     _prctl(PR_SET_NO_NEW_PRIVS, 1)
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # after setuid, which clears it
     os.chdir(workdir)
@@ -963,7 +1089,7 @@ def _program(
         (resource.RLIMIT_AS, (lim.memory_mb * mb,) * 2),
         (resource.RLIMIT_FSIZE, (lim.max_file_mb * mb,) * 2),
         (resource.RLIMIT_NOFILE, (lim.max_open_files,) * 2),
-        (resource.RLIMIT_NPROC, (lim.max_processes,) * 2),
+        (resource.RLIMIT_NPROC, (lim.max_processes + shared_nproc,) * 2),
         (resource.RLIMIT_CORE, (0, 0)),
         (resource.RLIMIT_MEMLOCK, (0, 0)),
         (resource.RLIMIT_MSGQUEUE, (0, 0)),
@@ -973,6 +1099,7 @@ def _program(
     os.environ.update(CHILD_ENV)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it
     signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # too large a write raises OSError(EFBIG)
+    _libc.mallopt(M_ARENA_MAX, 2)  # as MALLOC_ARENA_MAX, which glibc read before the fork
     os._exit(_exec_main(source, path, args))
 
 

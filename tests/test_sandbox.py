@@ -26,16 +26,18 @@ from masenvs.sandbox import (
 
 REPO = Path(__file__).resolve().parents[1]
 FAST = SandboxLimits(cpu_seconds=2.0, wall_seconds=2.0, memory_mb=256)
-needs_root = pytest.mark.skipif(
-    os.geteuid() != 0,
-    reason="without root the sandbox cannot isolate uid, network or files (docs/sandbox.md)",
-)
 
 
 @pytest.fixture(scope="module")
 def sb() -> Sandbox:
     with Sandbox(FAST) as sandbox:
         yield sandbox
+
+
+def require(sb: Sandbox, feature: str) -> None:
+    """Skip where this machine cannot give `feature` (a documented limit, docs/sandbox.md)."""
+    if not getattr(sb.isolation, feature):
+        pytest.skip(f"isolation mode {sb.isolation.mode!r} has no {feature} on this machine")
 
 
 def run(sb: Sandbox, source: str, **kw: object) -> RunResult:
@@ -281,8 +283,8 @@ def test_fork_bomb_is_contained(sb: Sandbox) -> None:
     assert run(sb, "print('still fine')").stdout == "still fine\n"
 
 
-@needs_root
 def test_fork_bomb_does_not_starve_concurrent_runs(sb: Sandbox) -> None:
+    require(sb, "nproc_per_run")
     bomb = (
         "import os\nwhile True:\n    try:\n        os.fork()\n    except OSError:\n        pass\n"
     )
@@ -325,8 +327,8 @@ def test_detached_descendants_die_with_the_run(sb: Sandbox, main_exits: bool) ->
         assert res.wall_seconds < 1.5  # no waiting on the sleeper's inherited stdout
 
 
-@needs_root
 def test_no_network_to_a_loopback_server(sb: Sandbox) -> None:
+    require(sb, "network_namespace")
     server = socket.socket()
     server.bind(("127.0.0.1", 0))
     server.listen()
@@ -357,13 +359,15 @@ def test_no_network_to_a_loopback_server(sb: Sandbox) -> None:
         server.close()
 
 
-@needs_root
 def test_writes_outside_its_directory_fail(sb: Sandbox, tmp_path: Path) -> None:
+    require(sb, "readonly_filesystem")
     open_dir = tmp_path / "world-writable"
     open_dir.mkdir()
     open_dir.chmod(0o777)  # even a directory anyone may write to is out of reach
     name = f"sandbox-escape-{random.randint(10**6, 10**7)}"
-    targets = [open_dir / name, REPO / name, Path.home() / name, Path("/var/tmp") / name]
+    targets = [open_dir / name, REPO / name, Path("/var/tmp") / name]
+    if not Path.home().is_relative_to("/tmp"):  # a home under /tmp is its private /tmp
+        targets.append(Path.home() / name)
     source = f"""
         import os
         for path in {[str(t) for t in targets]!r}:
@@ -407,31 +411,29 @@ def test_parent_environment_does_not_leak(monkeypatch: pytest.MonkeyPatch) -> No
 
 
 def test_signalling_the_parent_fails(sb: Sandbox) -> None:
+    require(sb, "pid_namespace")
     server = sb._server.pid
     source = f"""
-        import os, signal
-        for pid in (os.getppid(), {os.getpid()}, {server}, 1):
+        import os, signal, time
+        for pid in ({os.getpid()}, {server}):  # the test process and the sandbox server
             try:
                 os.kill(pid, signal.SIGKILL)
                 print("sent", pid)
             except OSError as exc:
                 print("denied", type(exc).__name__)
-        try:
-            os.kill(-1, signal.SIGKILL)  # all it may signal: in its namespace, nobody else
-            print("killed others")
-        except OSError as exc:
-            print("alone", type(exc).__name__)
+        for pid in (os.getppid(), 1, -1):  # its own init (immune to it) and everything else
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except OSError:
+                pass
+        time.sleep(0.1)
+        print("still running")
     """
     res = run(sb, source)
     assert res.ok, res.stderr
-    assert "sent" not in res.stdout and res.stdout.count("denied") == 4
-    if sb.isolation.uid_per_run:
-        assert "alone ProcessLookupError" in res.stdout
+    assert res.stdout == "denied ProcessLookupError\n" * 2 + "still running\n"
     assert sb._server.poll() is None  # the server survived
     assert run(sb, "print('alive')").stdout == "alive\n"
-
-
-# ----------------------------------------------------------------- concurrency, lifecycle
 
 
 def test_many_concurrent_runs_from_threads_are_correct(sb: Sandbox) -> None:
@@ -499,8 +501,9 @@ def test_server_dies_with_its_parent() -> None:
 
 def test_isolation_is_reported(sb: Sandbox) -> None:
     iso = sb.isolation
-    assert iso.mode in ("namespaces", "rlimits")
+    assert iso.mode in ("root", "userns", "rlimits")
     if os.geteuid() == 0:
+        assert iso.mode == "root"
         assert iso.uid_per_run and iso.network_namespace and iso.pid_namespace
-        assert iso.mount_namespace and iso.readonly_filesystem
+        assert iso.mount_namespace and iso.readonly_filesystem and iso.nproc_per_run
     assert iso.mode in str(iso)

@@ -27,8 +27,8 @@ class ModelConfig(_Section):
 
     name: str = Field(
         "smollm2-135m",
-        description="Base model: a name known to `masenvs.adapters.models.load_model` "
-        "('tiny', 'smollm2-135m'), a local directory, or a Hugging Face hub id.",
+        description="Base model: 'smollm2-135m', 'tiny' (tests) or a local Hugging Face model "
+        "directory, as `masenvs.adapters.models.load_model` accepts.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the learner runs; 'auto' picks CUDA when available."
@@ -244,7 +244,11 @@ class TrainConfig(_Section):
     """Everything one AT-GRPO run needs; YAML sections map to the fields below."""
 
     run_dir: str = Field("runs/default", description="Checkpoints, metrics and plots go here.")
-    seed: int = Field(0, description="Seeds python, numpy and torch (LoRA init, dropout).")
+    seed: int = Field(
+        0,
+        description="Run seed: LoRA init and mini-batch shuffles derive from it; the loop "
+        "seeds python, numpy and torch with it.",
+    )
     steps: int = Field(200, ge=1, description="Training steps (one rollout batch + update each).")
     model: ModelConfig = Field(default_factory=ModelConfig)
     env: EnvSpec = Field(default_factory=EnvSpec)
@@ -321,6 +325,7 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     except yaml.YAMLError:
         value = raw  # a value YAML cannot parse is taken as a plain string
     parts = key.strip().split(".")
+    _check_sections(parts, item)
     node = data
     for depth, part in enumerate(parts[:-1]):
         child = node.setdefault(part, {})
@@ -329,6 +334,25 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
             raise ConfigError(f"override {item!r}: {where} is a value, not a section")
         node = child
     node[parts[-1]] = value
+
+
+def _check_sections(parts: list[str], item: str) -> None:
+    """Every dotted prefix of an override must be a section (or a dict-valued field)."""
+    section: type[BaseModel] | None = TrainConfig
+    for depth, part in enumerate(parts[:-1]):
+        if section is None:  # inside a free-form dict such as env.options
+            return
+        field = section.model_fields.get(part)
+        if field is None:
+            return  # unknown name: validation reports it with a suggestion
+        annotation = field.annotation
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            section = annotation
+        elif getattr(annotation, "__origin__", None) is dict:
+            section = None
+        else:
+            where = ".".join(parts[: depth + 1])
+            raise ConfigError(f"override {item!r}: {where} is a value, not a section")
 
 
 def _explain(exc: ValidationError, source: str) -> str:

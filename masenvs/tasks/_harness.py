@@ -1,8 +1,8 @@
 """Test harness: the program the code judge runs in the sandbox (stdlib only).
 
 It reads one JSON request on stdin: the candidate `code`, `fn_name` (None for stdin
-programs), `cases` (each an `input` and an output `cap` in bytes), a per-case `timeout` and
-`stop_on_error`. Each case runs in a fresh forked process with its own stdin, stdout and
+programs), `cases` (each an `input` and an output `cap` in bytes), a per-case `timeout` (CPU seconds,
+with a wall-clock backstop) and `stop_on_error`. Each case runs in a fresh forked process with its own stdin, stdout and
 stderr; the harness reports one JSON line per case on its stdout: `status` (ok, error,
 timeout, memory, output_limit), `output` (what was printed, or the JSON of the return value)
 and the tail of `stderr`. Expected outputs never enter this process: the parent compares.
@@ -12,13 +12,14 @@ and the tail of `stderr`. Expected outputs never enter this process: the parent 
 import bisect  # noqa: F401
 import builtins
 import collections  # noqa: F401
+import contextlib
 import ctypes
 import errno
 import functools  # noqa: F401
 import heapq  # noqa: F401
 import itertools  # noqa: F401
 import json
-import math  # noqa: F401
+import math
 import os
 import resource
 import select
@@ -73,10 +74,8 @@ def run_candidate(code, preamble, fn_name, args) -> int:
     try:
         if fn_name is None:
             namespace = {"__name__": "__main__", "__builtins__": builtins}
-            try:
+            with contextlib.suppress(SystemExit):  # how many contest programs end
                 exec(code, namespace)
-            except SystemExit:
-                pass  # exit() after printing is how many contest programs end
             threading._shutdown()  # join the program's non-daemon threads, as exit does
         else:
             namespace = {"__name__": "solution", "__builtins__": builtins}
@@ -112,32 +111,33 @@ def memfile(name: str, data: bytes = b"") -> int:
     return fd
 
 
+def wall_limit(timeout: float) -> float:
+    """The wall-clock backstop for a case whose CPU limit is `timeout` (sleepers, blocked I/O).
+
+    CPU time decides timeouts so that a loaded machine does not fail correct programs."""
+    return 2 * timeout + 1
+
+
 def wait_for(pid: int, timeout: float):
-    """The case process's wait status, or None when it ran past `timeout` (then killed)."""
+    """(wait status, CPU seconds) of the case process; status None when it was killed."""
     try:
         pidfd = os.pidfd_open(pid)
     except (AttributeError, OSError):
         pidfd = None
-    deadline = time.monotonic() + timeout
-    status = None
+    wall = wall_limit(timeout)
+    deadline = time.monotonic() + wall
+    done = False
     if pidfd is not None:
-        if select.select([pidfd], [], [], timeout)[0]:
-            status = os.waitpid(pid, 0)[1]
+        done = bool(select.select([pidfd], [], [], wall)[0])
         os.close(pidfd)
     else:
-        while time.monotonic() < deadline:
-            done, wait_status = os.waitpid(pid, os.WNOHANG)
-            if done:
-                status = wait_status
-                break
+        while not done and time.monotonic() < deadline:
+            done = os.waitid(os.P_PID, pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is not None
             time.sleep(0.002)
-    try:  # the case and anything it left running in its process group
-        os.killpg(pid, signal.SIGKILL)
-    except (ProcessLookupError, PermissionError):
-        pass
-    if status is None:
-        os.waitpid(pid, 0)
-    return status
+    with contextlib.suppress(ProcessLookupError, PermissionError):
+        os.killpg(pid, signal.SIGKILL)  # the case and anything it left in its process group
+    _, status, usage = os.wait4(pid, 0)
+    return (status if done else None), usage.ru_utime + usage.ru_stime
 
 
 def tail(fd: int) -> str:
@@ -147,6 +147,7 @@ def tail(fd: int) -> str:
 
 
 def run_case(code, preamble, fn_name, case, timeout) -> dict:
+    """Run one case in a forked process; `timeout` is its CPU time limit in seconds."""
     call_based = fn_name is not None
     stdin = b"" if call_based else str(case["input"]).encode("utf-8", "replace")
     in_fd, out_fd, err_fd = memfile("stdin", stdin), memfile("stdout"), memfile("stderr")
@@ -160,6 +161,11 @@ def run_case(code, preamble, fn_name, case, timeout) -> dict:
         code_ = EXIT_ERROR
         try:
             os.setpgid(0, 0)
+            _, hard = resource.getrlimit(resource.RLIMIT_CPU)
+            soft = max(1, math.ceil(timeout))
+            if hard != resource.RLIM_INFINITY:
+                soft = min(soft, hard)
+            resource.setrlimit(resource.RLIMIT_CPU, (soft, hard))  # SIGXCPU: a timeout
             for target, fd in ((0, in_fd), (1, out_fd), (2, err_fd)):
                 os.dup2(fd, target)
             if res_fd is not None:
@@ -173,7 +179,7 @@ def run_case(code, preamble, fn_name, case, timeout) -> dict:
             sys.stderr.flush()
         finally:
             os._exit(code_)
-    status = wait_for(pid, timeout)
+    status, cpu = wait_for(pid, timeout)
     cap = int(case["cap"])
     source_fd = res_fd if call_based else out_fd
     output = os.pread(source_fd, cap + 1, 0)
@@ -181,7 +187,7 @@ def run_case(code, preamble, fn_name, case, timeout) -> dict:
     for fd in (in_fd, out_fd, err_fd, res_fd):
         if fd is not None:
             os.close(fd)
-    if status is None:
+    if status is None or cpu > timeout:
         verdict = "timeout"
     elif os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)

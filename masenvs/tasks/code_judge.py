@@ -63,7 +63,9 @@ def outputs_match(actual: str, expected: str, float_tolerance: float = 1e-6) -> 
             value = float(a)
         except ValueError:
             return False
-        if not math.isclose(value, expected_float, rel_tol=float_tolerance, abs_tol=float_tolerance):
+        if not math.isclose(
+            value, expected_float, rel_tol=float_tolerance, abs_tol=float_tolerance
+        ):
             return False
     return True
 
@@ -72,7 +74,11 @@ def values_match(actual: Any, expected: Any, float_tolerance: float = 1e-6) -> b
     """A returned value (after a JSON round trip) equals the expected one."""
     if _equal(actual, expected, float_tolerance):
         return True
-    return isinstance(expected, list) and len(expected) == 1 and _equal(actual, expected[0], float_tolerance)
+    return (
+        isinstance(expected, list)
+        and len(expected) == 1
+        and _equal(actual, expected[0], float_tolerance)
+    )
 
 
 def _equal(a: Any, b: Any, tol: float) -> bool:
@@ -104,16 +110,16 @@ class CaseResult:
     def passed(self) -> bool:
         return self.status == "pass"
 
-    def describe(self, test: TestCase, limit: int = 300) -> str:
-        """The case as a line of feedback: input, expected, actual."""
+    def describe(self, test: TestCase, call_based: bool = False, limit: int = 300) -> str:
+        """The case as feedback: input, expected, actual (call-based values as JSON)."""
 
         def show(value: Any) -> str:
-            text = value if isinstance(value, str) else json.dumps(value)
+            text = json.dumps(value) if call_based or not isinstance(value, str) else value
             text = text.strip()
             return text if len(text) <= limit else text[:limit] + " ..."
 
         got = show(self.actual) if self.status in ("pass", "wrong") else self.status
-        if self.status == "error" and self.error:
+        if self.status == "error" and self.error.strip():
             got += ": " + self.error.strip().splitlines()[-1][:limit]
         return f"Input: {show(test.input)}\nExpected: {show(test.output)}\nGot: {got}"
 
@@ -162,7 +168,7 @@ def _output_cap(test: TestCase) -> int:
 class CodeJudge:
     """Grades programs on tests in the sandbox; safe to share between threads."""
 
-    timeout: float = 2.0  # wall seconds per test case
+    timeout: float = 5.0  # CPU seconds per test case (wall-clock backstop: 2x + 1 s)
     stop_at_first_failure: bool = False  # cases after the first failure are not graded
     cases_per_run: int | None = None  # cases per sandbox run; None: spread over the CPUs
     float_tolerance: float = 1e-6
@@ -220,7 +226,7 @@ class CodeJudge:
             "timeout": self.timeout,
             "stop_on_error": self.stop_at_first_failure,
         }
-        budget = len(chunk) * (self.timeout + 0.5) + 5.0  # + the harness's own start
+        budget = len(chunk) * (2 * self.timeout + 1.5) + 5.0  # per-case backstops + start
         limits = dataclasses.replace(
             sandbox.limits,
             wall_seconds=budget,

@@ -11,7 +11,11 @@ from masenvs.tasks.records import CodeTask, TestCase
 
 
 def _stdin(
-    id: str, prompt: str, solution: str, public: list[tuple[str, str]], hidden: list[tuple[str, str]]
+    id: str,
+    prompt: str,
+    solution: str,
+    public: list[tuple[str, str]],
+    hidden: list[tuple[str, str]],
 ) -> CodeTask:
     return CodeTask(
         id=f"builtin/{id}",

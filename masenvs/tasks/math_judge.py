@@ -163,9 +163,7 @@ class MathJudge:
             return False
         return self._compare(a, b, symmetric=True, timeout=timeout)
 
-    def _compare(
-        self, gold: str, pred: str | None, symmetric: bool, timeout: float | None
-    ) -> bool:
+    def _compare(self, gold: str, pred: str | None, symmetric: bool, timeout: float | None) -> bool:
         if pred is None:
             return False
         gold, pred = normalize(gold), normalize(pred)

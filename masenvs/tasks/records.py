@@ -87,7 +87,9 @@ class TestCase:
             if not isinstance(data["input"], list):
                 raise ValueError("a call-based test input must be a list of arguments")
             # Round-trip through JSON so tuples and other types compare as the sandbox sees them.
-            return cls(json.loads(json.dumps(data["input"])), json.loads(json.dumps(data["output"])))
+            return cls(
+                json.loads(json.dumps(data["input"])), json.loads(json.dumps(data["output"]))
+            )
         return cls(str(data["input"]), str(data["output"]))
 
 

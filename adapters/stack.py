@@ -1,0 +1,111 @@
+"""A backend, the capture endpoint and a trace store, started together in this process."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from masenvs.adapters.backends.base import Backend, BackendError
+from masenvs.adapters.endpoint import Endpoint, EndpointServer, create_app
+from masenvs.adapters.policy_map import PolicyMap
+from masenvs.traces import TraceStore
+
+
+class StackError(Exception):
+    """The stack could not start; the message names the cause and the fix."""
+
+
+@dataclass
+class Stack:
+    backend: Backend
+    endpoint: Endpoint
+    server: EndpointServer
+    store: TraceStore | None
+    api_key: str | None = None
+
+    @property
+    def base_url(self) -> str:
+        """Root URL; OpenAI clients use `{base_url}/v1` or `{base_url}/r/{rollout_id}/v1`."""
+        return self.server.url
+
+    def close(self) -> None:
+        self.server.stop()
+        shutdown = getattr(self.backend, "shutdown", None)
+        if shutdown is not None:
+            shutdown()
+        else:
+            asyncio.run(self.backend.close())
+        if self.store is not None:
+            self.store.close()
+
+
+def parse_pairs(pairs: list[str], flag: str) -> dict[str, str]:
+    """`NAME=VALUE` command-line pairs as a dict, with a clear error for a malformed one."""
+    result = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name or not value:
+            raise SystemExit(f"{flag} expects NAME=VALUE, got {pair!r}")
+        result[name] = value
+    return result
+
+
+def make_backend(
+    model: str = "smollm2-135m",
+    backend: str = "embedded",
+    vllm_url: str | None = None,
+    **engine: Any,
+) -> Backend:
+    if backend == "vllm":
+        from masenvs.adapters.backends.vllm import VLLMBackend
+
+        if not vllm_url:
+            raise StackError("--backend vllm needs --vllm-url (the URL of a running `vllm serve`)")
+        return VLLMBackend(vllm_url)
+    if backend != "embedded":
+        raise StackError(f"unknown backend {backend!r}: use 'embedded' or 'vllm'")
+    from masenvs.adapters.backends.embedded import EmbeddedBackend
+    from masenvs.adapters.models import ModelLoadError
+
+    try:
+        return EmbeddedBackend.from_spec(model, **engine)
+    except ModelLoadError as exc:
+        raise StackError(str(exc)) from exc
+
+
+def start_stack(
+    *,
+    model: str = "smollm2-135m",
+    backend: str | Backend = "embedded",
+    vllm_url: str | None = None,
+    traces: str | Path | None = None,
+    adapters: dict[str, str] | None = None,
+    policy_map: dict[str, str] | PolicyMap | None = None,
+    api_key: str | None = None,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    **engine: Any,
+) -> Stack:
+    """Load the backend, load `adapters` (name -> peft dir), serve the endpoint on `host`."""
+    served = (
+        backend
+        if not isinstance(backend, str)
+        else make_backend(model, backend, vllm_url, **engine)
+    )
+    for name, path in (adapters or {}).items():
+        try:
+            asyncio.run(served.load_adapter(name, str(path)))
+        except (BackendError, OSError, ValueError) as exc:
+            raise StackError(f"could not load adapter {name} from {path}: {exc}") from exc
+    store = TraceStore(traces) if traces is not None else None
+    if isinstance(policy_map, dict):
+        policy_map = PolicyMap(policy_map)
+    endpoint = create_app(served, store=store, policy_map=policy_map, api_key=api_key)
+    server = EndpointServer(endpoint, host=host, port=port)
+    try:
+        server.start()
+    except (OSError, RuntimeError) as exc:
+        raise StackError(f"the endpoint could not listen on {host}:{port}: {exc}") from exc
+    return Stack(served, endpoint, server, store, api_key)

@@ -1,0 +1,230 @@
+"""Math: answer a question with one exact final answer.
+
+Roles (Stronger-MAS): `reasoner` reasons step by step and ends with `\\boxed{answer}`;
+`tool` writes Python that prints the answer (run in the sandbox). Each sees the other's
+previous answer (and the tool's program output). The episode ends when both answers verify
+as equal, or after `max_rounds`. Success: the reasoner's final answer is correct (checked
+by math-verify against the task's answer). Single-agent mode: `reasoner` alone, which may
+also run code; its episode ends when it gives the same answer twice in a row.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+from pydantic import Field
+
+from masenvs.env import EnvConfig, EpisodeState, MASEnv, Message, RewardParts
+from masenvs.envs.tooling import ToolRun, run_tool
+from masenvs.parsing import clip_text, last_code_block
+from masenvs.tasks.loaders import TaskSource, open_source
+from masenvs.tasks.math_judge import default_judge, last_boxed, printed_answer
+from masenvs.tasks.records import MathTask
+
+
+class MathConfig(EnvConfig):
+    source: str = Field(
+        "generated",
+        description='Task source: "generated", "jsonl:/path/file.jsonl" or "hf:<dataset>" '
+        "(aime2024, aime2025, math500, olympiadbench, gsm8k, dapo17k).",
+    )
+    split: str | None = Field(None, description="Dataset split (None: the dataset's default).")
+    data_path: str | None = Field(
+        None, description="A local copy of the hf: dataset (save_to_disk dir or data file)."
+    )
+    level: int = Field(2, ge=1, le=3, description="Difficulty of generated problems.")
+    topics: tuple[str, ...] | None = Field(
+        None, description="Topics of generated problems (None: all; see math_gen.TOPICS)."
+    )
+    max_rounds: int = Field(4, ge=1, le=1000, description="Rounds before the episode truncates.")
+    correct_reward: float = Field(
+        1.0, description="An agent's own reward for a correct answer; also the team reward."
+    )
+    format_penalty: float = Field(
+        -1.0, description="For no \\boxed{} answer (reasoner) or no printed answer (tool)."
+    )
+    tool_timeout: float = Field(5.0, gt=0, description="Wall seconds for the tool's program.")
+    verify_timeout: float = Field(5.0, gt=0, description="Seconds for one math-verify check.")
+    shown_chars: int = Field(
+        2000, ge=100, description="How much of the other agent's last answer is shown."
+    )
+
+
+# --- reward --------------------------------------------------------------------------------
+
+
+def answer_reward(answer: str | None, correct: bool, cfg: MathConfig) -> float:
+    """An agent's own outcome: right, wrong (0), or no answer at all (format penalty)."""
+    if answer is None:
+        return cfg.format_penalty
+    return cfg.correct_reward if correct else 0.0
+
+
+def team_reward(reasoner_correct: bool, cfg: MathConfig) -> float:
+    """The team is judged by the reasoner's answer, the one it commits."""
+    return cfg.correct_reward if reasoner_correct else 0.0
+
+
+# --- prompts -------------------------------------------------------------------------------
+
+SYSTEM = {
+    "reasoner": (
+        "You are the reasoning agent of a math team. Solve the problem step by step and end "
+        "with your final answer in \\boxed{}, e.g. \\boxed{\\frac{3}{4}}. A tool agent solves "
+        "the same problem by writing Python; its program, output and answer are shown when "
+        "available. If your answers differ, find out which one is right."
+    ),
+    "tool": (
+        "You are the tool agent of a math team. Write one Python program in a ```python block "
+        "that computes the answer exactly (fractions.Fraction or sympy for exact values) and "
+        "prints only the final answer on its last line, e.g. 3/4 or 42. It runs with no input "
+        "and a time limit. The reasoning agent's solution is shown when available; if your "
+        "answers differ, find out which one is right."
+    ),
+}
+SOLO_SYSTEM = (
+    "You solve math problems. Reason step by step and end with your final answer in "
+    "\\boxed{}, e.g. \\boxed{\\frac{3}{4}}. You may also write a Python program in a ```python "
+    "block; it runs and you see its output next round. Your episode ends when you give the "
+    "same answer twice in a row."
+)
+
+
+@dataclass
+class MathState(EpisodeState):
+    answers: dict[str, str | None] = field(default_factory=dict)  # latest, by agent
+    correct: dict[str, bool] = field(default_factory=dict)  # latest answer correct, by agent
+    agreed: bool = False
+    tool_runs: list[ToolRun] = field(default_factory=list)
+
+
+class MathEnv(MASEnv):
+    name = "math"
+    roles = ("reasoner", "tool")
+    solo_role = "reasoner"
+    config_class = MathConfig
+
+    config: MathConfig
+    task: MathTask
+    state: MathState
+
+    def __init__(self, config: MathConfig | None = None, render_mode: str | None = None, **kw: Any):
+        super().__init__(config, render_mode, **kw)
+        cfg = self.config
+        self.source: TaskSource = open_source(
+            cfg.source, "math", cfg.split, cfg.data_path, cfg.level, cfg.topics
+        )
+
+    def generate_task(self, rng: np.random.Generator) -> MathTask:
+        return self.source.sample(rng)
+
+    def load_task(self, task: Any) -> MathTask:
+        return task if isinstance(task, MathTask) else MathTask.from_dict(task)
+
+    def initial_state(self, task: MathTask) -> MathState:
+        return MathState()
+
+    def task_info(self) -> dict[str, Any]:
+        return {"id": self.task.id, "source": self.task.source}
+
+    def prompt(self, agent: str) -> list[Message]:
+        cfg, state = self.config, self.state
+        system = SOLO_SYSTEM if cfg.single_agent else SYSTEM[agent]
+        lines = [
+            f"Problem:\n{self.task.question}",
+            "",
+            f"Round {self.round + 1} of {cfg.max_rounds}.",
+        ]
+        if self.round > 0:
+            own = state.answers.get(agent)
+            lines.append(f"Your last answer: {own if own is not None else '(none found)'}")
+            if agent == "tool" and state.tool_runs:
+                lines += _program_lines(state.tool_runs[-1], "Your program", cfg.shown_chars)
+            other = "tool" if agent == "reasoner" else "reasoner"
+            if not cfg.single_agent:
+                lines += ["", f"The {other} agent's last answer:"]
+                if other == "tool" and state.tool_runs:
+                    lines += _program_lines(state.tool_runs[-1], "Its program", cfg.shown_chars)
+                else:
+                    lines.append(clip_text(self.last_actions.get(other, ""), cfg.shown_chars))
+                answer = state.answers.get(other)
+                lines.append(f"Its answer: {answer if answer is not None else '(none found)'}")
+            elif state.tool_runs:
+                lines += _program_lines(state.tool_runs[-1], "Your program", cfg.shown_chars)
+        feedback = self.last_feedback.get(agent)
+        if feedback:
+            lines += ["", feedback]
+        return [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "\n".join(lines)},
+        ]
+
+    # --- one round ----------------------------------------------------------------------------
+
+    def play_round(self, actions: dict[str, str]) -> dict[str, RewardParts]:
+        cfg, state, gold = self.config, self.state, self.task.answer
+        judge = default_judge()
+        parts = {agent: RewardParts() for agent in actions}
+        previous = state.answers.get("reasoner")
+
+        text = actions["reasoner"]
+        if cfg.single_agent and last_code_block(text) is not None:
+            state.tool_runs.append(run_tool(text, cfg.tool_timeout))
+        answer = last_boxed(text)
+        correct = answer is not None and judge.equal(gold, answer, cfg.verify_timeout)
+        state.answers["reasoner"], state.correct["reasoner"] = answer, correct
+        parts["reasoner"].agent = answer_reward(answer, correct, cfg)
+        self.last_feedback["reasoner"] = (
+            "" if answer is not None else "No \\boxed{} answer found: end with \\boxed{answer}."
+        )
+
+        if "tool" in actions:
+            run = run_tool(actions["tool"], cfg.tool_timeout)
+            state.tool_runs.append(run)
+            tool_answer = printed_answer(run.output) if run.ok else None
+            tool_correct = tool_answer is not None and judge.equal(
+                gold, tool_answer, cfg.verify_timeout
+            )
+            state.answers["tool"], state.correct["tool"] = tool_answer, tool_correct
+            parts["tool"].agent = answer_reward(tool_answer, tool_correct, cfg)
+            self.last_feedback["tool"] = (
+                ""
+                if tool_answer is not None
+                else (run.describe(500) + "\nNo answer: print the final answer on the last line.")
+            )
+            state.agreed = judge.agree(answer, tool_answer, cfg.verify_timeout)
+        else:
+            state.agreed = judge.agree(previous, answer, cfg.verify_timeout)
+
+        for p in parts.values():
+            p.team = team_reward(correct, cfg)
+        if state.agreed:  # the team settled on an answer: the episode ends with its verdict
+            state.success, state.failed = correct, not correct
+        elif self.round + 1 >= cfg.max_rounds:
+            state.success = correct
+        return parts
+
+    def _info(self, agent: str, parts: RewardParts | None) -> dict[str, Any]:
+        info = super()._info(agent, parts)
+        info["answers"] = dict(self.state.answers)
+        info["correct"] = bool(self.state.correct.get("reasoner", False))
+        return info
+
+    def render_text(self) -> str:
+        state = self.state
+        answers = ", ".join(f"{a}={v}" for a, v in state.answers.items()) or "no answers yet"
+        status = "solved" if state.success else "agreed" if state.agreed else f"round {self.round}"
+        return f"math {self.task.id} ({status}): {answers}; reference {self.task.answer}"
+
+
+def _program_lines(run: ToolRun, title: str, limit: int) -> list[str]:
+    if run.verdict == "no_code":
+        return [f"{title}: (no ```python block)"]
+    return [
+        f"{title}:",
+        f"```python\n{clip_text(run.code.strip(), limit)}\n```",
+        f"Output ({run.verdict}):",
+        clip_text(run.output, limit // 2) or "(no output)",
+    ]

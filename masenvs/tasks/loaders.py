@@ -1,0 +1,517 @@
+"""Task sources: the math generator, our code problems, JSONL files, Hugging Face datasets.
+
+An env names its source with one string (`EnvConfig.source`):
+
+* `generated` (math): procedural problems, `math_gen.py`;
+* `builtin` (code): our problems with tests, `code_problems.py`;
+* `jsonl:/path/tasks.jsonl`: our task format (`MathTask.to_dict` / `CodeTask.to_dict`, one
+  object per line);
+* `hf:<key>`: a Hugging Face dataset from `HF_DATASETS`, converted to our records. Pass
+  `data_path` to read a local copy instead of the Hub (a `save_to_disk` directory, a
+  parquet/JSON/JSONL file, or a downloaded snapshot of the dataset repo).
+"""
+
+from __future__ import annotations
+
+import base64
+import io
+import json
+import os
+import pickle
+import threading
+import zlib
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass
+from functools import lru_cache
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+import numpy as np
+
+from masenvs.tasks.code_problems import PROBLEMS
+from masenvs.tasks.math_gen import TOPICS, generate_math_task
+from masenvs.tasks.records import CodeTask, MathTask, TaskSourceError, TestCase
+
+Kind = Literal["math", "code"]
+Task = MathTask | CodeTask
+
+# --- sources ------------------------------------------------------------------------------
+
+
+class TaskSource(Protocol):
+    name: str
+
+    def sample(self, rng: np.random.Generator) -> Any: ...
+
+
+@dataclass(frozen=True)
+class TaskList:
+    """A fixed list of tasks; `sample` draws one uniformly."""
+
+    name: str
+    tasks: tuple[Any, ...]
+
+    def __len__(self) -> int:
+        return len(self.tasks)
+
+    def __getitem__(self, index: int) -> Any:
+        return self.tasks[index]
+
+    def __iter__(self) -> Iterator[Any]:
+        return iter(self.tasks)
+
+    def sample(self, rng: np.random.Generator) -> Any:
+        return self.tasks[int(rng.integers(len(self.tasks)))]
+
+
+@dataclass(frozen=True)
+class GeneratedMath:
+    """Procedural math problems (no data); `sample` generates one from the generator."""
+
+    level: int = 2
+    topics: tuple[str, ...] = tuple(TOPICS)
+    name: str = "generated"
+
+    def sample(self, rng: np.random.Generator) -> MathTask:
+        return generate_math_task(rng, self.level, self.topics)
+
+
+def open_source(
+    spec: str,
+    kind: Kind,
+    split: str | None = None,
+    data_path: str | None = None,
+    level: int = 2,
+    topics: tuple[str, ...] | None = None,
+) -> TaskSource:
+    """The task source named by `spec` for a `kind` env (see the module docstring)."""
+    if spec == "generated":
+        if kind != "math":
+            raise TaskSourceError(
+                'source "generated" makes math problems; the code env\'s built-in set is "builtin"'
+            )
+        return GeneratedMath(level, tuple(topics) if topics else tuple(TOPICS))
+    stamp = None  # an edited JSONL file is read again
+    if spec.startswith("jsonl:") and os.path.isfile(spec[len("jsonl:") :]):
+        stamp = os.stat(spec[len("jsonl:") :]).st_mtime_ns
+    return _open_list(spec, kind, split, str(data_path) if data_path else None, stamp)
+
+
+@lru_cache(maxsize=32)
+def _open_list(
+    spec: str, kind: Kind, split: str | None, data_path: str | None, stamp: int | None
+) -> TaskList:
+    # Cached: every env of a run shares one loaded dataset (tasks are immutable).
+    if spec == "builtin":
+        if kind != "code":
+            raise TaskSourceError('source "builtin" is the code problem set; math uses "generated"')
+        return TaskList("builtin", PROBLEMS)
+    if spec.startswith("jsonl:"):
+        tasks = read_jsonl(spec[len("jsonl:") :], kind)
+        return TaskList(spec, tuple(tasks))
+    if spec.startswith("hf:"):
+        tasks = load_hf(spec[len("hf:") :], split=split, data_path=data_path, kind=kind)
+        return TaskList(spec, tuple(tasks))
+    raise TaskSourceError(
+        f"unknown task source {spec!r}: use "
+        + ('"generated"' if kind == "math" else '"builtin"')
+        + ', "jsonl:/path/file.jsonl" or "hf:<dataset>" with one of '
+        + ", ".join(k for k, d in HF_DATASETS.items() if d.kind == kind)
+    )
+
+
+# --- JSONL --------------------------------------------------------------------------------
+
+
+def task_from_dict(data: dict[str, Any], kind: Kind | None = None) -> Task:
+    """A record from its dict; `kind` None guesses from the keys ("prompt" means code)."""
+    if kind is None:
+        kind = "code" if isinstance(data, dict) and "prompt" in data else "math"
+    return CodeTask.from_dict(data) if kind == "code" else MathTask.from_dict(data)
+
+
+def read_jsonl(path: str | os.PathLike, kind: Kind | None = None) -> list[Task]:
+    """Tasks from a JSONL file in our format; a bad line names its line number."""
+    file = Path(path).expanduser()
+    if not file.is_file():
+        raise TaskSourceError(f"task file {str(file)!r} does not exist")
+    tasks: list[Task] = []
+    with file.open(encoding="utf-8") as f:
+        for number, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                tasks.append(task_from_dict(json.loads(line), kind))
+            except (ValueError, TypeError) as exc:
+                raise TaskSourceError(f"{file}:{number}: not a {kind or ''} task: {exc}") from exc
+    if not tasks:
+        raise TaskSourceError(f"task file {str(file)!r} holds no tasks")
+    return tasks
+
+
+def write_jsonl(tasks: Iterable[Task], path: str | os.PathLike) -> Path:
+    """Write tasks in our JSONL format (one `to_dict` per line)."""
+    file = Path(path).expanduser()
+    file.parent.mkdir(parents=True, exist_ok=True)
+    with file.open("w", encoding="utf-8") as f:
+        for task in tasks:
+            f.write(json.dumps(task.to_dict(), ensure_ascii=False) + "\n")
+    return file
+
+
+# --- Hugging Face datasets: row converters ---------------------------------------------------
+
+
+def _text(value: Any) -> str:
+    """Test text as one string: APPS stores some inputs and outputs as lists of lines."""
+    if isinstance(value, list):
+        return "\n".join(str(v) for v in value)
+    return "" if value is None else str(value)
+
+
+def _strip_dollars(answer: str) -> str:
+    answer = answer.strip()
+    while answer.startswith("$") and answer.endswith("$") and len(answer) >= 2:
+        answer = answer[1:-1].strip()
+    return answer
+
+
+def math500(row: dict, index: int) -> MathTask:
+    return MathTask(
+        id=str(row.get("unique_id") or f"math500/{index}"),
+        question=row["problem"],
+        answer=str(row["answer"]),
+        source="math500",
+        solution=row.get("solution") or "",
+        meta={"subject": row.get("subject"), "level": row.get("level")},
+    )
+
+
+def aime2024(row: dict, index: int) -> MathTask:
+    return MathTask(
+        id=f"aime2024/{row.get('ID') or index}",
+        question=row["Problem"],
+        answer=str(row["Answer"]).strip(),
+        source="aime2024",
+        solution=row.get("Solution") or "",
+    )
+
+
+def aime2025(row: dict, index: int) -> MathTask:
+    return MathTask(
+        id=f"aime2025/{row.get('id', index)}",
+        question=row["problem"],
+        answer=str(row["answer"]).strip(),
+        source="aime2025",
+        solution=row.get("solution") or "",
+    )
+
+
+def olympiadbench(row: dict, index: int) -> MathTask | None:
+    answers = row.get("final_answer") or []
+    if isinstance(answers, str):
+        answers = [answers]
+    if not answers:
+        return None
+    question = row["question"]
+    if row.get("context"):
+        question = f"{row['context']}\n\n{question}"
+    return MathTask(
+        id=f"olympiadbench/{row.get('id', index)}",
+        question=question,
+        answer=", ".join(_strip_dollars(str(a)) for a in answers),
+        source="olympiadbench",
+        solution="\n".join(row.get("solution") or []),
+        meta={"unit": row.get("unit"), "answer_type": row.get("answer_type")},
+    )
+
+
+def gsm8k(row: dict, index: int) -> MathTask | None:
+    solution, marker, answer = row["answer"].rpartition("####")
+    if not marker:
+        return None
+    return MathTask(
+        id=f"gsm8k/{index}",
+        question=row["question"],
+        answer=answer.strip().replace(",", ""),
+        source="gsm8k",
+        solution=solution.strip(),
+    )
+
+
+_DAPO_HEAD = "Solve the following math problem step by step."
+_DAPO_TAIL = '\n\nRemember to put your answer on its own line after "Answer:"'
+
+
+def dapo17k(row: dict, index: int) -> MathTask:
+    prompt = row["prompt"]
+    text = prompt[0]["content"] if isinstance(prompt, list) else str(prompt)
+    text = text.strip()
+    if text.startswith(_DAPO_HEAD) and "\n\n" in text:  # drop DAPO's answer-format template
+        text = text.split("\n\n", 1)[1]
+    text = text.split(_DAPO_TAIL, 1)[0].strip()
+    extra = row.get("extra_info") or {}
+    return MathTask(
+        id=f"dapo17k/{extra.get('index', index)}",
+        question=text,
+        answer=str(row["reward_model"]["ground_truth"]).strip(),
+        source="dapo17k",
+    )
+
+
+def apps(row: dict, index: int) -> CodeTask | None:
+    try:
+        io_spec = json.loads(row["input_output"]) if row.get("input_output") else {}
+    except ValueError:
+        return None
+    inputs, outputs = io_spec.get("inputs") or [], io_spec.get("outputs") or []
+    if not inputs or len(inputs) != len(outputs):
+        return None
+    fn_name = io_spec.get("fn_name")
+    if fn_name:
+        tests = tuple(TestCase(list(i), o) for i, o in zip(inputs, outputs))
+    else:
+        tests = tuple(TestCase(_text(i), _text(o)) for i, o in zip(inputs, outputs))
+    try:
+        solutions = json.loads(row["solutions"]) if row.get("solutions") else []
+    except ValueError:
+        solutions = []
+    return CodeTask(
+        id=f"apps/{row.get('problem_id', index)}",
+        prompt=row["question"],
+        tests=tests,
+        fn_name=fn_name,
+        starter_code=row.get("starter_code") or "",
+        reference_solution=solutions[0] if solutions else None,
+        source="apps",
+        meta={"difficulty": row.get("difficulty"), "url": row.get("url")},
+    )
+
+
+_PYTHON3 = (3, "PYTHON3")  # CodeContests' language label, as an int or its name
+
+
+def code_contests(row: dict, index: int) -> CodeTask | None:
+    def pairs(tests: dict | None) -> tuple[TestCase, ...]:
+        tests = tests or {}
+        return tuple(
+            TestCase(i, o) for i, o in zip(tests.get("input", []), tests.get("output", []))
+        )
+
+    public, private = pairs(row.get("public_tests")), pairs(row.get("private_tests"))
+    hidden = private or pairs(row.get("generated_tests")) or public
+    if not hidden:
+        return None
+    solutions = row.get("solutions") or {}
+    reference = next(
+        (
+            code
+            for lang, code in zip(solutions.get("language", []), solutions.get("solution", []))
+            if lang in _PYTHON3
+        ),
+        None,
+    )
+    return CodeTask(
+        id=f"code_contests/{row.get('name') or index}",
+        prompt=row["description"],
+        tests=hidden,
+        public_tests=public,
+        reference_solution=reference,
+        source="code_contests",
+        meta={"difficulty": row.get("difficulty"), "cf_rating": row.get("cf_rating")},
+    )
+
+
+class _StringsOnly(pickle.Unpickler):
+    """LiveCodeBench pickles a JSON string; refuse anything that would import code."""
+
+    def find_class(self, module: str, name: str) -> Any:
+        raise pickle.UnpicklingError(f"refusing to unpickle {module}.{name}")
+
+
+def decode_lcb_tests(field: str) -> list[dict]:
+    """LiveCodeBench test cases: plain JSON, or base64(zlib(pickle(JSON string)))."""
+    try:
+        return json.loads(field)
+    except ValueError:
+        raw = zlib.decompress(base64.b64decode(field.encode("utf-8")))
+        return json.loads(_StringsOnly(io.BytesIO(raw)).load())
+
+
+def livecodebench(row: dict, index: int) -> CodeTask | None:
+    public = json.loads(row.get("public_test_cases") or "[]")
+    private = decode_lcb_tests(row["private_test_cases"]) if row.get("private_test_cases") else []
+    metadata = json.loads(row.get("metadata") or "{}")
+    functional = any(t.get("testtype") == "functional" for t in public + private)
+    fn_name = metadata.get("func_name") if functional else None
+
+    def case(t: dict) -> TestCase:
+        if fn_name:  # one JSON value per line, one line per argument
+            return TestCase(
+                [json.loads(line) for line in t["input"].split("\n")], json.loads(t["output"])
+            )
+        return TestCase(t["input"], t["output"])
+
+    hidden = tuple(case(t) for t in public + private)  # LiveCodeBench grades on both
+    if not hidden:
+        return None
+    return CodeTask(
+        id=f"livecodebench/{row.get('question_id', index)}",
+        prompt=row["question_content"],
+        tests=hidden,
+        public_tests=tuple(case(t) for t in public),
+        fn_name=fn_name,
+        starter_code=row.get("starter_code") or "",
+        source="livecodebench",
+        meta={
+            "platform": row.get("platform"),
+            "difficulty": row.get("difficulty"),
+            "contest_date": str(row.get("contest_date", "")),
+        },
+    )
+
+
+# --- Hugging Face datasets: the table ---------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class HFDataset:
+    """Where a dataset lives on the Hub and how its rows become our tasks."""
+
+    hub_id: str
+    kind: Kind
+    split: str  # the default split
+    convert: Callable[[dict, int], Any]
+    config: str | None = None
+    # Repos that only have a loading script (which `datasets` >= 4 refuses to run) are read
+    # as raw JSONL files; "{split}" is replaced by the split name.
+    data_files: str | None = None
+
+
+HF_DATASETS: dict[str, HFDataset] = {
+    "aime2024": HFDataset("Maxwell-Jia/AIME_2024", "math", "train", aime2024),
+    "aime2025": HFDataset("yentinglin/aime_2025", "math", "train", aime2025),
+    "math500": HFDataset("HuggingFaceH4/MATH-500", "math", "test", math500),
+    "olympiadbench": HFDataset(
+        "Hothan/OlympiadBench", "math", "train", olympiadbench, config="OE_TO_maths_en_COMP"
+    ),
+    "gsm8k": HFDataset("openai/gsm8k", "math", "test", gsm8k, config="main"),
+    "dapo17k": HFDataset("BytedTsinghua-SIA/DAPO-Math-17k", "math", "train", dapo17k),
+    "apps": HFDataset(
+        "codeparrot/apps",
+        "code",
+        "test",
+        apps,
+        data_files="hf://datasets/codeparrot/apps/{split}.jsonl",
+    ),
+    "code_contests": HFDataset("deepmind/code_contests", "code", "test", code_contests),
+    # The split is the release file: "test" (v1) ... "test6" (v6); see docs/math-code.md.
+    "livecodebench": HFDataset(
+        "livecodebench/code_generation_lite",
+        "code",
+        "test6",
+        livecodebench,
+        data_files="hf://datasets/livecodebench/code_generation_lite/{split}.jsonl",
+    ),
+}
+
+_LOAD_LOCK = threading.Lock()
+
+
+def load_hf(
+    key: str,
+    split: str | None = None,
+    data_path: str | os.PathLike | None = None,
+    kind: Kind | None = None,
+    limit: int | None = None,
+) -> list[Task]:
+    """Tasks of the dataset `key` (see `HF_DATASETS`), from the Hub or a local copy."""
+    spec = HF_DATASETS.get(key)
+    if spec is None:
+        raise TaskSourceError(f"unknown dataset {key!r}; known: {', '.join(HF_DATASETS)}")
+    if kind is not None and spec.kind != kind:
+        raise TaskSourceError(f"dataset {key!r} holds {spec.kind} tasks, not {kind} tasks")
+    split = split or spec.split
+    tasks: list[Task] = []
+    seen: set[str] = set()
+    for index, row in enumerate(_rows(spec, key, split, data_path)):
+        try:
+            task = spec.convert(row, index)
+        except (
+            KeyError,
+            TypeError,
+            ValueError,
+            AttributeError,
+            zlib.error,
+            pickle.PickleError,
+        ) as exc:
+            raise TaskSourceError(
+                f"row {index} of {spec.hub_id} ({key}) does not have the expected columns: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+        # DAPO-Math-17k repeats each problem about a hundred times; keep the first.
+        text = task.question if isinstance(task, MathTask) else task.prompt if task else ""
+        if task is None or text in seen:
+            continue
+        seen.add(text)
+        tasks.append(task)
+        if limit is not None and len(tasks) >= limit:
+            break
+    if not tasks:
+        raise TaskSourceError(f"{spec.hub_id} ({key}, split {split}) gave no usable tasks")
+    return tasks
+
+
+def _rows(
+    spec: HFDataset, key: str, split: str, data_path: str | os.PathLike | None
+) -> Iterable[dict]:
+    try:
+        import datasets
+    except ImportError as exc:
+        raise TaskSourceError(
+            f"reading {spec.hub_id} needs the `datasets` package: pip install 'masenvs[tasks]'"
+        ) from exc
+    where = f"the local copy {str(data_path)!r}" if data_path else "the Hugging Face Hub"
+    try:
+        with _LOAD_LOCK:  # datasets' cache is not safe to fill from several threads at once
+            if data_path is not None:
+                dataset = _load_local(datasets, spec, Path(data_path).expanduser(), split)
+            elif spec.data_files:
+                files = spec.data_files.format(split=split)
+                dataset = datasets.load_dataset("json", data_files={split: files}, split=split)
+            else:
+                dataset = datasets.load_dataset(spec.hub_id, spec.config, split=split)
+    except TaskSourceError:
+        raise
+    except Exception as exc:  # datasets and huggingface_hub raise many kinds; all mean "not here"
+        cause = str(exc).strip().splitlines()[0][:200] if str(exc).strip() else ""
+        raise TaskSourceError(
+            f"could not load {spec.hub_id} ({key}, split {split!r}) from {where} "
+            f"[{type(exc).__name__}: {cause}]; without network, save it on a connected machine "
+            f"with datasets.load_dataset(...).save_to_disk(DIR) and pass data_path=DIR, or point "
+            f"HF_HOME at a cache that holds it and set HF_HUB_OFFLINE=1 (docs/math-code.md)"
+        ) from exc
+    return dataset
+
+
+def _load_local(datasets: Any, spec: HFDataset, path: Path, split: str) -> Any:
+    """A local copy: `save_to_disk` output, one parquet/JSON(L) file, or a repo snapshot."""
+    if not path.exists():
+        raise TaskSourceError(f"data_path {str(path)!r} for {spec.hub_id} does not exist")
+    if path.is_dir() and (path / "dataset_dict.json").exists():
+        loaded = datasets.load_from_disk(str(path))
+        if split not in loaded:
+            raise TaskSourceError(f"{str(path)!r} has splits {list(loaded)}, not {split!r}")
+        return loaded[split]
+    if path.is_dir() and (path / "state.json").exists():
+        return datasets.load_from_disk(str(path))
+    if path.is_file():
+        builder = {".parquet": "parquet", ".json": "json", ".jsonl": "json"}.get(path.suffix)
+        if builder is None:
+            raise TaskSourceError(f"data_path {str(path)!r}: expected .parquet, .json or .jsonl")
+        return datasets.load_dataset(builder, data_files={split: str(path)}, split=split)
+    if spec.data_files:  # a snapshot of a script-only repo: read its raw file for the split
+        raw = path / Path(spec.data_files.format(split=split)).name
+        if raw.exists():
+            return datasets.load_dataset("json", data_files={split: str(raw)}, split=split)
+    return datasets.load_dataset(str(path), spec.config, split=split)
