@@ -27,6 +27,11 @@ from collections.abc import AsyncIterator, Iterable
 from typing import Any
 
 import uvicorn
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route, Router
+from starlette.types import Receive, Scope, Send
+
 from masenvs.adapters.backends.base import (
     Backend,
     BackendError,
@@ -48,11 +53,6 @@ from masenvs.adapters.openai_schema import (
 )
 from masenvs.adapters.policy_map import BASE, PolicyMap, UnknownModel
 from masenvs.adapters.tool_parsers import TOOL_PARSERS, ParsedOutput, ToolParser, tool_parser_for
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
-from starlette.routing import Route, Router
-from starlette.types import Receive, Scope, Send
-
 from masenvs.traces import CallRecord, ChoiceRecord, TraceStore
 
 log = logging.getLogger("masenvs.endpoint")
@@ -288,6 +288,7 @@ class Endpoint:
                 "message": message,
                 "logprobs": None,
                 "finish_reason": "tool_calls" if output.tool_calls else completion.finish_reason,
+                "stop_reason": completion.stop_reason,  # vLLM's extra: what ended a "stop"
             }
             if body.logprobs:
                 choice["logprobs"] = chat_logprobs(
@@ -337,6 +338,7 @@ class Endpoint:
                 "text": completion.text,
                 "logprobs": None,
                 "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason,
             }
             if body.logprobs is not None:
                 choice["logprobs"] = completion_logprobs(
@@ -417,17 +419,19 @@ class Endpoint:
             return out
 
         n = call.request.params.n
-        yield chunk(
-            [
-                {
-                    "index": i,
-                    "delta": {"role": "assistant", "content": ""},
-                    "logprobs": None,
-                    "finish_reason": None,
-                }
-                for i in range(n)
-            ]
-        )
+        first = [
+            {
+                "index": i,
+                "delta": {"role": "assistant", "content": ""},
+                "logprobs": None,
+                "finish_reason": None,
+            }
+            for i in range(n)
+        ]
+        if body.return_token_ids:
+            for choice in first:
+                choice["token_ids"] = []
+        yield chunk(first)
         held = [_HeldText(parser) for _ in range(n)]
         generation: Generation | None = None
         async for event in self._generation(call.request):
@@ -472,19 +476,16 @@ class Endpoint:
             if body.return_token_ids and i == 0:
                 # vLLM sends these in its first chunk; the backend reports them at the end.
                 extra["prompt_token_ids"] = generation.prompt_token_ids
-            yield chunk(
-                [
-                    {
-                        "index": i,
-                        "delta": delta,
-                        "logprobs": None,
-                        "finish_reason": "tool_calls"
-                        if output.tool_calls
-                        else completion.finish_reason,
-                    }
-                ],
-                **extra,
-            )
+            finish: dict[str, Any] = {
+                "index": i,
+                "delta": delta,
+                "logprobs": None,
+                "finish_reason": "tool_calls" if output.tool_calls else completion.finish_reason,
+                "stop_reason": completion.stop_reason,
+            }
+            if body.return_token_ids:
+                finish["token_ids"] = []
+            yield chunk([finish], **extra)
         if body.include_usage:
             yield chunk([], usage=_usage(generation))
 
@@ -540,6 +541,7 @@ class Endpoint:
                 "text": "",
                 "logprobs": None,
                 "finish_reason": completion.finish_reason,
+                "stop_reason": completion.stop_reason,
             }
             if body.return_token_ids:
                 choice["prompt_token_ids"] = generation.prompt_token_ids
@@ -657,6 +659,7 @@ def _choice_record(index: int, completion: Completion, output: ParsedOutput) -> 
         finish_reason="tool_calls" if output.tool_calls else completion.finish_reason,
         top_logprobs=completion.top_logprobs,
         tool_calls=output.tool_calls or None,
+        stop_reason=completion.stop_reason,
     )
 
 
@@ -714,7 +717,9 @@ class EndpointServer:
     def start(self, timeout: float = 30.0) -> str:
         """Start serving and return the root URL, e.g. `http://127.0.0.1:41234`."""
         family = socket.AF_INET6 if ":" in self.host else socket.AF_INET
-        sock = socket.socket(family, socket.SOCK_STREAM)
+        # IPPROTO_TCP explicitly: asyncio turns Nagle off (TCP_NODELAY) only for sockets
+        # whose proto says TCP; without it each JSON response waits ~40 ms for a delayed ACK.
+        sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((self.host, self.port))
         sock.listen(2048)

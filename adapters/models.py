@@ -253,11 +253,18 @@ def _with_chat_template(tokenizer: Any) -> Any:
 def _load_dir(path: Path, name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
+    from transformers.utils import logging as hf_logging
+
+    bars = hf_logging.is_progress_bar_enabled()
+    hf_logging.disable_progress_bar()  # a bar per load is noise in tests and servers
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"Cannot load a causal LM from {path}: {exc}") from exc
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if not getattr(tokenizer, "chat_template", None) and name in ("smollm2-135m", "tiny"):

@@ -13,8 +13,9 @@ import json
 import time
 from typing import Any, Literal
 
-from masenvs.adapters.backends.base import Completion, GenerateRequest, SamplingParams
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from masenvs.adapters.backends.base import Completion, GenerateRequest, SamplingParams
 
 
 class APIError(Exception):

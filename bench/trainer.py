@@ -5,7 +5,10 @@ the batch, no KL, no dual clip) on the same model, LoRA config and batch, and ta
 step with gradient clipping. Generation is excluded: TRL gets a prepared batch (prompt ids
 left-padded, completion ids right-padded, advantages), as its `_generate_and_score_completions`
 would hand to `compute_loss`; the timed region is compute_loss + backward + clip + step.
-masenvs times `Learner.step(samples)` (packing included).
+masenvs times `Learner.step(samples)` (packing included). Each system runs in its own fresh
+process (one after the other), so neither inherits the other's allocator state; both start
+from the same LoRA weights, and their first step's gradient norms are printed side by side to
+show that they compute the same loss.
 
 Two batches: `uniform` (every sequence prompt + completion of the same length) and `varied`
 (the same total tokens, uneven prompt and completion lengths, as RL batches are).
@@ -22,13 +25,16 @@ weights get no weight gradient), i.e. 2 x forward; forward = 2 x linear params x
 from __future__ import annotations
 
 import argparse
-import copy
+import json
+import math
 import random
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 import warnings
-from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -39,22 +45,6 @@ from masenvs.trainer.learner import Learner
 from masenvs.trainer.samples import Sample, tree_group
 
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28
-
-
-@dataclass
-class Result:
-    name: str
-    times: list[float]
-    tokens: int
-    flops: float
-
-    @property
-    def best(self) -> float:
-        return min(self.times)
-
-    @property
-    def median(self) -> float:
-        return statistics.median(self.times)
 
 
 def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
@@ -100,17 +90,8 @@ def make_batch(kind: str, n: int, seq: int, vocab: int, seed: int = 0) -> list[S
             c = max(1, total - p)
         prompt = [rng.randrange(vocab) for _ in range(p)]
         completion = [rng.randrange(vocab) for _ in range(c)]
-        samples.append(
-            Sample(
-                prompt,
-                completion,
-                [],
-                "agent",
-                "agent",
-                tree_group(k // 4, 0, "agent"),
-                float(k % 2),
-            )
-        )
+        group = tree_group(k // 4, 0, "agent")  # two groups of four
+        samples.append(Sample(prompt, completion, [], "agent", "agent", group, float(k % 2)))
     return samples
 
 
@@ -127,18 +108,46 @@ def useful_flops(model: Any, samples: list[Sample], lora_params: int) -> float:
     return 2 * forward  # backward through frozen weights: activation gradients only
 
 
-def bench_masenvs(
-    base: Any, samples: list[Sample], cfg: TrainConfig, warmup: int, repeats: int
-) -> tuple[list[float], Learner]:
-    learner = Learner(cfg, ["agent"], lambda *_: copy.deepcopy(base))
+def masenvs_worker(args: argparse.Namespace) -> dict[str, Any]:
+    base, _ = load_base(args.model)
+    cfg = bench_config(args)
+    samples = make_batch(args.kind, args.batch, args.seq, base.config.vocab_size)
+    learner = Learner(cfg, ["agent"], lambda *_: base)
+    learner.save_adapter("agent", args.adapter)  # the TRL worker starts from these weights
     batch = group_advantages(samples, cfg.algorithm)[0]
-    times = []
-    for i in range(warmup + repeats):
+    times, norms = [], []
+    for _ in range(args.warmup + args.repeats):
         start = time.perf_counter()
-        learner.step(batch)
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times, learner
+        metrics = learner.step(batch)
+        times.append(time.perf_counter() - start)
+        norms.append(metrics["learner/agent/grad_norm"])
+    lora_params = sum(p.numel() for p in learner.policies["agent"].params)
+    return {
+        "times": times[args.warmup :],
+        "grad_norm": norms[0],
+        "tokens": sum(s.num_tokens for s in samples),
+        "trl_padded_tokens": len(samples)
+        * (
+            max(len(s.prompt_token_ids) for s in samples)
+            + max(len(s.completion_token_ids) for s in samples)
+        ),
+        "flops": useful_flops(base, samples, lora_params),
+    }
+
+
+def bench_config(args: argparse.Namespace) -> TrainConfig:
+    return load_config(
+        None,
+        [
+            f"model.name={args.model}",
+            "lora.rank=8", "lora.alpha=16", "lora.dropout=0.0",
+            f"algorithm.clip_low={CLIP_LOW}", f"algorithm.clip_high={CLIP_HIGH}",
+            "algorithm.clip_c=null", "algorithm.kl_coef=0.0",
+            "optim.warmup_steps=0", "optim.lr=1e-5",
+            f"optim.max_tokens_per_microbatch={args.batch * args.seq * 2}",  # one micro-batch, as TRL
+            "model.device=auto",
+        ],
+    )  # fmt: skip
 
 
 def trl_trainer(base: Any, tokenizer: Any, cfg: TrainConfig, n: int, max_completion: int) -> Any:
@@ -146,7 +155,29 @@ def trl_trainer(base: Any, tokenizer: Any, cfg: TrainConfig, n: int, max_complet
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
-    args = GRPOConfig(
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # deprecation notices from transformers' TrainingArguments
+        args = _grpo_config(GRPOConfig, cfg, n, max_completion)
+    lora = LoraConfig(
+        r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
+        target_modules="all-linear", bias="none", task_type="CAUSAL_LM",
+    )  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        trainer = GRPOTrainer(
+            model=base,
+            reward_funcs=lambda completions, **_: [0.0] * len(completions),
+            args=args,
+            train_dataset=Dataset.from_dict({"prompt": ["x"] * n}),
+            peft_config=lora,
+            processing_class=tokenizer,
+        )
+    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which we skip
+    return trainer
+
+
+def _grpo_config(GRPOConfig: Any, cfg: TrainConfig, n: int, max_completion: int) -> Any:
+    return GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
         per_device_train_batch_size=n,
         num_generations=n,
@@ -163,22 +194,6 @@ def trl_trainer(base: Any, tokenizer: Any, cfg: TrainConfig, n: int, max_complet
         report_to=[],
         disable_dropout=True,
     )
-    lora = LoraConfig(
-        r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
-        target_modules="all-linear", bias="none", task_type="CAUSAL_LM",
-    )  # fmt: skip
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer = GRPOTrainer(
-            model=copy.deepcopy(base),
-            reward_funcs=lambda completions, **_: [0.0] * len(completions),
-            args=args,
-            train_dataset=Dataset.from_dict({"prompt": ["x"] * n}),
-            peft_config=lora,
-            processing_class=tokenizer,
-        )
-    trainer.current_gradient_accumulation_steps = 1  # set by Trainer's loop, which we skip
-    return trainer
 
 
 def trl_inputs(samples: list[Sample], pad: int) -> dict[str, torch.Tensor]:
@@ -221,9 +236,18 @@ def trl_step(
     return float(norm)
 
 
-def bench_trl(
-    trainer: Any, samples: list[Sample], cfg: TrainConfig, pad: int, warmup: int, repeats: int
-) -> list[float]:
+def trl_worker(args: argparse.Namespace) -> dict[str, Any]:
+    from peft import set_peft_model_state_dict
+    from safetensors.torch import load_file
+
+    base, tokenizer = load_base(args.model)
+    cfg = bench_config(args)
+    samples = make_batch(args.kind, args.batch, args.seq, base.config.vocab_size)
+    batch = group_advantages(samples, cfg.algorithm)[0]
+    max_completion = max(len(s.completion_token_ids) for s in samples)
+    trainer = trl_trainer(base, tokenizer, cfg, args.batch, max_completion)
+    weights = load_file(f"{args.adapter}/adapter_model.safetensors")
+    set_peft_model_state_dict(trainer.model, weights, adapter_name="default")
     model = trainer.model
     model.train()
     params = [p for p in model.parameters() if p.requires_grad]
@@ -231,34 +255,28 @@ def bench_trl(
     optimizer = torch.optim.AdamW(
         params, lr=opt.lr, betas=opt.betas, eps=opt.adam_eps, weight_decay=opt.weight_decay
     )
-    batch = group_advantages(samples, cfg.algorithm)[0]
-    times = []
-    for i in range(warmup + repeats):
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    times, norms = [], []
+    for _ in range(args.warmup + args.repeats):
         start = time.perf_counter()
-        trl_step(trainer, optimizer, params, trl_inputs(batch, pad), opt.grad_clip or float("inf"))
-        if i >= warmup:
-            times.append(time.perf_counter() - start)
-    return times
+        norms.append(
+            trl_step(trainer, optimizer, params, trl_inputs(batch, pad), opt.grad_clip or math.inf)
+        )
+        times.append(time.perf_counter() - start)
+    return {"times": times[args.warmup :], "grad_norm": norms[0]}
 
 
-def same_gradient_check(
-    learner: Learner, trainer: Any, samples: list[Sample], cfg: TrainConfig, pad: int
-) -> tuple[float, float]:
-    """Load masenvs' adapter into TRL's model and compare gradient norms on one batch."""
-    from peft import set_peft_model_state_dict
-
-    set_peft_model_state_dict(
-        trainer.model, learner.adapter_state_dict("agent"), adapter_name="default"
-    )
-    batch = group_advantages(samples, cfg.algorithm)[0]
-    trainer.model.train()
-    params = [p for p in trainer.model.parameters() if p.requires_grad]
-    loss = trainer.compute_loss(trainer.model, trl_inputs(batch, pad))
-    loss.backward()
-    trl_norm = float(torch.nn.utils.clip_grad_norm_(params, float("inf")))
-    trainer.model.zero_grad(set_to_none=True)
-    metrics = learner.step(batch)  # reports the gradient norm before clipping
-    return metrics["learner/agent/grad_norm"], trl_norm
+def run_worker(system: str, kind: str, adapter: Path, args: argparse.Namespace) -> dict[str, Any]:
+    out = adapter.parent / f"{system}-{kind}.json"
+    command = [
+        sys.executable, __file__, "--worker", system, "--kind", kind, "--adapter", str(adapter),
+        "--out", str(out), "--model", args.model, "--batch", str(args.batch),
+        "--seq", str(args.seq), "--repeats", str(args.repeats), "--warmup", str(args.warmup),
+    ]  # fmt: skip
+    proc = subprocess.run(command, capture_output=True, text=True)
+    if proc.returncode != 0:
+        raise SystemExit(f"{system} worker failed:\n{proc.stderr[-3000:]}")
+    return json.loads(out.read_text())
 
 
 def main() -> None:
@@ -271,64 +289,45 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--kinds", default="uniform,varied")
+    parser.add_argument("--worker", choices=["masenvs", "trl"], help=argparse.SUPPRESS)
+    parser.add_argument("--kind", help=argparse.SUPPRESS)
+    parser.add_argument("--adapter", help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
     args = parser.parse_args()
 
-    torch.manual_seed(0)
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    if args.worker:
+        torch.manual_seed(0)
+        result = (masenvs_worker if args.worker == "masenvs" else trl_worker)(args)
+        Path(args.out).write_text(json.dumps(result))
+        return
+
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, model {args.model}")
     peak = matmul_peak()
     print(f"fp32 matmul peak (2048^3 torch.mm): {peak / 1e9:.1f} GFLOP/s")
-    base, tokenizer = load_base(args.model)
-    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    vocab = base.config.vocab_size
-    cfg = load_config(
-        None,
-        [
-            f"model.name={args.model}",
-            "lora.rank=8", "lora.alpha=16", "lora.dropout=0.0",
-            f"algorithm.clip_low={CLIP_LOW}", f"algorithm.clip_high={CLIP_HIGH}",
-            "algorithm.clip_c=null", "algorithm.kl_coef=0.0",
-            "optim.warmup_steps=0", "optim.lr=1e-5",
-            f"optim.max_tokens_per_microbatch={args.batch * args.seq * 2}",  # one micro-batch, as TRL
-            "model.device=cpu" if not torch.cuda.is_available() else "model.device=auto",
-        ],
-    )  # fmt: skip
-
     rows = []
-    for kind in args.kinds.split(","):
-        samples = make_batch(kind, args.batch, args.seq, vocab)
-        ours, learner = bench_masenvs(base, samples, cfg, args.warmup, args.repeats)
-        lora_params = sum(p.numel() for p in learner.policies["agent"].params)
-        flops = useful_flops(base, samples, lora_params)
-        tokens = sum(s.num_tokens for s in samples)
-        trainer = trl_trainer(
-            base, tokenizer, cfg, args.batch, max(len(s.completion_token_ids) for s in samples)
-        )
-        g_ours, g_trl = same_gradient_check(learner, trainer, samples, cfg, pad)
-        theirs = bench_trl(trainer, samples, cfg, pad, args.warmup, args.repeats)
-        padded = len(samples) * (
-            max(len(s.prompt_token_ids) for s in samples)
-            + max(len(s.completion_token_ids) for s in samples)
-        )
-        print(f"\n[{kind}] {len(samples)} sequences, {tokens} tokens ({padded} padded for TRL); "
-              f"same-weights grad norm: masenvs {g_ours:.6g}, TRL {g_trl:.6g}")  # fmt: skip
-        rows.append(
-            (
-                kind,
-                Result("masenvs Learner", ours, tokens, flops),
-                Result("TRL GRPOTrainer", theirs, tokens, flops),
+    with tempfile.TemporaryDirectory(prefix="bench-trainer-") as tmp:
+        for kind in args.kinds.split(","):
+            adapter = Path(tmp) / kind / "adapter"
+            ours = run_worker("masenvs", kind, adapter, args)
+            theirs = run_worker("trl", kind, adapter, args)
+            print(
+                f"[{kind}] {args.batch} sequences, {ours['tokens']} tokens "
+                f"({ours['trl_padded_tokens']} padded for TRL); first-step grad norm from the "
+                f"same weights: masenvs {ours['grad_norm']:.6g}, TRL {theirs['grad_norm']:.6g}"
             )
-        )
-        del learner, trainer
+            rows.append((kind, ours, theirs))
 
     print(
-        f"\n{'batch':8} {'system':17} {'step s (med)':>12} {'best':>7} {'tokens/s':>9} {'MFU':>6} {'speedup':>8}"
+        f"\n{'batch':8} {'system':17} {'step s (median)':>15} {'best':>7} {'tokens/s':>9} {'MFU':>6} {'speedup':>8}"
     )
     for kind, ours, theirs in rows:
-        for r in (ours, theirs):
-            speed = theirs.median / r.median
-            mfu = r.flops / r.median / peak
+        trl_median = statistics.median(theirs["times"])
+        for name, r in (("masenvs Learner", ours), ("TRL GRPOTrainer", theirs)):
+            median = statistics.median(r["times"])
             print(
-                f"{kind:8} {r.name:17} {r.median:12.2f} {r.best:7.2f} {r.tokens / r.median:9.0f} {mfu:6.1%} {speed:7.2f}x"
+                f"{kind:8} {name:17} {median:15.2f} {min(r['times']):7.2f} "
+                f"{ours['tokens'] / median:9.0f} {ours['flops'] / median / peak:6.1%} "
+                f"{trl_median / median:7.2f}x"
             )
     print("\nFigures are provisional on a shared CPU; rerun on an idle machine for stable numbers.")
 

@@ -179,8 +179,8 @@ class Isolation:
         return text + "".join(f"\n  note: {n}" for n in self.notes)
 
 
-class SandboxError(RuntimeError):
-    """The sandbox itself failed (not the program it ran)."""
+class SandboxError(OSError):
+    """The sandbox itself failed (not the program it ran): a system-level error."""
 
 
 # --------------------------------------------------------------------------------------
@@ -270,6 +270,8 @@ class Sandbox:
         self._ctrl = self._server = None
 
     def _ensure_server(self) -> socket.socket:
+        if not sys.platform.startswith("linux"):
+            raise SandboxError(f"masenvs.sandbox needs Linux (this is {sys.platform})")
         if self._ctrl is not None and self._owner_pid != os.getpid():
             # We are a forked copy of the process that started the server: start our own.
             self._ctrl = self._server = None
@@ -300,7 +302,11 @@ class Sandbox:
             self._server.kill()
             self._server.wait()
             self._server = None
-            reason = hello.get("error") if isinstance(hello, dict) else "it exited at start"
+            reason = (
+                hello.get("error")
+                if isinstance(hello, dict)
+                else f"it exited with code {self._server.returncode}"
+            )
             raise SandboxError(f"the sandbox server failed to start: {reason}")
         ours.settimeout(None)
         self._ctrl, self._owner_pid = ours, os.getpid()
@@ -422,23 +428,25 @@ _MOUNT_FLAGS = {
     "nodiratime": MS_NODIRATIME,
     "relatime": MS_RELATIME,
     "strictatime": MS_STRICTATIME,
+    "nosymfollow": 256,
 }
 
 _libc = ctypes.CDLL(None, use_errno=True)
-_libc.mount.argtypes = [
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_char_p,
-    ctypes.c_ulong,
-    ctypes.c_char_p,
-]
-_libc.prctl.argtypes = [
-    ctypes.c_int,
-    ctypes.c_ulong,
-    ctypes.c_ulong,
-    ctypes.c_ulong,
-    ctypes.c_ulong,
-]
+if sys.platform.startswith("linux"):  # elsewhere the module imports; Sandbox refuses
+    _libc.mount.argtypes = [
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_char_p,
+        ctypes.c_ulong,
+        ctypes.c_char_p,
+    ]
+    _libc.prctl.argtypes = [
+        ctypes.c_int,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+        ctypes.c_ulong,
+    ]
 
 
 def _check(rc: int, what: str) -> None:
@@ -541,7 +549,12 @@ def _server_main(ctrl_fd: int, config_json: str) -> None:
             for fd in fds:
                 os.close(fd)  # the parent sees EOF and reports it
             continue
-        pid = os.fork()
+        try:
+            pid = os.fork()
+        except OSError:  # out of processes or memory: this run fails, the server lives on
+            for fd in fds:
+                os.close(fd)
+            continue
         if pid == 0:
             code = 0
             try:
@@ -695,7 +708,7 @@ def _remount_readonly(srv: _Server) -> bool:
             failed.append(target)
     if failed:
         srv.notes.append(f"could not make read-only: {', '.join(failed)}")
-    return not failed or failed == ["/proc"]
+    return set(failed) <= {"/proc"}  # each run mounts its own /proc anyway
 
 
 def _run_flags(srv: _Server, network: bool) -> int:
@@ -741,11 +754,15 @@ def _probe_run_namespaces(srv: _Server) -> bool:
         report = f.read()
     srv.fresh_proc = b"P" in report or not srv.mountns
     # Since Linux 5.14 RLIMIT_NPROC counts per user namespace, so one per run isolates it.
-    srv.userns_per_run = b"U" in report and tuple(map(int, os.uname().release.split(".")[:2])) >= (
-        5,
-        14,
-    )
+    srv.userns_per_run = b"U" in report and _kernel_at_least(5, 14)
     return os.waitstatus_to_exitcode(status) == 0
+
+
+def _kernel_at_least(major: int, minor: int) -> bool:
+    try:
+        return tuple(int(x) for x in os.uname().release.split(".")[:2]) >= (major, minor)
+    except ValueError:
+        return False
 
 
 def _own_user_namespace() -> None:
@@ -1048,7 +1065,7 @@ def _init(
         except ChildProcessError:
             os._exit(0)
         if child == pid:
-            os.write(st_w, b"%d\n" % status); os.close(st_w); time.sleep(1000)
+            os.write(st_w, b"%d\n" % status)
             os._exit(0)
 
 

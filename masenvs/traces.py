@@ -36,12 +36,14 @@ class ChoiceRecord:
     """One sampled continuation of a call, with the ids the backend generated."""
 
     index: int
-    text: str  # what the backend decoded from `token_ids`
+    text: str  # decode(token_ids), without a final stop token
     token_ids: list[int]
     logprobs: list[float]  # log-probability of each token under the raw model (T=1)
     finish_reason: str  # "stop", "length" or "tool_calls"
     top_logprobs: list[dict[int, float]] | None = None  # per position: token id -> logprob
     tool_calls: list[dict[str, Any]] | None = None  # as returned to the client, if any
+    # A stop token id (the last of `token_ids`, not in `text`) or a stop string (in neither).
+    stop_reason: int | str | None = None
 
     def to_dict(self) -> dict[str, Any]:
         return {
@@ -52,6 +54,7 @@ class ChoiceRecord:
             "finish_reason": self.finish_reason,
             "top_logprobs": self.top_logprobs,
             "tool_calls": self.tool_calls,
+            "stop_reason": self.stop_reason,
         }
 
     @classmethod
@@ -68,6 +71,7 @@ class ChoiceRecord:
             finish_reason=data["finish_reason"],
             top_logprobs=top,
             tool_calls=data.get("tool_calls"),
+            stop_reason=data.get("stop_reason"),
         )
 
 

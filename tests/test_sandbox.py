@@ -19,6 +19,7 @@ from masenvs.sandbox import (
     Job,
     RunResult,
     Sandbox,
+    SandboxError,
     SandboxLimits,
     Verdict,
     default_sandbox,
@@ -484,6 +485,15 @@ def test_server_restarts_after_it_is_killed() -> None:
         assert sandbox.run("print(1)").ok
         sandbox._server.kill()
         sandbox._server.wait()
+        assert sandbox.run("print(2)").stdout == "2\n"
+
+
+def test_server_killed_mid_run_is_a_sandbox_error_then_recovers() -> None:
+    with Sandbox(FAST) as sandbox:
+        assert sandbox.run("print(1)").ok
+        threading.Timer(0.3, sandbox._server.kill).start()
+        with pytest.raises(SandboxError, match="stopped answering"):
+            sandbox.run("import time; time.sleep(1.5)")
         assert sandbox.run("print(2)").stdout == "2\n"
 
 

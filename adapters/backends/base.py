@@ -33,6 +33,7 @@ class SamplingParams:
     seed: int | None = None
     n: int = 1
     top_logprobs: int = 0  # also return this many most likely tokens at each position
+    ignore_eos: bool = False  # keep sampling past EOS (benchmarks; vLLM has the same flag)
 
 
 @dataclass

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import collections
+import contextlib
 import hashlib
 import json
 import secrets
@@ -31,16 +32,23 @@ from masenvs.adapters.backends.base import (
     SamplingParams,
     StreamDelta,
 )
-from masenvs.adapters.backends.llama import LlamaForward, LoraAdapter, LoraRows, lora_from_state_dict
+from masenvs.adapters.backends.llama import (
+    LlamaForward,
+    LoraAdapter,
+    LoraRows,
+    Prefill,
+    lora_from_state_dict,
+    lora_scale,
+)
 from masenvs.adapters.backends.sampling import RowSampling, sample
 from masenvs.adapters.models import LoadedModel, load_model
 
 BASE_NAMES = ("", "base")
 MAX_TOP_LOGPROBS = 20
-PREFILL_CHUNK = 512  # prompt tokens per forward pass; bounds the attention matrix
+PREFILL_TOKENS = 2048  # prompt tokens per prefill pass; bounds the attention mask
 
 
-@dataclass
+@dataclass(eq=False)
 class _Request:
     request: GenerateRequest
     prompt_ids: list[int]
@@ -56,7 +64,7 @@ class _Request:
     cancelled: bool = False
 
 
-@dataclass
+@dataclass(eq=False)
 class _Sequence:
     """One choice of a request while it decodes."""
 
@@ -76,6 +84,18 @@ class _Sequence:
     def length(self) -> int:
         """Tokens in the KV cache once the last sampled token has been fed."""
         return len(self.request.prompt_ids) + len(self.token_ids)
+
+
+@dataclass
+class EngineStats:
+    """Counters since start: how much work ran and how well it batched."""
+
+    requests: int = 0
+    decode_steps: int = 0
+    generated_tokens: int = 0
+    prompt_tokens: int = 0
+    prefilled_tokens: int = 0  # prompt tokens actually run (identical prompts run once)
+    peak_batch: int = 0  # most sequences decoded in one step
 
 
 @dataclass
@@ -115,6 +135,7 @@ class EmbeddedBackend:
         self._running: list[_Sequence] = []  # row i of the KV cache holds _running[i]
         self._wakeup = threading.Condition()
         self._closed = False
+        self.stats = EngineStats()
         self._thread = threading.Thread(target=self._loop, name="masenvs-engine", daemon=True)
         self._thread.start()
 
@@ -133,12 +154,11 @@ class EmbeddedBackend:
     # ---- Backend protocol ----------------------------------------------------------------
 
     async def generate(self, request: GenerateRequest) -> Generation:
-        result: Generation | None = None
-        async for item in self._run(request, streaming=False):
-            if isinstance(item, Generation):
-                result = item
-        assert result is not None
-        return result
+        async with contextlib.aclosing(self._run(request, streaming=False)) as items:
+            async for item in items:
+                if isinstance(item, Generation):
+                    return item
+        raise BackendError("The embedded engine ended a request without a result.", 500, "engine_error")
 
     def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta | Generation]:
         """Yield deltas as tokens are produced, then the full `Generation` last."""
@@ -187,8 +207,7 @@ class EmbeddedBackend:
                 name,
                 dict(state_dict),
                 rank=rank,
-                alpha=alpha,
-                use_rslora=use_rslora,
+                scale=lora_scale(rank, alpha, use_rslora),
                 device=self.forward.device,
                 dtype=self.forward.dtype,
             )
@@ -207,15 +226,12 @@ class EmbeddedBackend:
                 name,
                 dict(state_dict),
                 rank=current.rank,
-                alpha=1.0,
+                scale=current.scale,
                 device=self.forward.device,
                 dtype=self.forward.dtype,
             )
         except ValueError as exc:
             raise BackendError(str(exc)) from exc
-        adapter.scale = current.scale
-        for key, (a, b) in adapter.weights.items():
-            adapter.weights[key] = (a, b * current.scale)
         self._check_adapter_shapes(adapter)
         self._apply(_AdapterUpdate(name, adapter, in_place=True))
 
@@ -272,7 +288,7 @@ class EmbeddedBackend:
             adapter=adapter,
             model_name=request.model or self.name,
             stops=[s for s in params.stop if s],
-            stop_token_ids=frozenset(params.stop_token_ids) | self.eos_token_ids,
+            stop_token_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids),
             max_tokens=min(params.max_tokens, room),  # clamped to the context window
             streaming=streaming,
             loop=asyncio.get_running_loop(),
@@ -393,37 +409,74 @@ class EmbeddedBackend:
         update.done.set()
 
     def _admit(self) -> None:
-        """Prefill waiting requests while cache rows are free."""
-        while True:
-            with self._wakeup:
-                if not self._waiting:
-                    return
+        """Prefill waiting requests, several per forward pass, while cache rows are free."""
+        jobs: list[_Request] = []
+        with self._wakeup:
+            rows, tokens = len(self._running), 0
+            while self._waiting:
                 job = self._waiting[0]
                 if job.cancelled:
                     self._waiting.popleft()
                     continue
-                if len(self._running) + job.request.params.n > self.max_batch_size:
-                    return
-                self._waiting.popleft()
-            self._prefill(job)
+                size = len(job.prompt_ids)
+                if rows + job.request.params.n > self.max_batch_size or (jobs and tokens + size > PREFILL_TOKENS):
+                    break
+                jobs.append(self._waiting.popleft())
+                rows, tokens = rows + job.request.params.n, tokens + size
+        if not jobs:
+            return
+        try:
+            self._prefill(jobs)
+        except Exception as exc:
+            failed = set(map(id, jobs))
+            self._running = [seq for seq in self._running if id(seq.request) not in failed]
+            for job in jobs:
+                _send(job, BackendError(f"The embedded engine failed: {exc!r}", 500, "engine_error"))
 
-    def _prefill(self, job: _Request) -> None:
-        params = job.request.params
-        first = len(self._running)
-        prompt = torch.tensor(job.prompt_ids, dtype=torch.long)
-        logits = None
-        for start in range(0, len(job.prompt_ids), PREFILL_CHUNK):
-            chunk = prompt[start : start + PREFILL_CHUNK]
-            logits = self.forward.prefill(first, chunk, start, job.adapter)
-        for i in range(1, params.n):  # the n choices share one prefill
-            self.forward.copy_slot(first, first + i, len(job.prompt_ids))
-        seeds = _choice_seeds(params.seed, params.n)
-        for i in range(params.n):
-            generator = torch.Generator().manual_seed(seeds[i])
-            sampling = RowSampling(params.temperature, params.top_p, params.top_k, params.top_logprobs, generator)
-            job.sequences.append(_Sequence(job, i, sampling))
-        self._running.extend(job.sequences)
-        self._accept(job.sequences, logits[None].expand(params.n, -1))
+    def _prefill(self, jobs: list[_Request]) -> None:
+        """Prefill the prompts into new cache rows, then sample each choice's first token.
+
+        Identical prompts (same adapter) run once: the n choices of a request, and the K
+        separate requests a GRPO group often sends, copy one prefilled cache row.
+        """
+        first_rows, row = [], len(self._running)
+        for job in jobs:
+            first_rows.append(row)
+            row += job.request.params.n
+        source: dict[tuple[int, tuple[int, ...]], int] = {}  # (adapter, prompt) -> index into unique
+        unique: list[Prefill] = []
+        which: list[int] = []
+        for job, first in zip(jobs, first_rows):
+            key = (id(job.adapter), tuple(job.prompt_ids))
+            if key not in source:
+                source[key] = len(unique)
+                unique.append(Prefill(first, torch.tensor(job.prompt_ids, dtype=torch.long), 0, job.adapter))
+            which.append(source[key])
+        if len(unique) == 1 and unique[0].tokens.numel() > PREFILL_TOKENS:  # a long prompt, in chunks
+            whole = unique[0]
+            for begin in range(0, whole.tokens.numel(), PREFILL_TOKENS):
+                chunk = whole.tokens[begin : begin + PREFILL_TOKENS]
+                logits = self.forward.prefill([Prefill(whole.slot, chunk, begin, whole.lora)])
+        else:
+            logits = self.forward.prefill(unique)
+        choice_logits = []
+        for job, first, index in zip(jobs, first_rows, which):
+            params = job.request.params
+            length = len(job.prompt_ids)
+            for extra in range(params.n):
+                if first + extra != unique[index].slot:
+                    self.forward.copy_slot(unique[index].slot, first + extra, length)
+            seeds = _choice_seeds(params.seed, params.n)
+            for choice in range(params.n):
+                generator = torch.Generator().manual_seed(seeds[choice])
+                sampling = RowSampling(params.temperature, params.top_p, params.top_k, params.top_logprobs, generator)
+                job.sequences.append(_Sequence(job, choice, sampling))
+            self._running.extend(job.sequences)
+            choice_logits.append(logits[index : index + 1].expand(params.n, -1))
+            self.stats.requests += 1
+            self.stats.prompt_tokens += length
+            self.stats.prefilled_tokens += length if first == unique[index].slot else 0
+        self._accept([seq for job in jobs for seq in job.sequences], torch.cat(choice_logits))
 
     def _step(self) -> None:
         """Decode one token for every running sequence."""
@@ -431,6 +484,8 @@ class EmbeddedBackend:
         last = torch.tensor([seq.token_ids[-1] for seq in running], dtype=torch.long)
         positions = torch.tensor([seq.length - 1 for seq in running], dtype=torch.long)
         logits = self.forward.decode(last.to(self.forward.device), positions.to(self.forward.device), _lora_rows(running))
+        self.stats.decode_steps += 1
+        self.stats.peak_batch = max(self.stats.peak_batch, len(running))
         self._accept(list(running), logits)
 
     def _accept(self, sequences: list[_Sequence], logits: Tensor) -> None:
@@ -439,6 +494,7 @@ class EmbeddedBackend:
         for row, seq in enumerate(sequences):
             job = seq.request
             seq.token_ids.append(drawn.tokens[row])
+            self.stats.generated_tokens += 1
             seq.logprobs.append(drawn.logprobs[row])
             if seq.sampling.top_logprobs:
                 seq.top_logprobs.append(drawn.top_logprobs[row])

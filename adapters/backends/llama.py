@@ -43,10 +43,25 @@ class LoraAdapter:
 
 
 @dataclass
+class Prefill:
+    """A prompt (or a chunk of one) to run into a cache slot."""
+
+    slot: int
+    tokens: Tensor  # [T] token ids
+    start: int = 0  # position of tokens[0]; the slot already caches positions 0..start-1
+    lora: LoraAdapter | None = None
+
+
+@dataclass
 class LoraRows:
     """Which rows of a batch use which adapter (rows not listed use the base model)."""
 
     groups: list[tuple[LoraAdapter, slice | Tensor]]
+
+
+def lora_scale(rank: int, alpha: float, use_rslora: bool = False) -> float:
+    """peft's scaling of B @ A: alpha / r, or alpha / sqrt(r) with rsLoRA."""
+    return alpha / (rank**0.5 if use_rslora else rank)
 
 
 def lora_from_state_dict(
@@ -54,8 +69,7 @@ def lora_from_state_dict(
     state_dict: dict[str, Tensor],
     *,
     rank: int,
-    alpha: float,
-    use_rslora: bool = False,
+    scale: float,
     device: torch.device | str = "cpu",
     dtype: torch.dtype = torch.float32,
 ) -> LoraAdapter:
@@ -70,7 +84,6 @@ def lora_from_state_dict(
             )
         layer, module, which = int(match[1]), match[2], match[3]
         pairs.setdefault((layer, module), {})[which] = value
-    scale = alpha / (rank**0.5 if use_rslora else rank)
     adapter = LoraAdapter(name, rank, scale)
     for (layer, module), ab in pairs.items():
         if set(ab) != {"A", "B"}:
@@ -120,6 +133,7 @@ class LlamaForward:
         ]
         self.device = self.embed.device
         self.dtype = self.embed.dtype
+        self.gqa = self.n_kv != self.n_heads
         self.max_slots = max_slots
         self.max_len = max_len
         self._rope_tables(inner.rotary_emb, max_len)
@@ -129,6 +143,7 @@ class LlamaForward:
 
     # ---- cache -------------------------------------------------------------------------
 
+    @torch.inference_mode()
     def ensure_capacity(self, length: int) -> None:
         """Grow every slot's cache to hold `length` positions (in steps of 256)."""
         if length <= self.capacity:
@@ -148,6 +163,7 @@ class LlamaForward:
                     cache.append(grown)
         self.capacity = new_cap
 
+    @torch.inference_mode()
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of slot `src` into slot `dst`."""
         for cache in (self.k_cache, self.v_cache):
@@ -157,62 +173,132 @@ class LlamaForward:
     # ---- forward -----------------------------------------------------------------------
 
     @torch.inference_mode()
-    def prefill(self, slot: int, tokens: Tensor, start: int, lora: LoraAdapter | None) -> Tensor:
-        """Run `tokens` [T] at positions start.. in `slot`; return the last position's logits [V]."""
-        tokens = tokens.to(self.device)
-        positions = torch.arange(start, start + tokens.numel(), device=self.device)[None]
-        rows = LoraRows([(lora, slice(None))]) if lora is not None else None
-        logits = self._forward(tokens[None], positions, slice(slot, slot + 1), rows)
-        return logits[0]
+    def prefill(self, prompts: list[Prefill]) -> Tensor:
+        """Run each prompt into its slot; return the logits after each prompt's last token [n, V].
+
+        Prompts that start at position 0 run packed into one forward pass (block-diagonal
+        causal attention); a prompt continuing a cached prefix runs on its own.
+        """
+        if all(p.start == 0 for p in prompts):
+            return self._prefill_packed(prompts)
+        return torch.cat([self._prefill_packed([p]) if p.start == 0 else self._prefill_chunk(p) for p in prompts])
 
     @torch.inference_mode()
     def decode(self, tokens: Tensor, positions: Tensor, lora: LoraRows | None) -> Tensor:
         """One token for each of slots 0..B-1: `tokens` [B] at `positions` [B]; logits [B, V]."""
         batch = tokens.numel()
-        return self._forward(tokens[:, None], positions[:, None], slice(0, batch), lora)
-
-    def _forward(self, tokens: Tensor, positions: Tensor, slots: slice, lora: LoraRows | None) -> Tensor:
-        batch, length = tokens.shape
         kv_len = int(positions.max()) + 1
         self.ensure_capacity(kv_len)
-        cos = self.cos[positions].unsqueeze(1)  # [B, 1, T, D]
-        sin = self.sin[positions].unsqueeze(1)
-        if batch == 1 and length > 1 and int(positions[0, 0]) == 0:
-            mask, causal = None, True  # a fresh prompt: plain causal attention
+        if bool((positions == kv_len - 1).all()):
+            mask = None  # every row sees all kv_len keys
         else:
             keys = torch.arange(kv_len, device=self.device)
-            mask = (keys[None, None, :] <= positions[:, :, None]).unsqueeze(1)  # [B,1,T,K]
-            causal = False
-        slot_rows = torch.arange(slots.start, slots.stop, device=self.device)[:, None]
+            mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, K]
+
+        def attend(q: Tensor, index: int) -> Tensor:
+            out = F.scaled_dot_product_attention(
+                q.unsqueeze(2),  # [B, H, 1, D]
+                self.k_cache[index][:batch, :, :kv_len],
+                self.v_cache[index][:batch, :, :kv_len],
+                attn_mask=mask,
+                enable_gqa=self.gqa,
+            )
+            return out.view(batch, -1)
+
+        slots = torch.arange(batch, device=self.device)
+        return self._forward(tokens, positions, slots, attend, lora, slice(None))
+
+    def _prefill_packed(self, prompts: list[Prefill]) -> Tensor:
+        lengths = [p.tokens.numel() for p in prompts]
+        total = sum(lengths)
+        self.ensure_capacity(max(lengths))
+        device = self.device
+        tokens = torch.cat([p.tokens for p in prompts]).to(device)
+        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
+        slots = torch.cat([torch.full((n,), p.slot, device=device) for p, n in zip(prompts, lengths)])
+        if len(prompts) == 1:
+            mask, causal = None, True
+        else:
+            owner = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.tensor(lengths, device=device))
+            mask = (owner[:, None] == owner[None, :]) & (positions[:, None] >= positions[None, :])
+            mask, causal = mask[None, None], False
+
+        def attend(q: Tensor, index: int, k: Tensor, v: Tensor) -> Tensor:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],  # [1, H, N, D]
+                k.transpose(0, 1)[None],
+                v.transpose(0, 1)[None],
+                attn_mask=mask,
+                is_causal=causal,
+                enable_gqa=self.gqa,
+            )
+            return out[0].transpose(0, 1).reshape(total, -1)
+
+        ends = torch.tensor(lengths, device=device).cumsum(0) - 1
+        offsets = [0, *ends.add(1).tolist()[:-1]]
+        rows = _group_rows([(p.lora, slice(o, o + n)) for p, o, n in zip(prompts, offsets, lengths)], device)
+        return self._forward(tokens, positions, slots, attend, rows, ends, fresh_kv=True)
+
+    def _prefill_chunk(self, prompt: Prefill) -> Tensor:
+        """A prompt chunk after `start` cached positions of its slot."""
+        length = prompt.tokens.numel()
+        kv_len = prompt.start + length
+        self.ensure_capacity(kv_len)
+        device = self.device
+        positions = torch.arange(prompt.start, kv_len, device=device)
+        keys = torch.arange(kv_len, device=device)
+        mask = (keys[None, :] <= positions[:, None])[None, None]  # [1, 1, T, K]
+        row = slice(prompt.slot, prompt.slot + 1)
+
+        def attend(q: Tensor, index: int) -> Tensor:
+            out = F.scaled_dot_product_attention(
+                q.transpose(0, 1)[None],
+                self.k_cache[index][row, :, :kv_len],
+                self.v_cache[index][row, :, :kv_len],
+                attn_mask=mask,
+                enable_gqa=self.gqa,
+            )
+            return out[0].transpose(0, 1).reshape(length, -1)
+
+        slots = torch.full((length,), prompt.slot, device=device)
+        rows = LoraRows([(prompt.lora, slice(None))]) if prompt.lora is not None else None
+        return self._forward(prompt.tokens.to(device), positions, slots, attend, rows, slice(length - 1, length))
+
+    def _forward(
+        self,
+        tokens: Tensor,
+        positions: Tensor,
+        slots: Tensor,
+        attend: Any,
+        lora: LoraRows | None,
+        last: Tensor | slice,
+        fresh_kv: bool = False,
+    ) -> Tensor:
+        """Tokens [N] (flat, one per row of x) at `positions` [N] in cache `slots` [N]."""
+        n = tokens.numel()
+        cos = self.cos[positions].unsqueeze(1)  # [N, 1, D]
+        sin = self.sin[positions].unsqueeze(1)
         x = F.embedding(tokens, self.embed)
+        hidden = x.shape[-1]
         for index, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (x.shape[-1],), layer.ln_attn, self.eps)
-            q = self._linear(h, layer, index, "q_proj", lora).view(batch, length, self.n_heads, self.head_dim)
-            k = self._linear(h, layer, index, "k_proj", lora).view(batch, length, self.n_kv, self.head_dim)
-            v = self._linear(h, layer, index, "v_proj", lora).view(batch, length, self.n_kv, self.head_dim)
+            h = F.rms_norm(x, (hidden,), layer.ln_attn, self.eps)
+            q = self._linear(h, layer, index, "q_proj", lora).view(n, self.n_heads, self.head_dim)
+            k = self._linear(h, layer, index, "k_proj", lora).view(n, self.n_kv, self.head_dim)
+            v = self._linear(h, layer, index, "v_proj", lora).view(n, self.n_kv, self.head_dim)
             if layer.q_norm is not None:
                 q = F.rms_norm(q, (self.head_dim,), layer.q_norm, self.eps)
                 k = F.rms_norm(k, (self.head_dim,), layer.k_norm, self.eps)
-            q = _rope(q.transpose(1, 2), cos, sin)
-            k = _rope(k.transpose(1, 2), cos, sin)
-            k_cache, v_cache = self.k_cache[index], self.v_cache[index]
-            k_cache[slot_rows, :, positions] = k.transpose(1, 2)
-            v_cache[slot_rows, :, positions] = v
-            attn = F.scaled_dot_product_attention(
-                q,
-                k_cache[slots, :, :kv_len],
-                v_cache[slots, :, :kv_len],
-                attn_mask=mask,
-                is_causal=causal,
-                enable_gqa=self.n_kv != self.n_heads,
-            )
-            attn = attn.transpose(1, 2).reshape(batch, length, -1)
+            q = _rope(q, cos, sin)
+            k = _rope(k, cos, sin)
+            self.k_cache[index][slots, :, positions] = k
+            self.v_cache[index][slots, :, positions] = v
+            attn = attend(q, index, k, v) if fresh_kv else attend(q, index)
             x = x + self._linear(attn, layer, index, "o_proj", lora)
-            h = F.rms_norm(x, (x.shape[-1],), layer.ln_mlp, self.eps)
+            h = F.rms_norm(x, (hidden,), layer.ln_mlp, self.eps)
             gate = self._linear(h, layer, index, "gate_proj", lora)
             up = self._linear(h, layer, index, "up_proj", lora)
             x = x + self._linear(F.silu(gate) * up, layer, index, "down_proj", lora)
-        x = F.rms_norm(x[:, -1], (x.shape[-1],), self.norm, self.eps)
+        x = F.rms_norm(x[last], (hidden,), self.norm, self.eps)
         return self.lm_head(x).float()
 
     def _linear(self, x: Tensor, layer: _Layer, index: int, name: str, lora: LoraRows | None) -> Tensor:
@@ -240,6 +326,25 @@ class LlamaForward:
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * scaling).to(self.dtype)
         self.sin = (emb.sin() * scaling).to(self.dtype)
+
+
+def _group_rows(items: list[tuple[LoraAdapter | None, slice]], device: torch.device) -> LoraRows | None:
+    """Rows (token ranges) that use each adapter; None when all rows use the base model."""
+    groups: dict[int, tuple[LoraAdapter, list[slice]]] = {}
+    for adapter, rows in items:
+        if adapter is not None:
+            groups.setdefault(id(adapter), (adapter, []))[1].append(rows)
+    if not groups:
+        return None
+    result: list[tuple[LoraAdapter, slice | Tensor]] = []
+    total = max(r.stop for _, r in items)
+    for adapter, ranges in groups.values():
+        if len(ranges) == 1:
+            whole = ranges[0].start == 0 and ranges[0].stop == total
+            result.append((adapter, slice(None) if whole else ranges[0]))
+        else:
+            result.append((adapter, torch.cat([torch.arange(r.start, r.stop, device=device) for r in ranges])))
+    return LoraRows(result)
 
 
 def _weight(module: Any) -> Tensor | None:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import ast
 import json
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
@@ -188,7 +188,6 @@ class CodeState(EpisodeState):
     pass_rate: float = 0.0  # of `code` on the hidden tests
     verified_code: str | None = None  # a program that passed every hidden test
     validity: float | None = None  # share of the tester's tests a correct program passes
-    history: list[dict[str, Any]] = field(default_factory=list)  # per-round summary
 
 
 class CodeEnv(MASEnv):
@@ -314,14 +313,6 @@ class CodeEnv(MASEnv):
         for p in parts.values():
             p.team = team_outcome(state.pass_rate, cfg)
         state.success = state.code is not None and state.pass_rate == 1.0
-        state.history.append(
-            {
-                "round": self.round,
-                "pass_rate": state.pass_rate,
-                "tests": len(state.tests),
-                "validity": state.validity,
-            }
-        )
         return parts
 
     def _coder_feedback(

@@ -216,7 +216,9 @@ class MathEnv(MASEnv):
         state = self.state
         answers = ", ".join(f"{a}={v}" for a, v in state.answers.items()) or "no answers yet"
         status = "solved" if state.success else "agreed" if state.agreed else f"round {self.round}"
-        return f"math {self.task.id} ({status}): {answers}; reference {self.task.answer}"
+        over = self.round > 0 and not self.agents  # the reference is shown once it cannot help
+        reference = self.task.answer if over else "shown at the end"
+        return f"math {self.task.id} ({status}): {answers}; reference {reference}"
 
 
 def _program_lines(run: ToolRun, title: str, limit: int) -> list[str]:

@@ -72,6 +72,13 @@ class GeneratedMath:
     topics: tuple[str, ...] = tuple(TOPICS)
     name: str = "generated"
 
+    def __post_init__(self) -> None:
+        unknown = [t for t in self.topics if t not in TOPICS]
+        if unknown or not self.topics:
+            raise ValueError(f"unknown math topics {unknown}; known: {', '.join(TOPICS)}")
+        if self.level not in (1, 2, 3):
+            raise ValueError(f"difficulty level must be 1, 2 or 3, got {self.level}")
+
     def sample(self, rng: np.random.Generator) -> MathTask:
         return generate_math_task(rng, self.level, self.topics)
 
@@ -434,7 +441,7 @@ def load_hf(
     split = split or spec.split
     tasks: list[Task] = []
     seen: set[str] = set()
-    for index, row in enumerate(_rows(spec, key, split, data_path)):
+    for index, row in enumerate(_iter_rows(_rows(spec, key, split, data_path))):
         try:
             task = spec.convert(row, index)
         except (
@@ -460,6 +467,14 @@ def load_hf(
     if not tasks:
         raise TaskSourceError(f"{spec.hub_id} ({key}, split {split}) gave no usable tasks")
     return tasks
+
+
+def _iter_rows(dataset: Any) -> Iterator[dict]:
+    """Rows as dicts, read in column batches (several times faster than row by row)."""
+    for batch in dataset.iter(batch_size=4096):
+        names = list(batch)
+        for values in zip(*batch.values()):
+            yield dict(zip(names, values))
 
 
 def _rows(

@@ -9,6 +9,7 @@ longer than that, from any thread.
 from __future__ import annotations
 
 import atexit
+import importlib.util
 import json
 import os
 import re
@@ -149,6 +150,7 @@ class MathJudge:
         self.timeout = timeout  # seconds per comparison, including a cold worker's start
         self.max_chars = max_chars  # longer answers count as unparsable
         self._idle: list[_Worker] = []
+        self._pid = os.getpid()  # workers belong to the process that started them
         self._lock = threading.Lock()
         self._slots = threading.BoundedSemaphore(max_workers)
         self.timeouts = 0  # comparisons cut off by `timeout` (reported, for monitoring)
@@ -181,9 +183,16 @@ class MathJudge:
         return self._ask(request, self.timeout if timeout is None else timeout)
 
     def _ask(self, request: dict, timeout: float) -> bool:
+        if importlib.util.find_spec("math_verify") is None:
+            raise RuntimeError(
+                "checking math answers beyond plain numbers needs math-verify: "
+                "pip install 'masenvs[tasks]'"
+            )
         # A cold worker imports sympy first (about a second); a slow first call is not a hang.
         with self._slots:
             with self._lock:
+                if self._pid != os.getpid():  # a forked copy: the pipes are the parent's
+                    self._idle, self._pid = [], os.getpid()
                 worker = self._idle.pop() if self._idle else None
             if worker is None:
                 worker, timeout = _Worker(), timeout + 10.0

@@ -1,0 +1,308 @@
+"""Workflow mode: a user's whole multi-agent program solves env tasks; the env scores it.
+
+One run = one task (an env seed) solved once by the program:
+
+1. The env is made in single-agent mode with one round (`single_agent=True, max_rounds=1`);
+   its solo role's first prompt is the task.
+2. The factory named in the config builds the program from a `WorkflowContext` whose
+   clients point at the run's endpoint URL (`/r/{rollout_id}/v1`), one model name per agent.
+3. The program runs (LangGraph graph, AutoGen team, LlamaIndex workflow); its final text is
+   the solo role's action, and `env.step` gives the run's reward and success.
+4. A failure (an exception in the program, a recursion limit, a timeout) ends the run with
+   the failure reward and a logged reason; other runs go on.
+
+Every LLM call the program made is in the trace under the run's rollout id, attributed to
+its agent and numbered per agent (`call_index`); `masenvs.trainer.workflow` turns them into
+training samples, K runs per task grouped by (task, agent, call index).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib
+import importlib.util
+import inspect
+import logging
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from masenvs.adapters.frameworks.clients import Clients, ClientSettings, rollout_url
+from masenvs.adapters.frameworks.programs import (
+    Messages,
+    RunLimits,
+    check_program,
+    failure_reason,
+    run_program,
+)
+from masenvs.env import messages_to_text
+from masenvs.registry import make
+from masenvs.traces import EpisodeRecord, TraceStore
+
+log = logging.getLogger("masenvs.frameworks")
+
+
+class WorkflowSpec(BaseModel):
+    """The `workflow:` section of a training config: which program, and how it runs."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    factory: str = Field(
+        description="'module:function' or 'path/to/file.py:function'; the function takes a "
+        "WorkflowContext and returns the program (it may be async)."
+    )
+    framework: Literal["langgraph", "autogen", "llamaindex"] = Field(
+        description="Which framework's clients the factory gets and how the program is run."
+    )
+    agents: list[str] = Field(
+        min_length=1,
+        description="Model names the program's clients use, one per agent; each is routed by "
+        "the policy map and trains its own adapter (or the shared one).",
+    )
+    answer_from: str | None = Field(
+        None,
+        description="Where the final answer is: LangGraph state key or AutoGen agent name. "
+        "None: the last AI message (LangGraph), the last agent message (AutoGen), the "
+        "agent workflow's response (LlamaIndex).",
+    )
+    recursion_limit: int = Field(25, ge=1, description="LangGraph super-steps per run.")
+    timeout_s: float | None = Field(
+        600.0, gt=0, description="Wall seconds per run before it fails; None: no limit."
+    )
+    failure_reward: float | None = Field(
+        None,
+        description="Reward of a failed run. None: what the env gives an empty answer (its "
+        "format penalty).",
+    )
+
+    def limits(self) -> RunLimits:
+        return RunLimits(self.answer_from, self.recursion_limit, self.timeout_s)
+
+
+@dataclass
+class WorkflowContext:
+    """What a factory gets: the clients of one run and the task it is about to solve."""
+
+    clients: Clients  # agent name -> framework client at this run's endpoint URL
+    messages: Messages  # the task as chat messages (the env's solo-role prompt)
+    task: str  # the same as one text (what an AutoGen team / LlamaIndex agent is asked)
+    base_url: str  # this run's OpenAI base URL, .../r/{rollout_id}/v1
+    rollout_id: str
+    env: str
+    seed: int
+    run_index: int  # k of the K runs of this task
+    task_info: dict[str, Any]  # the env's facts about the task (ids, sizes)
+
+
+Factory = Callable[[WorkflowContext], Any]
+
+
+@dataclass
+class WorkflowRun:
+    """The outcome of one run of the program on one task."""
+
+    rollout_id: str
+    task_id: str  # "<env>:<seed>"; the K runs of a task share it
+    seed: int
+    run_index: int
+    reward: float  # the run's episode reward; every call of the run trains with it
+    success: bool
+    answer: str
+    error: str | None  # why the program failed, if it did
+    seconds: float
+    started_at: float  # unix time
+
+
+def load_factory(ref: str) -> Factory:
+    """Import `module:function` (or `path/file.py:function`) and return the function."""
+    module_name, sep, attr = ref.rpartition(":")
+    if not sep or not module_name or not attr:
+        raise ValueError(f"factory {ref!r} must look like 'module:function' or 'file.py:function'")
+    module = _import(module_name, ref)
+    factory = getattr(module, attr, None)
+    if factory is None or not callable(factory):
+        raise ValueError(f"factory {ref!r}: {module_name} has no function {attr!r}")
+    return factory
+
+
+def _import(module_name: str, ref: str) -> Any:
+    path = Path(module_name)
+    if module_name.endswith(".py") or not path.suffix and "/" in module_name:
+        return _import_file(path if path.suffix else path.with_suffix(".py"), ref)
+    try:
+        return importlib.import_module(module_name)
+    except ModuleNotFoundError as exc:
+        # `examples.my_graph` run from the repository root with a console script, whose
+        # sys.path does not hold the working directory.
+        candidate = Path(*module_name.split(".")).with_suffix(".py")
+        if exc.name and module_name.startswith(exc.name) and candidate.is_file():
+            return _import_file(candidate, ref)
+        raise ValueError(f"factory {ref!r}: cannot import {module_name}: {exc}") from exc
+
+
+def _import_file(path: Path, ref: str) -> Any:
+    if not path.is_file():
+        raise ValueError(f"factory {ref!r}: file {path} does not exist")
+    name = f"masenvs_workflow_{path.stem}"
+    spec = importlib.util.spec_from_file_location(name, path)
+    if spec is None or spec.loader is None:
+        raise ValueError(f"factory {ref!r}: cannot load {path}")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module  # dataclasses and pydantic look their module up here
+    spec.loader.exec_module(module)
+    return module
+
+
+def task_env_options(options: dict[str, Any]) -> dict[str, Any]:
+    """Env options of workflow mode: the solo role answers once."""
+    return {**options, "single_agent": True, "max_rounds": 1}
+
+
+async def run_workflow(
+    spec: WorkflowSpec,
+    *,
+    root_url: str,
+    env_name: str,
+    seed: int,
+    env_options: dict[str, Any] | None = None,
+    run_index: int = 0,
+    rollout_id: str | None = None,
+    settings: ClientSettings | None = None,
+    store: TraceStore | None = None,
+    endpoint: Any = None,
+    factory: Factory | None = None,
+) -> WorkflowRun:
+    """One run of the program on task `seed` of `env_name`; never raises for the program's
+    failures (they give the failure reward). `endpoint` (optional) gets the run's metadata."""
+    factory = factory or load_factory(spec.factory)
+    rollout_id = rollout_id or f"wf-{seed}-{run_index}"
+    env = make(env_name, **task_env_options(env_options or {}))
+    _, infos = env.reset(seed=seed)
+    solo = env.possible_agents[0]
+    messages = infos[solo]["messages"]
+    task_id = f"{env.name}:{seed}"
+    url = rollout_url(root_url, rollout_id)
+    if endpoint is not None:
+        endpoint.set_rollout_metadata(
+            rollout_id, {"task_id": task_id, "seed": seed, "run_index": run_index}
+        )
+    started_at, started = time.time(), time.perf_counter()
+    clients = Clients(spec.framework, url, spec.agents, settings)
+    answer, error = "", None
+    try:
+        context = WorkflowContext(
+            clients=clients,
+            messages=messages,
+            task=messages_to_text(messages),
+            base_url=url,
+            rollout_id=rollout_id,
+            env=env.name,
+            seed=seed,
+            run_index=run_index,
+            task_info=dict(infos[solo].get("task", {})),
+        )
+        program = factory(context)
+        if inspect.isawaitable(program):
+            program = await program
+        check_program(spec.framework, program)
+        answer = await run_program(spec.framework, program, messages, spec.limits())
+    except Exception as exc:  # the user's program failing ends this run, not the batch
+        error = failure_reason(exc)
+        log.warning("workflow run %s (%s) failed: %s", rollout_id, task_id, error)
+    finally:
+        await clients.aclose()
+        if endpoint is not None:
+            endpoint.end_rollout(rollout_id)
+    # Env steps may run sandboxed programs: keep them off the event loop.
+    _, rewards, _, _, _ = await asyncio.to_thread(env.step, {solo: answer})
+    reward = rewards[solo]
+    if error is not None and spec.failure_reward is not None:
+        reward = spec.failure_reward
+    run = WorkflowRun(
+        rollout_id=rollout_id,
+        task_id=task_id,
+        seed=seed,
+        run_index=run_index,
+        reward=float(reward),
+        success=error is None and bool(env.state.success),
+        answer=answer,
+        error=error,
+        seconds=time.perf_counter() - started,
+        started_at=started_at,
+    )
+    if store is not None:
+        store.append(
+            EpisodeRecord(
+                rollout_id=rollout_id,
+                task_id=task_id,
+                env=env.name,
+                rewards=dict.fromkeys(spec.agents, run.reward),
+                success=run.success,
+                extra={
+                    "mode": "workflow",
+                    "framework": spec.framework,
+                    "seed": seed,
+                    "run_index": run_index,
+                    "error": error,
+                    "answer": answer[:2000],
+                },
+                policy_version=getattr(endpoint, "policy_version", None),
+            )
+        )
+    return run
+
+
+async def run_tasks(
+    spec: WorkflowSpec,
+    *,
+    root_url: str,
+    env_name: str,
+    seeds: list[int],
+    runs_per_task: int,
+    env_options: dict[str, Any] | None = None,
+    settings: ClientSettings | None = None,
+    store: TraceStore | None = None,
+    endpoint: Any = None,
+    prefix: str = "wf",
+    concurrency: int = 8,
+    on_run: Callable[[WorkflowRun], None] | None = None,
+    factory: Factory | None = None,
+) -> list[WorkflowRun]:
+    """K = `runs_per_task` independent runs of every task, `concurrency` at a time.
+
+    Rollout ids are `{prefix}-{seed}-{k}`; runs come back ordered by (seed, k). `factory`
+    overrides `spec.factory` (a function instead of its import path).
+    """
+    if runs_per_task < 1:
+        raise ValueError(f"runs_per_task must be at least 1, got {runs_per_task}")
+    factory = factory or load_factory(spec.factory)  # a bad factory fails once, up front
+    make(env_name, **task_env_options(env_options or {}))  # and so does a bad env config
+    limit = asyncio.Semaphore(concurrency)
+
+    async def one(seed: int, k: int) -> WorkflowRun:
+        async with limit:
+            run = await run_workflow(
+                spec,
+                root_url=root_url,
+                env_name=env_name,
+                seed=seed,
+                env_options=env_options,
+                run_index=k,
+                rollout_id=f"{prefix}-{seed}-{k}",
+                settings=settings,
+                store=store,
+                endpoint=endpoint,
+                factory=factory,
+            )
+        if on_run is not None:
+            on_run(run)
+        return run
+
+    return list(
+        await asyncio.gather(*(one(seed, k) for seed in seeds for k in range(runs_per_task)))
+    )

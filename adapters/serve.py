@@ -1,0 +1,203 @@
+"""`masenvs serve`: serve a (trained) policy as an OpenAI-compatible API.
+
+masenvs serve --model smollm2-135m --adapter tool=runs/x/adapters/tool --traces runs/served
+masenvs serve --backend vllm --vllm-url http://127.0.0.1:8001 --host 0.0.0.0 --api-key KEY
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ipaddress
+import os
+import socket
+import sys
+from typing import Any
+
+DEFAULT_MODEL = "smollm2-135m"
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="masenvs serve", description="Serve a policy as an OpenAI-compatible API."
+    )
+    parser.add_argument(
+        "--model",
+        default=DEFAULT_MODEL,
+        help="smollm2-135m (default), tiny, or a local model directory (with vllm: what "
+        "`vllm serve` loads when masenvs launches it)",
+    )
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="load a peft LoRA adapter under NAME (repeatable); requests select it with model=NAME",
+    )
+    parser.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        metavar="AGENT=ADAPTER",
+        help="send requests for model=AGENT to ADAPTER (repeatable)",
+    )
+    parser.add_argument(
+        "--unknown-agents",
+        choices=["base", "reject"],
+        default="base",
+        help="what a model name that is neither an agent nor an adapter gets (default: base model)",
+    )
+    parser.add_argument("--backend", choices=["embedded", "vllm"], default="embedded")
+    parser.add_argument(
+        "--vllm-url",
+        help="URL of a running `vllm serve`; without it masenvs launches one "
+        "($MASENVS_VLLM_BIN names the vllm executable)",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MASENVS_API_KEY"),
+        help="required as 'Authorization: Bearer KEY' (default: $MASENVS_API_KEY); "
+        "mandatory when --host is not a loopback address",
+    )
+    parser.add_argument("--traces", help="directory where every call is recorded")
+    parser.add_argument(
+        "--fsync",
+        action="store_true",
+        help="fsync each trace record (survives power loss, not only a killed process)",
+    )
+    parser.add_argument("--device", default="cpu", help="embedded backend: cpu or cuda")
+    parser.add_argument("--log-level", default="warning")
+    return parser
+
+
+def is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False  # a host name: it may resolve to anything
+
+
+def _pairs(values: list[str], flag: str) -> dict[str, str]:
+    result = {}
+    for value in values:
+        name, sep, target = value.partition("=")
+        if not sep or not name or not target:
+            raise ValueError(f"{flag} expects NAME=VALUE, got {value!r}")
+        result[name] = target
+    return result
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if not is_loopback(args.host) and not args.api_key:
+        print(
+            f"masenvs serve: refusing to listen on {args.host} without an API key; anyone who "
+            "can reach this machine could use the model. Pass --api-key KEY (or set "
+            "MASENVS_API_KEY), or bind to 127.0.0.1.",
+            file=sys.stderr,
+        )
+        return 2
+    try:
+        adapters = _pairs(args.adapter, "--adapter")
+        routes = _pairs(args.route, "--route")
+    except ValueError as exc:
+        print(f"masenvs serve: {exc}", file=sys.stderr)
+        return 2
+
+    from masenvs.adapters.backends.base import BackendError
+
+    launched = None
+    try:
+        backend, launched = _make_backend(args, adapters)
+    except (BackendError, OSError, RuntimeError, ValueError) as exc:
+        print(f"masenvs serve: {exc}", file=sys.stderr)
+        return 1
+    try:
+        return _serve(args, backend, routes)
+    finally:
+        asyncio.run(backend.close())
+        if launched is not None:
+            launched.stop()
+
+
+def _make_backend(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[Any, Any]:
+    """The backend with `adapters` loaded, and the vLLM process if masenvs launched one."""
+    if args.backend == "vllm":
+        from masenvs.adapters.backends.vllm import VLLMBackend, launch_vllm
+
+        launched = None
+        url = args.vllm_url
+        if url is None:
+            launched = launch_vllm(args.model, port=0, lora_modules=adapters)
+            url, adapters = launched.url, {}
+        backend = VLLMBackend(url, tokenizer=None if launched is None else args.model)
+        for name, path in adapters.items():
+            asyncio.run(backend.load_adapter(name, path))
+        return backend, launched
+
+    from masenvs.adapters.backends.embedded import EmbeddedBackend
+    from masenvs.adapters.models import ModelLoadError
+
+    try:
+        backend = EmbeddedBackend.from_spec(args.model, device=args.device)
+    except ModelLoadError as exc:
+        raise ValueError(str(exc)) from exc
+    for name, path in adapters.items():
+        asyncio.run(backend.load_adapter(name, path))
+    return backend, None
+
+
+def _serve(args: argparse.Namespace, backend: Any, routes: dict[str, str]) -> int:
+    import uvicorn
+
+    from masenvs.adapters.endpoint import create_app
+    from masenvs.adapters.policy_map import PolicyMap
+    from masenvs.traces import TraceStore
+
+    store = (
+        TraceStore(args.traces, durability="fsync" if args.fsync else "flush")
+        if args.traces
+        else None
+    )
+    policy_map = PolicyMap(routes, default=None if args.unknown_agents == "reject" else "base")
+    app = create_app(backend, store=store, policy_map=policy_map, api_key=args.api_key)
+    family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
+    # IPPROTO_TCP explicitly: asyncio turns Nagle off (TCP_NODELAY) only for sockets
+    # whose proto says TCP; without it each JSON response waits ~40 ms for a delayed ACK.
+    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        print(f"masenvs serve: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 1
+    sock.listen(2048)
+    port = sock.getsockname()[1]
+    host = f"[{args.host}]" if ":" in args.host else args.host
+    root = f"http://{host}:{port}"
+    model = backend.model_names()[0]
+    key = repr(args.api_key) if args.api_key else '"unused"'
+    print(
+        f"masenvs serve: {model} ({args.backend}) at {root}/v1\n"
+        f"  models: {', '.join(app.model_ids())}\n"
+        f"  traces: {args.traces or 'off'}; rollouts: {root}/r/<rollout_id>/v1\n"
+        "  call it with the openai client:\n"
+        "    from openai import OpenAI\n"
+        f"    client = OpenAI(base_url='{root}/v1', api_key={key})\n"
+        f"    client.chat.completions.create(model='{model}', "
+        "messages=[{'role': 'user', 'content': 'Hello'}])",
+        flush=True,
+    )
+    config = uvicorn.Config(app, log_level=args.log_level, lifespan="off", access_log=False)
+    uvicorn.Server(config).run(sockets=[sock])
+    if store is not None:
+        store.close()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Small user programs for the framework tests, written as a user would write them.
+
+Each factory takes the `WorkflowContext` masenvs hands it and returns the program. Every
+program makes exactly two calls per agent (so the tests can check call numbering); the tiny
+test model writes gibberish, so none of them depends on what the model says.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from masenvs.adapters.frameworks import WorkflowContext
+
+# -- LangGraph ------------------------------------------------------------------------------
+
+
+def langgraph_pair(ctx: WorkflowContext) -> Any:
+    """solve -> check -> solve -> check -> end."""
+    from langchain_core.messages import HumanMessage, SystemMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    solver, checker = ctx.clients["solver"], ctx.clients["checker"]
+
+    class State(MessagesState):
+        rounds: int
+
+    async def solve(state: State) -> dict:
+        reply = await solver.ainvoke([SystemMessage("Solve it."), *state["messages"]])
+        return {"messages": [reply], "rounds": state.get("rounds", 0) + 1}
+
+    def check(state: State) -> dict:  # a sync node: LangGraph runs it in a thread
+        reply = checker.invoke([HumanMessage(f"Check: {state['messages'][-1].text}")])
+        return {"messages": [reply]}
+
+    graph = StateGraph(State)
+    graph.add_node("solve", solve)
+    graph.add_node("check", check)
+    graph.add_edge(START, "solve")
+    graph.add_edge("solve", "check")
+    graph.add_conditional_edges("check", lambda s: END if s["rounds"] >= 2 else "solve")
+    return graph.compile()
+
+
+def langgraph_fails_first_run(ctx: WorkflowContext) -> Any:
+    """One solver call, then the user's node raises, but only in run 0 of each task."""
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    solver = ctx.clients["solver"]
+
+    async def solve(state: MessagesState) -> dict:
+        return {"messages": [await solver.ainvoke(state["messages"])]}
+
+    def post(state: MessagesState) -> dict:
+        if ctx.run_index == 0:
+            raise ValueError("boom in the user's graph")
+        return {}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("solve", solve)
+    graph.add_node("post", post)
+    graph.add_edge(START, "solve")
+    graph.add_edge("solve", "post")
+    graph.add_edge("post", END)
+    return graph.compile()
+
+
+def langgraph_forever(ctx: WorkflowContext) -> Any:
+    """A graph that never ends: the recursion limit stops it."""
+    from langgraph.graph import START, MessagesState, StateGraph
+
+    solver = ctx.clients["solver"]
+
+    async def solve(state: MessagesState) -> dict:
+        return {"messages": [await solver.ainvoke(state["messages"][:2])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("solve", solve)
+    graph.add_edge(START, "solve")
+    graph.add_edge("solve", "solve")
+    return graph.compile()
+
+
+# -- AutoGen --------------------------------------------------------------------------------
+
+
+def autogen_pair(ctx: WorkflowContext) -> Any:
+    """coder, reviewer, coder, reviewer in a round-robin team."""
+    from autogen_agentchat.agents import AssistantAgent
+    from autogen_agentchat.conditions import MaxMessageTermination
+    from autogen_agentchat.teams import RoundRobinGroupChat
+
+    coder = AssistantAgent("coder", model_client=ctx.clients["coder"])
+    reviewer = AssistantAgent("reviewer", model_client=ctx.clients["reviewer"])
+    # The task message counts: task + 4 agent messages.
+    return RoundRobinGroupChat([coder, reviewer], termination_condition=MaxMessageTermination(5))
+
+
+# -- LlamaIndex -----------------------------------------------------------------------------
+
+
+def llamaindex_pair(ctx: WorkflowContext) -> Any:
+    """A custom LlamaIndex Workflow: draft -> critique -> draft -> critique."""
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.workflow import Event, StartEvent, StopEvent, Workflow, step
+
+    drafter, critic = ctx.clients["drafter"], ctx.clients["critic"]
+
+    class Draft(Event):
+        text: str
+        round: int
+
+    class Critique(Event):
+        text: str
+        round: int
+
+    class DraftAndCritique(Workflow):
+        @step
+        async def start(self, ev: StartEvent) -> Draft:
+            reply = await drafter.achat([ChatMessage(role="user", content=ev.user_msg)])
+            return Draft(text=reply.message.content or "", round=1)
+
+        @step
+        async def critique(self, ev: Draft) -> Critique:
+            reply = await critic.achat([ChatMessage(role="user", content=f"Critique: {ev.text}")])
+            return Critique(text=reply.message.content or "", round=ev.round)
+
+        @step
+        async def redraft(self, ev: Critique) -> Draft | StopEvent:
+            if ev.round >= 2:
+                return StopEvent(result=ev.text)
+            reply = await drafter.achat([ChatMessage(role="user", content=f"Improve: {ev.text}")])
+            return Draft(text=reply.message.content or "", round=ev.round + 1)
+
+    return DraftAndCritique(timeout=None)
+
+
+def llamaindex_agents(ctx: WorkflowContext) -> Any:
+    """An AgentWorkflow; the tiny model never hands off, so only the root agent speaks."""
+    from llama_index.core.agent.workflow import AgentWorkflow, FunctionAgent
+
+    planner = FunctionAgent(
+        name="planner",
+        description="Plans.",
+        llm=ctx.clients["planner"],
+        can_handoff_to=["critic"],
+    )
+    critic = FunctionAgent(name="critic", description="Critiques.", llm=ctx.clients["critic"])
+    return AgentWorkflow(agents=[planner, critic], root_agent="planner")
+
+
+# -- anything else --------------------------------------------------------------------------
+
+
+def sleeps(ctx: WorkflowContext) -> Any:
+    async def run(messages: list[dict]) -> str:
+        await asyncio.sleep(30)
+        return "too late"
+
+    return run
+
+
+def not_a_program(ctx: WorkflowContext) -> Any:
+    return 42

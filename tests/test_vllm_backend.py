@@ -1,0 +1,289 @@
+"""The vLLM backend against a stand-in server that speaks vLLM's protocol (no GPU here).
+
+The stand-in (`fake_vllm.FakeVLLM`) fronts the tiny embedded engine, so every answer the
+vLLM backend gives can be checked against the engine's own answer to the same request.
+`scripts/check_vllm_gpu.sh` runs the same kind of checks against a real `vllm serve`.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import stat
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from fake_vllm import FakeVLLM
+
+from masenvs.adapters.backends.base import Backend, BackendError, GenerateRequest, SamplingParams
+from masenvs.adapters.backends.embedded import EmbeddedBackend
+from masenvs.adapters.backends.vllm import (
+    VLLMBackend,
+    VLLMLaunchError,
+    _Choice,
+    launch_vllm,
+    model_dir,
+)
+from masenvs.adapters.endpoint import EndpointServer, create_app
+from masenvs.adapters.models import load_model
+from masenvs.traces import TraceStore
+
+HELLO = [{"role": "user", "content": "Say hello."}]
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[EmbeddedBackend]:
+    backend = EmbeddedBackend.from_spec("tiny", max_model_len=512)
+    yield backend
+    backend.shutdown()
+
+
+@pytest.fixture(scope="module")
+def fake(engine: EmbeddedBackend) -> Iterator[tuple[FakeVLLM, EndpointServer]]:
+    path = model_dir("tiny")  # vLLM names the model by the directory it loaded
+    app = FakeVLLM(engine, served_model=path, root=path)
+    with EndpointServer(app) as server:
+        yield app, server
+
+
+@pytest.fixture(scope="module")
+def vllm(fake) -> VLLMBackend:
+    return VLLMBackend(fake[1].url)
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def chat(model: str = "", messages=HELLO, **params) -> GenerateRequest:
+    return GenerateRequest(model=model, params=SamplingParams(**params), messages=messages)
+
+
+def assert_same(ours, theirs) -> None:
+    assert ours.prompt_token_ids == theirs.prompt_token_ids
+    for a, b in zip(ours.completions, theirs.completions, strict=True):
+        assert (a.token_ids, a.text, a.finish_reason, a.stop_reason) == (
+            b.token_ids,
+            b.text,
+            b.finish_reason,
+            b.stop_reason,
+        )
+        assert a.logprobs == pytest.approx(b.logprobs)
+        assert a.top_logprobs == b.top_logprobs
+
+
+def test_is_a_backend_with_the_engines_tokenizer(vllm: VLLMBackend, engine) -> None:
+    assert isinstance(vllm, Backend)
+    assert vllm.served_model == model_dir("tiny")
+    assert vllm.tokenizer_id() == engine.tokenizer_id()  # ids are interchangeable
+    assert vllm.model_names() == [model_dir("tiny")]
+
+
+def test_chat_returns_vllms_ids_logprobs_and_top_alternatives(vllm, engine, fake) -> None:
+    request = chat(max_tokens=12, seed=3, top_logprobs=3, n=2)
+    ours, theirs = run(vllm.generate(request)), run(engine.generate(request))
+    assert_same(ours, theirs)
+    sent = fake[0].requests[-1]
+    assert sent["return_token_ids"] and sent["logprobs"] and sent["return_tokens_as_token_ids"]
+    assert sent["model"] == model_dir("tiny") and sent["top_logprobs"] == 3
+
+
+def test_completions_with_text_and_token_prompts(vllm, engine) -> None:
+    for prompt in ("Once upon a time", [1, 2, 3, 4, 5]):
+        request = GenerateRequest(
+            model="base",
+            params=SamplingParams(max_tokens=8, seed=1, top_logprobs=2),
+            prompt=prompt,
+        )
+        assert_same(run(vllm.generate(request)), run(engine.generate(request)))
+
+
+def test_stream_adds_up_to_the_same_generation(vllm, engine) -> None:
+    request = chat(max_tokens=16, seed=5, n=2)
+
+    async def collect():
+        return [event async for event in vllm.stream(request)]
+
+    events = run(collect())
+    final = events[-1]
+    assert_same(final, run(engine.generate(request)))
+    for index, completion in enumerate(final.completions):
+        deltas = [e for e in events[:-1] if e.index == index]
+        assert [t for d in deltas for t in d.token_ids] == completion.token_ids
+        assert "".join(d.text for d in deltas) == completion.text
+        assert [x for d in deltas for x in d.logprobs] == pytest.approx(completion.logprobs)
+        assert [d.finish_reason for d in deltas][-1] == completion.finish_reason
+
+
+def greedy_tokens(engine, max_tokens: int = 12) -> list[int]:
+    return run(engine.generate(chat(max_tokens=max_tokens, temperature=0))).completions[0].token_ids
+
+
+def test_a_stop_string_cuts_ids_and_text_like_the_engine(vllm, engine) -> None:
+    ids = greedy_tokens(engine)
+    text = engine.decode(ids)
+    start = len(engine.decode(ids[:4]))
+    stop = text[start + 1 : start + 3]
+    assert stop and stop in text
+    request = chat(max_tokens=12, temperature=0, stop=[stop])
+    ours = run(vllm.generate(request))
+    assert_same(ours, run(engine.generate(request)))
+    (completion,) = ours.completions
+    assert completion.stop_reason == stop and stop not in completion.text
+    assert len(completion.token_ids) < len(ids)  # vLLM sent more ids; they were cut
+
+    async def streamed():
+        return [e async for e in vllm.stream(request)]
+
+    events = run(streamed())
+    assert "".join(e.text for e in events[:-1]) == completion.text
+    assert [t for e in events[:-1] for t in e.token_ids] == completion.token_ids
+
+
+def test_a_stop_token_stays_in_the_ids_but_not_the_text(vllm, engine) -> None:
+    ids = greedy_tokens(engine)
+    stop_id = ids[3]
+    request = chat(max_tokens=12, temperature=0, stop_token_ids=[stop_id])
+    ours = run(vllm.generate(request))
+    assert_same(ours, run(engine.generate(request)))
+    (completion,) = ours.completions
+    assert completion.token_ids[-1] == stop_id == completion.stop_reason
+    assert completion.text == engine.decode(completion.token_ids[:-1])
+
+
+def test_eos_is_named_by_its_id_like_the_engine(vllm) -> None:
+    eos = vllm.tokenizer.eos_token_id
+    completion = vllm._completion(
+        _Choice([28, 29, eos], [-1.0, -2.0, -0.5], [{}, {}, {}]), "stop", None, SamplingParams()
+    )
+    assert completion.stop_reason == eos and completion.token_ids == [28, 29, eos]
+    assert completion.text == vllm.decode([28, 29])
+
+
+def make_adapter(directory: Path, seed: int) -> Path:
+    from peft import LoraConfig, get_peft_model
+
+    torch.manual_seed(seed)
+    config = LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "down_proj"])
+    model = get_peft_model(load_model("tiny").model, config)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if "lora_B" in name:
+                param.normal_(0, 0.5)
+    model.save_pretrained(directory)
+    return directory
+
+
+@pytest.fixture(scope="module")
+def adapter_dirs(tmp_path_factory) -> list[Path]:
+    root = tmp_path_factory.mktemp("vllm-adapters")
+    return [make_adapter(root / f"a{seed}", seed) for seed in (1, 2)]
+
+
+@pytest.mark.parametrize("inplace", [True, False], ids=["load_inplace", "old-vllm"])
+def test_adapters_load_at_run_time_and_are_replaced(engine, adapter_dirs, inplace: bool) -> None:
+    path = model_dir("tiny")
+    app = FakeVLLM(engine, served_model=path, root=path, load_inplace=inplace)
+    name = f"agent_{inplace}"
+    with EndpointServer(app) as server:
+        backend = VLLMBackend(server.url)
+        base = run(backend.generate(chat(max_tokens=8, temperature=0))).completions[0].token_ids
+        run(backend.load_adapter(name, str(adapter_dirs[0])))
+        assert name in backend.model_names()
+        first = run(backend.generate(chat(name, max_tokens=8, temperature=0)))
+        assert first.completions[0].token_ids != base
+        assert_same(first, run(engine.generate(chat(name, max_tokens=8, temperature=0))))
+        run(backend.load_adapter(name, str(adapter_dirs[1])))  # new weights, same name
+        second = run(backend.generate(chat(name, max_tokens=8, temperature=0)))
+        assert second.completions[0].token_ids != first.completions[0].token_ids
+        assert_same(second, run(engine.generate(chat(name, max_tokens=8, temperature=0))))
+        run(backend.unload_adapter(name))
+        assert name not in backend.model_names()
+        with pytest.raises(BackendError) as caught:
+            run(backend.generate(chat(name, max_tokens=2)))
+        assert caught.value.status == 404
+
+
+def test_errors_come_back_as_backend_errors(vllm, engine) -> None:
+    with pytest.raises(BackendError) as caught:
+        run(vllm.generate(chat("nope", max_tokens=2)))
+    assert (caught.value.status, caught.value.code) == (404, "model_not_found")
+    long = [{"role": "user", "content": "word " * 2000}]
+    with pytest.raises(BackendError) as caught:
+        run(vllm.generate(chat(messages=long, max_tokens=2)))
+    assert (caught.value.status, caught.value.code) == (400, "context_length_exceeded")
+    with pytest.raises(BackendError, match="Cannot reach vLLM"):
+        VLLMBackend("http://127.0.0.1:9")
+    path = model_dir("tiny")
+    with EndpointServer(FakeVLLM(engine, path, runtime_lora=False, api_key="k")) as server:
+        with pytest.raises(BackendError, match="API key"):
+            VLLMBackend(server.url)
+        backend = VLLMBackend(server.url, api_key="k")
+        assert run(backend.generate(chat(max_tokens=2))).completions
+        with pytest.raises(BackendError, match="VLLM_ALLOW_RUNTIME_LORA_UPDATING"):
+            run(backend.load_adapter("x", "/nowhere"))
+
+
+def test_the_endpoint_traces_vllm_calls_like_embedded_ones(vllm, fake, tmp_path) -> None:
+    store = TraceStore(tmp_path)
+    with EndpointServer(create_app(vllm, store=store)) as server:
+        api = openai.OpenAI(base_url=server.rollout_url("r1"), api_key="-", max_retries=0)
+        answer = api.chat.completions.create(
+            model="planner", messages=HELLO, max_tokens=10, logprobs=True, seed=2
+        )
+        chunks = list(
+            api.chat.completions.create(model="planner", messages=HELLO, max_tokens=10, stream=True)
+        )
+    first, second = store.calls()
+    assert first.backend == "vllm" and first.tokenizer_id == vllm.tokenizer_id()
+    assert answer.choices[0].message.content == first.choices[0].text
+    assert [t.logprob for t in answer.choices[0].logprobs.content] == first.choices[0].logprobs
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == second.choices[0].text
+    for record in (first, second):
+        choice = record.choices[0]
+        visible = choice.token_ids[:-1] if isinstance(choice.stop_reason, int) else choice.token_ids
+        assert vllm.decode(visible) == choice.text
+        assert (record.agent, record.model, record.rollout_id) == ("planner", "base", "r1")
+
+
+def fake_vllm_executable(directory: Path, body: str | None = None) -> Path:
+    script = directory / "vllm"
+    fake = Path(__file__).with_name("fake_vllm.py")
+    script.write_text(body or f'#!/bin/sh\nexec "{sys.executable}" "{fake}" "$@"\n')
+    script.chmod(script.stat().st_mode | stat.S_IEXEC)
+    return script
+
+
+def test_launch_vllm_starts_waits_for_health_and_stops(tmp_path, adapter_dirs, monkeypatch) -> None:
+    monkeypatch.setenv("MASENVS_VLLM_BIN", str(fake_vllm_executable(tmp_path)))
+    with launch_vllm("tiny", lora_modules={"static": str(adapter_dirs[0])}, timeout=120) as server:
+        backend = VLLMBackend(server.url)
+        assert set(backend.model_names()) == {model_dir("tiny"), "static"}
+        assert "--enable-lora" in server.command
+        assert run(backend.generate(chat("static", max_tokens=3))).completions[0].token_ids
+        run(backend.load_adapter("runtime", str(adapter_dirs[1])))  # runtime updates are on
+        assert "runtime" in backend.model_names()
+    assert server.process.poll() is not None
+
+
+def test_launch_vllm_explains_a_missing_or_dying_vllm(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("MASENVS_VLLM_BIN", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    with pytest.raises(VLLMLaunchError, match="MASENVS_VLLM_BIN"):
+        launch_vllm("tiny")
+    monkeypatch.setenv("MASENVS_VLLM_BIN", str(tmp_path / "missing" / "vllm"))
+    with pytest.raises(VLLMLaunchError, match="does not exist"):
+        launch_vllm("tiny")
+    dying = fake_vllm_executable(
+        tmp_path, "#!/bin/sh\necho 'RuntimeError: No CUDA GPUs are available' >&2\nexit 3\n"
+    )
+    monkeypatch.setenv("MASENVS_VLLM_BIN", str(dying))
+    with pytest.raises(VLLMLaunchError, match="No CUDA GPUs") as caught:
+        launch_vllm("tiny", timeout=30)
+    assert "status 3" in str(caught.value)
+    assert os.environ["MASENVS_VLLM_BIN"] == str(dying)
