@@ -184,7 +184,7 @@ class Endpoint:
         return endpoint
 
     def _check_key(self, request: Request) -> None:
-        if self.api_key is None:
+        if not self.api_key:
             return
         header = request.headers.get("authorization", "")
         scheme, _, given = header.partition(" ")
@@ -223,16 +223,18 @@ class Endpoint:
                 "with 'Content-Type: application/json'.",
             ) from None
 
-    def _start_call(self, request: Request, kind: str, agent: str) -> tuple[str, str | None, int]:
+    def _resolve(self, agent: str) -> str:
         try:
-            model = self.policy_map.resolve(agent, self._available())
+            return self.policy_map.resolve(agent, self._available())
         except UnknownModel as exc:
             raise APIError(404, str(exc), param="model", code="model_not_found") from None
-        rollout_id = request.path_params.get("rollout_id")
+
+    def _next_index(self, rollout_id: str | None, agent: str) -> int:
+        # Requests the endpoint rejects get no index; one the backend rejects keeps its own.
         with self._counter_lock:
             index = self._counters.get((rollout_id, agent), 0)
             self._counters[(rollout_id, agent)] = index + 1
-        return model, rollout_id, index
+        return index
 
     def _available(self) -> set[str]:
         return {*self.backend.model_names(), *self.served_model_names, BASE}
@@ -259,22 +261,26 @@ class Endpoint:
         return _JSON({"object": "list", "data": data})
 
     async def _chat(self, request: Request) -> Response:
+        started_at = time.time()
         body = parse(ChatRequest, await self._json_body(request))
-        model, rollout_id, index = self._start_call(request, "chat", body.model)
+        model = self._resolve(body.model)
+        generate = body.to_generate(self._backend_model(model), self.default_max_tokens)
+        rollout_id = request.path_params.get("rollout_id")
         call = _Call(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             kind="chat",
             rollout_id=rollout_id,
             agent=body.model,
             model=model,
-            call_index=index,
-            started_at=time.time(),
-            request=body.to_generate(self._backend_model(model), self.default_max_tokens),
+            call_index=self._next_index(rollout_id, body.model),
+            started_at=started_at,
+            request=generate,
             stream=body.stream,
         )
         parser = self._tool_parser if body.parse_tool_calls else None
         if body.stream:
-            return self._stream(self._chat_chunks(call, body, parser))
+            events = await self._open_stream(call.request)
+            return self._stream(self._chat_chunks(call, body, parser, events))
         generation = await self.backend.generate(call.request)
         outputs = [_parse_tools(c.text, parser) for c in generation.completions]
         await self._record(call, generation, outputs)
@@ -314,21 +320,25 @@ class Endpoint:
         return _JSON(response)
 
     async def _completions(self, request: Request) -> Response:
+        started_at = time.time()
         body = parse(CompletionRequest, await self._json_body(request))
-        model, rollout_id, index = self._start_call(request, "completion", body.model)
+        model = self._resolve(body.model)
+        generate = body.to_generate(self._backend_model(model))
+        rollout_id = request.path_params.get("rollout_id")
         call = _Call(
             id=f"cmpl-{uuid.uuid4().hex}",
             kind="completion",
             rollout_id=rollout_id,
             agent=body.model,
             model=model,
-            call_index=index,
-            started_at=time.time(),
-            request=body.to_generate(self._backend_model(model)),
+            call_index=self._next_index(rollout_id, body.model),
+            started_at=started_at,
+            request=generate,
             stream=body.stream,
         )
         if body.stream:
-            return self._stream(self._completion_chunks(call, body))
+            events = await self._open_stream(call.request)
+            return self._stream(self._completion_chunks(call, body, events))
         generation = await self.backend.generate(call.request)
         await self._record(call, generation, [ParsedOutput(c.text) for c in generation.completions])
         choices = []
@@ -388,22 +398,36 @@ class Endpoint:
             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"},
         )
 
-    async def _generation(
+    async def _open_stream(
         self, request: GenerateRequest
     ) -> AsyncIterator[StreamDelta | Generation]:
-        # Closing the backend's stream when the client goes away stops its generation.
+        """The backend's stream, started: a request it rejects (a prompt too long, an
+        unknown adapter) fails here, before the 200 and the event stream begin."""
         stream = self.backend.stream(request)
         try:
+            first = await anext(stream)
+        except BaseException:
+            await _aclose(stream)
+            raise
+        return self._continue(stream, first)
+
+    async def _continue(
+        self, stream: AsyncIterator[StreamDelta | Generation], first: StreamDelta | Generation
+    ) -> AsyncIterator[StreamDelta | Generation]:
+        # Closing the backend's stream when the client goes away stops its generation.
+        try:
+            yield first
             async for event in stream:
                 yield event
         finally:
-            aclose = getattr(stream, "aclose", None)
-            if aclose is not None:
-                with contextlib.suppress(Exception):
-                    await aclose()
+            await _aclose(stream)
 
     async def _chat_chunks(
-        self, call: _Call, body: ChatRequest, parser: ToolParser | None
+        self,
+        call: _Call,
+        body: ChatRequest,
+        parser: ToolParser | None,
+        events: AsyncIterator[StreamDelta | Generation],
     ) -> AsyncIterator[dict[str, Any]]:
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             out = {
@@ -434,7 +458,7 @@ class Endpoint:
         yield chunk(first)
         held = [_HeldText(parser) for _ in range(n)]
         generation: Generation | None = None
-        async for event in self._generation(call.request):
+        async for event in events:
             if isinstance(event, Generation):
                 generation = event
                 break
@@ -490,7 +514,10 @@ class Endpoint:
             yield chunk([], usage=_usage(generation))
 
     async def _completion_chunks(
-        self, call: _Call, body: CompletionRequest
+        self,
+        call: _Call,
+        body: CompletionRequest,
+        events: AsyncIterator[StreamDelta | Generation],
     ) -> AsyncIterator[dict[str, Any]]:
         def chunk(choices: list[dict[str, Any]], **extra: Any) -> dict[str, Any]:
             out = {
@@ -507,7 +534,7 @@ class Endpoint:
 
         offsets = [0] * call.request.params.n
         generation: Generation | None = None
-        async for event in self._generation(call.request):
+        async for event in events:
             if isinstance(event, Generation):
                 generation = event
                 break
@@ -644,6 +671,13 @@ class _HeldText:
         """Text not yet sent that belongs to the content: none when the rest is tool calls
         (everything before the call marker has been sent)."""
         return "" if output.tool_calls else self.text[self.sent :]
+
+
+async def _aclose(stream: Any) -> None:
+    aclose = getattr(stream, "aclose", None)
+    if aclose is not None:
+        with contextlib.suppress(Exception):
+            await aclose()
 
 
 def _parse_tools(text: str, parser: ToolParser | None) -> ParsedOutput:

@@ -252,7 +252,6 @@ def _with_chat_template(tokenizer: Any) -> Any:
 
 def _load_dir(path: Path, name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
     from transformers.utils import logging as hf_logging
 
     bars = hf_logging.is_progress_bar_enabled()

@@ -76,4 +76,8 @@ SPEC = WorkflowSpec(
 if __name__ == "__main__":
     from masenvs.trainer.workflow_cli import main
 
-    sys.exit(main(SPEC, "math", sys.argv[1:], env_options={"level": 1}, description=__doc__))
+    sys.exit(
+        main(
+            SPEC, "math", sys.argv[1:], factory=build, env_options={"level": 1}, description=__doc__
+        )
+    )

@@ -66,4 +66,4 @@ SPEC = WorkflowSpec(
 if __name__ == "__main__":
     from masenvs.trainer.workflow_cli import main
 
-    sys.exit(main(SPEC, "plan_path", sys.argv[1:], description=__doc__))
+    sys.exit(main(SPEC, "plan_path", sys.argv[1:], factory=build, description=__doc__))

@@ -29,6 +29,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 Durability = Literal["flush", "fsync"]
+INLINE_TOKENS = 4096  # records with more token entries than this are encoded off the loop
 
 
 @dataclass
@@ -245,9 +246,10 @@ class TraceStore:
             self._sync(seq)
 
     async def append_async(self, record: CallRecord | EpisodeRecord) -> None:
-        """`append` from async code: a write to the page cache is done inline (tens of
-        microseconds); an fsync runs in a worker thread so the event loop keeps serving."""
-        if self.durability == "fsync":
+        """`append` from async code: a typical record is written inline (tens of
+        microseconds); an fsync, or encoding a large record (long prompts, many choices,
+        top logprobs: tens of ms), runs in a worker thread so the event loop keeps serving."""
+        if self.durability == "fsync" or _size_hint(record) > INLINE_TOKENS:
             await asyncio.to_thread(self.append, record)
         else:
             self.append(record)
@@ -337,7 +339,12 @@ class TraceStore:
 
     def to_dataset(self) -> datasets.Dataset:
         """One row per sampled choice, joined with its rollout's episode when there is one."""
-        import datasets
+        try:
+            import datasets
+        except ImportError as exc:
+            raise ImportError(
+                "TraceStore.to_dataset needs the `datasets` package: pip install 'masenvs[tasks]'"
+            ) from exc
 
         episodes = {e.rollout_id: e for e in self.episodes()}
         rows: dict[str, list[Any]] = {name: [] for name in _DATASET_FEATURES}
@@ -415,6 +422,17 @@ def _feature(datasets: Any, kind: str) -> Any:
     if kind == "floats":
         return datasets.Sequence(datasets.Value("float64"))
     return datasets.Value(kind)
+
+
+def _size_hint(record: CallRecord | EpisodeRecord) -> int:
+    if not isinstance(record, CallRecord):
+        return 0
+    size = len(record.prompt_token_ids)
+    for choice in record.choices:
+        size += 2 * len(choice.token_ids)
+        if choice.top_logprobs:
+            size += sum(2 * len(position) for position in choice.top_logprobs)
+    return size
 
 
 def _json_or_none(value: Any) -> str | None:

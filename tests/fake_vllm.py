@@ -479,7 +479,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--lora-modules", nargs="*", default=[])
     parser.add_argument("--served-model-name")
     parser.add_argument("--api-key")
-    args = parser.parse_args(argv)
+    args, _ = parser.parse_known_args(argv)  # vLLM flags it has no use for
     backend = EmbeddedBackend(load_model(args.model), max_model_len=512)
     app = FakeVLLM(
         backend,

@@ -162,3 +162,20 @@ def sleeps(ctx: WorkflowContext) -> Any:
 
 def not_a_program(ctx: WorkflowContext) -> Any:
     return 42
+
+
+def autogen_selector(ctx: WorkflowContext) -> Any:
+    """A SelectorGroupChat: its speaker selection is a model call of its own agent."""
+    from autogen_agentchat.agents import AssistantAgent
+    from autogen_agentchat.conditions import MaxMessageTermination
+    from autogen_agentchat.teams import SelectorGroupChat
+
+    coder = AssistantAgent("coder", model_client=ctx.clients["coder"], description="Writes code.")
+    reviewer = AssistantAgent(
+        "reviewer", model_client=ctx.clients["reviewer"], description="Reviews code."
+    )
+    return SelectorGroupChat(
+        [coder, reviewer],
+        model_client=ctx.clients["selector"],
+        termination_condition=MaxMessageTermination(3),
+    )

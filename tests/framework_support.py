@@ -77,8 +77,8 @@ HERMES_TEMPLATE = (
     "{{- '\\n\\n# Tools\\n\\nFunction signatures are within <tools></tools> XML tags:\\n<tools>' }}"
     "{%- for tool in tools %}{{- '\\n' }}{{- tool | tojson }}{%- endfor %}"
     "{{- '\\n</tools>\\n\\nFor each function call, return a json object with function name and "
-    "arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{\"name\": "
-    "<function-name>, \"arguments\": <args-json-object>}\\n</tool_call><|im_end|>\\n' }}"
+    'arguments within <tool_call></tool_call> XML tags:\\n<tool_call>\\n{"name": '
+    '<function-name>, "arguments": <args-json-object>}\\n</tool_call><|im_end|>\\n\' }}'
     "{%- elif messages[0]['role'] == 'system' %}"
     "{{- '<|im_start|>system\\n' + messages[0]['content'] + '<|im_end|>\\n' }}{%- endif %}"
     "{%- for message in messages %}"
@@ -124,7 +124,9 @@ def tool_model_dir() -> Path:
 
 
 def _random_text(rng: random.Random, tokenizer: Any, low: int, high: int) -> str:
-    return tokenizer.decode([rng.randrange(100, len(tokenizer)) for _ in range(rng.randint(low, high))])
+    return tokenizer.decode(
+        [rng.randrange(100, len(tokenizer)) for _ in range(rng.randint(low, high))]
+    )
 
 
 def _add_schema(rng: random.Random) -> dict:

@@ -7,6 +7,7 @@ import math
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
+
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import AlgorithmConfig
 from masenvs.trainer.samples import Sample, tree_group, workflow_group

@@ -305,7 +305,9 @@ def test_set_adapter_weights_replaces_in_place(backend: EmbeddedBackend, adapter
 def test_long_prompts_prefill_in_chunks(backend: EmbeddedBackend, monkeypatch) -> None:
     import masenvs.adapters.backends.embedded as embedded
 
-    request = GenerateRequest(model="", params=SamplingParams(max_tokens=8, seed=2, top_logprobs=2), prompt="word " * 60)
+    request = GenerateRequest(
+        model="", params=SamplingParams(max_tokens=8, seed=2, top_logprobs=2), prompt="word " * 60
+    )
     whole = run(backend.generate(request)).completions[0]
     monkeypatch.setattr(embedded, "PREFILL_TOKENS", 16)
     chunked = run(backend.generate(request)).completions[0]
@@ -315,17 +317,38 @@ def test_long_prompts_prefill_in_chunks(backend: EmbeddedBackend, monkeypatch) -
 
 def test_identical_prompts_arriving_together_prefill_once(backend: EmbeddedBackend) -> None:
     alone = [run(backend.generate(chat(max_tokens=6, seed=s))) for s in range(4)]
-    before = backend.stats.prefilled_tokens
+    before = backend.stats.prefilled_tokens + backend.stats.prefix_hit_tokens
 
     async def together() -> list[Generation]:
         # Holding the engine's lock keeps it from admitting the first request before the
         # others are queued, as it would when they arrive within one decode step.
         with backend._wakeup:
-            tasks = [asyncio.create_task(backend.generate(chat(max_tokens=6, seed=s))) for s in range(4)]
+            tasks = [
+                asyncio.create_task(backend.generate(chat(max_tokens=6, seed=s))) for s in range(4)
+            ]
             await asyncio.sleep(0.01)
             assert len(backend._waiting) == 4
         return await asyncio.gather(*tasks)
 
     group = run(together())
-    assert backend.stats.prefilled_tokens - before == len(alone[0].prompt_token_ids)
-    assert [g.completions[0].token_ids for g in group] == [g.completions[0].token_ids for g in alone]
+    run_once = backend.stats.prefilled_tokens + backend.stats.prefix_hit_tokens - before
+    assert run_once == len(alone[0].prompt_token_ids)
+    assert [g.completions[0].token_ids for g in group] == [
+        g.completions[0].token_ids for g in alone
+    ]
+
+
+def test_next_turn_reuses_the_cached_conversation(backend: EmbeddedBackend) -> None:
+    turn1 = [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
+    first = run(backend.generate(chat(messages=turn1, max_tokens=40, seed=3)))
+    turn2 = [
+        *turn1,
+        {"role": "assistant", "content": first.completions[0].text},
+        {"role": "user", "content": "Shorter, please."},
+    ]
+    hits = backend.stats.prefix_hit_tokens
+    second = run(backend.generate(chat(messages=turn2, max_tokens=12, seed=4)))
+    assert backend.stats.prefix_hit_tokens - hits >= len(first.prompt_token_ids)
+    completion = second.completions[0]
+    expected = raw_logprobs(backend.model, second.prompt_token_ids, completion.token_ids)
+    assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)

@@ -8,6 +8,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -217,6 +218,10 @@ def test_rollout_urls_attribute_calls_and_count_per_agent(serve) -> None:
     server_endpoint.set_rollout_metadata("ep-1", {"task": "sudoku:3"})
     server_endpoint.policy_version = 5
     for rollout, agent in [("ep-1", "a"), ("ep-1", "b"), ("ep-1", "a"), ("ep-2", "a")]:
+        with pytest.raises(openai.BadRequestError):  # rejected calls take no index
+            client(server.rollout_url(rollout)).chat.completions.create(
+                model=agent, messages=HELLO, max_tokens=0
+            )
         client(server.rollout_url(rollout)).chat.completions.create(
             model=agent, messages=HELLO, max_tokens=2
         )
@@ -269,14 +274,18 @@ def _greedy(max_tokens: int):
 
 
 def test_unknown_agents_can_be_rejected(serve, adapters) -> None:
-    server, store = serve(policy_map=PolicyMap({"tool": "tool_lora"}, default=None))
+    server, store = serve(
+        policy_map=PolicyMap({"tool": "tool_lora"}, default=None),
+        served_model_names=["gpt-4o-mini"],  # an alias of the base model
+    )
     api = client(server.base_url)
     with pytest.raises(openai.NotFoundError) as caught:
         api.chat.completions.create(model="stranger", messages=HELLO, max_tokens=2)
     assert caught.value.body["code"] == "model_not_found"
     # An adapter named directly is still served, and the server keeps serving.
     api.chat.completions.create(model="plan_lora", messages=HELLO, max_tokens=2)
-    assert [c.model for c in store.calls()] == ["plan_lora"]
+    api.chat.completions.create(model="gpt-4o-mini", messages=HELLO, max_tokens=2)
+    assert [c.model for c in store.calls()] == ["plan_lora", "gpt-4o-mini"]
 
 
 def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(serve) -> None:
@@ -330,6 +339,54 @@ def test_bad_requests_get_openai_errors_and_the_server_keeps_serving(serve) -> N
         client(server.base_url, "sekret").chat.completions.create(
             model="tiny", messages=HELLO, max_tokens=-5
         )
+
+
+def test_streams_reject_bad_requests_before_they_start(serve) -> None:
+    server, _ = serve()
+    long = [{"role": "user", "content": "word " * 2000}]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client(server.base_url).chat.completions.create(
+            model="tiny", messages=long, max_tokens=4, stream=True
+        )
+    assert caught.value.body["code"] == "context_length_exceeded"
+
+
+class WatchesStreams:
+    """The real backend, noting whether each stream ran to its end or was closed early."""
+
+    def __init__(self, backend: EmbeddedBackend) -> None:
+        self._backend = backend
+        self.closed_early: list[bool] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._backend, name)
+
+    async def stream(self, request: GenerateRequest):
+        finished = False
+        try:
+            async for event in self._backend.stream(request):
+                yield event
+            finished = True
+        finally:
+            self.closed_early.append(not finished)
+
+
+def test_a_client_that_leaves_mid_stream_stops_its_generation(backend, tmp_path) -> None:
+    watched, store = WatchesStreams(backend), TraceStore(tmp_path)
+    body = {"model": "tiny", "messages": HELLO, "max_tokens": 400, "stream": True}
+    with EndpointServer(create_app(watched, store=store)) as server, httpx.Client() as http:
+        with http.stream("POST", f"{server.base_url}/chat/completions", json=body) as response:
+            assert response.status_code == 200
+            next(response.iter_lines())  # one event, then hang up
+        deadline = time.monotonic() + 10
+        while not watched.closed_early and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert watched.closed_early == [True]  # the backend's stream was closed, not drained
+        assert list(store.calls()) == []  # the answer never reached the client
+        answer = client(server.base_url).chat.completions.create(
+            model="tiny", messages=HELLO, max_tokens=2
+        )
+        assert answer.choices
 
 
 class FailsOnMagic:

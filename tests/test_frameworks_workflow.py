@@ -17,7 +17,7 @@ import pytest
 from framework_support import random_lora, serve
 
 from masenvs.adapters.backends.embedded import EmbeddedBackend
-from masenvs.adapters.frameworks import ClientSettings, Clients, WorkflowSpec, load_factory
+from masenvs.adapters.frameworks import Clients, ClientSettings, WorkflowSpec, load_factory
 from masenvs.adapters.frameworks.langgraph import answer_text
 from masenvs.adapters.frameworks.workflow import run_tasks, run_workflow
 from masenvs.adapters.policy import Sampling
@@ -147,14 +147,45 @@ def test_an_agent_workflow_and_the_example_programs_run(backend, tmp_path) -> No
             spec = WorkflowSpec(factory=factory, framework=framework, agents=agents)
             (run,) = asyncio.run(
                 run_tasks(
-                    spec, root_url=served.url, env_name=env, seeds=[1], runs_per_task=1,
-                    settings=SETTINGS, store=served.store, prefix=framework + env,
+                    spec,
+                    root_url=served.url,
+                    env_name=env,
+                    seeds=[1],
+                    runs_per_task=1,
+                    settings=SETTINGS,
+                    store=served.store,
+                    prefix=framework + env,
                 )
-            )  # fmt: skip
+            )
             assert run.error is None, (factory, run.error)
             calls = served.store.rollout(run.rollout_id)
             assert calls and {c.agent for c in calls} <= set(agents)
             assert agents[0] in {c.agent for c in calls}
+
+
+def test_a_selector_group_chat_traces_its_speaker_selection_as_an_agent(backend, tmp_path) -> None:
+    agents = ["coder", "reviewer", "selector"]
+    spec = WorkflowSpec(
+        factory="framework_programs:autogen_selector", framework="autogen", agents=agents
+    )
+    with serve(backend, tmp_path) as served:
+        (run,) = asyncio.run(
+            run_tasks(
+                spec,
+                root_url=served.url,
+                env_name="code",
+                seeds=[0],
+                runs_per_task=1,
+                settings=SETTINGS,
+            )
+        )
+        calls = served.store.rollout(run.rollout_id)
+    assert run.error is None
+    by_agent = defaultdict(list)
+    for call in calls:
+        by_agent[call.agent].append(call.call_index)
+    assert set(by_agent) == set(agents)  # the selector's own calls are an agent's calls
+    assert all(indices == list(range(len(indices))) for indices in by_agent.values())
 
 
 def test_a_failing_user_graph_ends_its_run_with_the_failure_reward(backend, tmp_path) -> None:
@@ -166,10 +197,15 @@ def test_a_failing_user_graph_ends_its_run_with_the_failure_reward(backend, tmp_
     with serve(backend, tmp_path) as served:
         samples, runs = asyncio.run(
             collect_workflow_samples(
-                spec, root_url=served.url, store=served.store, env_name="math",
-                seeds=[0, 1], runs_per_task=2, settings=SETTINGS,
+                spec,
+                root_url=served.url,
+                store=served.store,
+                env_name="math",
+                seeds=[0, 1],
+                runs_per_task=2,
+                settings=SETTINGS,
             )
-        )  # fmt: skip
+        )
     failed = [r for r in runs if r.error]
     assert [r.run_index for r in failed] == [0, 0]  # the other runs went on and finished
     assert all(r.error.startswith("ValueError: boom") for r in failed)
@@ -188,10 +224,14 @@ def test_a_failing_user_graph_ends_its_run_with_the_failure_reward(backend, tmp_
     with serve(backend, tmp_path / "again") as served:
         runs = asyncio.run(
             run_tasks(
-                spec, root_url=served.url, env_name="math", seeds=[0], runs_per_task=2,
+                spec,
+                root_url=served.url,
+                env_name="math",
+                seeds=[0],
+                runs_per_task=2,
                 settings=SETTINGS,
             )
-        )  # fmt: skip
+        )
     assert [r.reward for r in runs if r.error] == [-3.0]
 
 
@@ -211,10 +251,15 @@ def test_framework_failures_are_logged_and_scored(
     with serve(backend, tmp_path) as served:
         run = asyncio.run(
             run_workflow(
-                spec, root_url=served.url, env_name="plan_path", seed=0, settings=SETTINGS,
-                store=served.store, rollout_id="r-fail",
+                spec,
+                root_url=served.url,
+                env_name="plan_path",
+                seed=0,
+                settings=SETTINGS,
+                store=served.store,
+                rollout_id="r-fail",
             )
-        )  # fmt: skip
+        )
         (episode,) = served.store.episodes("r-fail")
         calls = served.store.rollout("r-fail")
     assert run.error is not None and run.error.startswith(reason)

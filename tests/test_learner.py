@@ -9,13 +9,14 @@ from typing import Any
 
 import pytest
 import torch
+from peft import PeftModel
+from safetensors.torch import load_file
+
 from masenvs.adapters.models import load_model
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import TrainConfig, load_config
 from masenvs.trainer.learner import Learner, build_microbatch, lr_at, plan_microbatches
 from masenvs.trainer.samples import Sample, tree_group
-from peft import PeftModel
-from safetensors.torch import load_file
 
 VOCAB = 49152
 
@@ -88,15 +89,27 @@ def test_plan_microbatches_packs_every_sequence_once_within_budget() -> None:
     assert plan_microbatches([100], max_tokens=16) == [[[0]]]  # too long: alone
 
 
-def test_packed_rows_keep_sequences_apart(tiny: Any) -> None:
+def test_packed_rows_lay_out_positions_and_targets() -> None:
     samples = make_samples("coder", 6, seed=1)
-    rows = [[0, 1, 2], [3, 4, 5]]
-    mb = build_microbatch(samples, rows)
+    mb = build_microbatch(samples, [[0, 1, 2], [3, 4, 5]])
     assert mb.samples == [0, 1, 2, 3, 4, 5]
+    lengths = [s.num_tokens - 1 for s in samples]  # prompt + completion[:-1]
+    width = max(sum(lengths[:3]), sum(lengths[3:]))
+    assert mb.input_ids.shape == (2, width)
+    for r, row in enumerate([[0, 1, 2], [3, 4, 5]]):
+        used = sum(lengths[i] for i in row)
+        # positions restart at 0 for every sequence and for the padding after them
+        expected = [p for i in row for p in range(lengths[i])] + list(range(width - used))
+        assert mb.position_ids[r].tolist() == expected
     assert mb.targets.tolist() == [t for s in samples for t in s.completion_token_ids]
-    # positions restart at 0 at every sequence (and at the padding)
-    starts = (mb.position_ids == 0).sum().item()
-    assert starts >= len(samples)
+    # each scored position's next input token is the target, except a sequence's last token
+    flat = mb.input_ids.flatten()
+    k = 0
+    for s in samples:
+        for j, target in enumerate(s.completion_token_ids):
+            if j < len(s.completion_token_ids) - 1:
+                assert flat[mb.score_index[k] + 1].item() == target
+            k += 1
 
 
 # -- log-probs ----------------------------------------------------------------------------------

@@ -6,6 +6,7 @@ import math
 
 import pytest
 import torch
+
 from masenvs.trainer.atgrpo import LossSums, policy_loss
 from masenvs.trainer.config import AlgorithmConfig
 

@@ -20,6 +20,7 @@ from collections import defaultdict
 from dataclasses import dataclass, field, replace
 
 import torch
+
 from masenvs.trainer.config import AlgorithmConfig
 from masenvs.trainer.samples import GroupKey, Sample
 
@@ -46,9 +47,9 @@ def group_advantages(
 
     - A group of one sample has no baseline: its advantage is 0 (r - mean = 0).
     - A group of equal rewards has std 0 and advantage 0 for every member.
-    - std is the population std (divide by n) unless `cfg.unbiased_std`: with it, advantages
-      in every group have unit RMS whatever the group size, so groups of 2 and of 8 weigh
-      alike (the sample std would shrink small groups' advantages by sqrt((n-1)/n)).
+    - std is the population std (divide by n): every group's advantages then have unit RMS
+      whatever its size, so groups of 2 and of 8 weigh alike. `cfg.unbiased_std` switches to
+      the sample std (n - 1, as VERL and TRL), which shrinks small groups by sqrt((n-1)/n).
     - Filters: `drop_zero_std_groups`, then `keep_top_groups` (a fraction, ranked by reward
       std or mean); neither changes the advantages of the groups that stay.
     """
@@ -100,6 +101,18 @@ def group_advantages(
 # ---------------------------------------------------------------------------------------------
 
 
+# LossSums fields that add across micro-batches (ratio_max takes the max instead).
+_SUMMED = (
+    "pg_loss",
+    "kl_ref",
+    "ratio",
+    "approx_kl_old",
+    "clipped_low",
+    "clipped_high",
+    "dual_clipped",
+)
+
+
 @dataclass
 class LossSums:
     """Token sums of the loss terms; micro-batches add up, `means()` divides by `tokens`."""
@@ -117,9 +130,7 @@ class LossSums:
 
     def add(self, other: LossSums) -> None:
         self.tokens += other.tokens
-        for name in ("pg_loss", "kl_ref", "ratio", "approx_kl_old"):
-            setattr(self, name, getattr(self, name) + getattr(other, name))
-        for name in ("clipped_low", "clipped_high", "dual_clipped"):
+        for name in _SUMMED:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.ratio_max = max(self.ratio_max, other.ratio_max)
         for k, v in other.extra.items():
@@ -187,16 +198,21 @@ def policy_loss(
     # Token mean over the optimizer step: every completion token weighs 1 / num_tokens.
     loss = per_token.sum() / max(num_tokens, 1)
 
-    with torch.no_grad():
-        sums = LossSums(
-            tokens=int(logprobs.numel()),
-            pg_loss=pg.sum().item(),
-            kl_ref=kl.sum().item() if kl is not None else 0.0,
-            ratio=ratio.sum().item(),
-            ratio_max=ratio.max().item() if ratio.numel() else 0.0,
-            approx_kl_old=((ratio - 1.0) - log_ratio).sum().item(),
-            clipped_low=((advantages < 0) & (ratio < 1.0 - cfg.clip_low)).sum().item(),
-            clipped_high=((advantages > 0) & (ratio > 1.0 + cfg.clip_high)).sum().item(),
-            dual_clipped=dual.sum().item(),
-        )
+    with torch.no_grad():  # one device sync for all metrics
+        zero = pg.new_zeros(())
+        values = torch.stack(
+            [
+                pg.sum(),
+                kl.sum() if kl is not None else zero,
+                ratio.sum(),
+                ((ratio - 1.0) - log_ratio).sum(),  # k3 of KL(pi_old || pi_theta)
+                ((advantages < 0) & (ratio < 1.0 - cfg.clip_low)).sum().to(pg.dtype),
+                ((advantages > 0) & (ratio > 1.0 + cfg.clip_high)).sum().to(pg.dtype),
+                dual.sum().to(pg.dtype),
+                ratio.max() if ratio.numel() else zero,
+            ]
+        ).tolist()
+    sums = LossSums(tokens=int(logprobs.numel()), ratio_max=values.pop())
+    for name, value in zip(_SUMMED, values, strict=True):
+        setattr(sums, name, value)
     return loss, sums

@@ -28,6 +28,7 @@ from typing import Any
 
 import numpy as np
 import torch
+
 from masenvs.trainer.config import TrainConfig, config_yaml
 from masenvs.trainer.learner import Learner
 

@@ -20,13 +20,14 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-from masenvs.trainer.atgrpo import LossSums, policy_loss
-from masenvs.trainer.config import OptimConfig, TrainConfig
-from masenvs.trainer.samples import Sample
 from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dict
 from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
+
+from masenvs.trainer.atgrpo import LossSums, policy_loss
+from masenvs.trainer.config import OptimConfig, TrainConfig
+from masenvs.trainer.samples import Sample
 
 ModelLoader = Callable[[str, torch.device, torch.dtype], Any]
 """(model name, device, dtype) -> a transformers causal LM."""
@@ -285,34 +286,13 @@ class Learner:
 
         sums = LossSums()
         grad_norms: list[float] = []
+        model.train()
         for epoch in range(algo.ppo_epochs):
             for part in self._mini_batches(len(batch), epoch):
-                num_tokens = sum(len(batch[i].completion_token_ids) for i in part)
                 policy.optimizer.zero_grad(set_to_none=True)
-                model.train()
-                sub = [batch[i] for i in part]
-                for rows in plan_microbatches(
-                    [s.num_tokens - 1 for s in sub], self.cfg.optim.max_tokens_per_microbatch
-                ):
-                    mb = build_microbatch(sub, rows)
-                    scored = self._forward(model, mb, with_entropy=self.cfg.logging.entropy)
-                    idx = [part[i] for i in mb.samples]  # back to batch indices
-                    old_lp = _gather(old, idx) if old is not None else scored.logprobs.detach()
-                    ref_lp = _gather(ref, idx) if ref is not None else None
-                    adv = torch.cat(
-                        [
-                            torch.full((len(batch[i].completion_token_ids),), batch[i].advantage)
-                            for i in idx
-                        ]
-                    ).to(self.device)
-                    loss, mb_sums = policy_loss(
-                        scored.logprobs, old_lp, adv, num_tokens, algo, ref_logprobs=ref_lp
-                    )
-                    loss.backward()
-                    mb_sums.extra["entropy"] = scored.entropy_sum
-                    sums.add(mb_sums)
-                    if one_step:
-                        mismatch.add(batch, idx, _split(scored.raw_logprobs, batch, idx))
+                self._accumulate_gradients(
+                    model, batch, part, old, ref, sums, mismatch if one_step else None
+                )
                 max_norm = self.cfg.optim.grad_clip or math.inf
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.params, max_norm)))
                 for group in policy.optimizer.param_groups:
@@ -329,6 +309,38 @@ class Learner:
         out["advantage_mean"] = sum(s.advantage or 0.0 for s in batch) / len(batch)
         out.update(mismatch.means())
         return out
+
+    def _accumulate_gradients(
+        self,
+        model: PeftModel,
+        batch: list[Sample],
+        part: list[int],
+        old: list[torch.Tensor] | None,
+        ref: list[torch.Tensor] | None,
+        sums: LossSums,
+        mismatch: _Mismatch | None,
+    ) -> None:
+        """Backward of the token-mean loss of `batch[part]`, one micro-batch at a time."""
+        sub = [batch[i] for i in part]
+        num_tokens = sum(len(s.completion_token_ids) for s in sub)  # the token mean's N
+        budget = self.cfg.optim.max_tokens_per_microbatch
+        for rows in plan_microbatches([s.num_tokens - 1 for s in sub], budget):
+            mb = build_microbatch(sub, rows)
+            scored = self._forward(model, mb, with_entropy=self.cfg.logging.entropy)
+            idx = [part[i] for i in mb.samples]  # back to batch indices
+            old_lp = _gather(old, idx) if old is not None else scored.logprobs.detach()
+            ref_lp = _gather(ref, idx) if ref is not None else None
+            adv = torch.cat(
+                [torch.full((len(batch[i].completion_token_ids),), batch[i].advantage) for i in idx]
+            ).to(self.device)
+            loss, mb_sums = policy_loss(
+                scored.logprobs, old_lp, adv, num_tokens, self.cfg.algorithm, ref_logprobs=ref_lp
+            )
+            loss.backward()
+            mb_sums.extra["entropy"] = scored.entropy_sum
+            sums.add(mb_sums)
+            if mismatch is not None:  # this forward ran at the generating weights
+                mismatch.add(batch, idx, _split(scored.raw_logprobs, batch, idx))
 
     def _mini_batches(self, n: int, epoch: int) -> list[list[int]]:
         """Split batch indices into `mini_batches` parts; shuffled (seeded by step and epoch)."""

@@ -11,6 +11,7 @@ import matplotlib
 matplotlib.use("Agg")  # files only: no display needed, safe in worker threads
 
 import matplotlib.pyplot as plt  # noqa: E402
+
 from masenvs.trainer.metrics import read_metrics  # noqa: E402
 
 

@@ -74,9 +74,7 @@ def rollout_metrics(results: list[TaskRollout], seconds: float) -> dict[str, flo
     return out
 
 
-async def validate(
-    cfg: TrainConfig, stack: Stack, step: int
-) -> dict[str, float]:
+async def validate(cfg: TrainConfig, stack: Stack, step: int) -> dict[str, float]:
     """Independent (non-branching) episodes on held-out seeds; `val/...` metrics."""
     sampling = Sampling(
         temperature=cfg.validation.temperature,
@@ -85,7 +83,9 @@ async def validate(
         seed=cfg.seed,
     )
     policy = ChatPolicy(stack.base_url, sampling=sampling, api_key=stack.api_key or "masenvs")
-    seeds = list(range(cfg.validation.seed_start, cfg.validation.seed_start + cfg.validation.episodes))
+    seeds = list(
+        range(cfg.validation.seed_start, cfg.validation.seed_start + cfg.validation.episodes)
+    )
     options = dict(cfg.env.options)
     if cfg.rollout.max_rounds is not None:
         options["max_rounds"] = cfg.rollout.max_rounds
@@ -131,7 +131,11 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
             cfg.model.name,
             cfg.backend.kind,
             cfg.backend.vllm_url,
-            **({"max_batch_size": cfg.backend.max_batch_size} if cfg.backend.kind == "embedded" else {}),
+            **(
+                {"max_batch_size": cfg.backend.max_batch_size}
+                if cfg.backend.kind == "embedded"
+                else {}
+            ),
         )
         sync = WeightSync(learner, backend, run_dir / "sync")
         sync.push(version=state.step)
@@ -141,11 +145,15 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     metrics = MetricsLogger(run_dir, cfg.logging, cfg, resume_step=state.step)
     validations: list[dict[str, float]] = []
     try:
-        asyncio.run(_loop(cfg, learner, stack, sync, metrics, make_env, state, console, validations))
+        asyncio.run(
+            _loop(cfg, learner, stack, sync, metrics, make_env, state, console, validations)
+        )
     finally:
         metrics.close()
         stack.close()
-    plot = plot_curves(run_dir / "metrics.jsonl", run_dir / "curves.png", title=f"{cfg.env.name}: AT-GRPO")
+    plot = plot_curves(
+        run_dir / "metrics.jsonl", run_dir / "curves.png", title=f"{cfg.env.name}: AT-GRPO"
+    )
     console.print(f"curves: {plot}\nmetrics: {run_dir / 'metrics.jsonl'}")
     validations = [r for r in read_metrics(run_dir / "metrics.jsonl") if "val/success" in r]
     return TrainResult(run_dir, cfg.steps, validations, plot)
@@ -178,7 +186,9 @@ async def _loop(
             validations.append({"step": 0, **val})
             console.print(f"step 0 validation: success {val['val/success']:.0%}")
         for step in range(state.step + 1, cfg.steps + 1):
-            seeds = list(range(state.next_task_seed, state.next_task_seed + cfg.rollout.tasks_per_step))
+            seeds = list(
+                range(state.next_task_seed, state.next_task_seed + cfg.rollout.tasks_per_step)
+            )
             started = time.perf_counter()
             results = await collect_tree_batch(
                 make_env,

@@ -14,7 +14,7 @@ from typing import Any
 
 from masenvs.adapters.frameworks.calls import read_calls
 from masenvs.adapters.frameworks.clients import ClientSettings
-from masenvs.adapters.frameworks.workflow import WorkflowRun, WorkflowSpec, run_tasks
+from masenvs.adapters.frameworks.workflow import Factory, WorkflowRun, WorkflowSpec, run_tasks
 from masenvs.traces import CallRecord, TraceStore
 from masenvs.trainer.samples import Sample, workflow_group
 
@@ -75,11 +75,12 @@ async def collect_workflow_samples(
     endpoint: Any = None,
     step: int = 0,
     concurrency: int = 8,
+    factory: Factory | None = None,
 ) -> tuple[list[Sample], list[WorkflowRun]]:
     """Run every task `runs_per_task` times and read their calls back as samples.
 
     `store` must be the endpoint's trace store (the calls are read from it); rollout ids
-    are `s{step}-{seed}-{k}`.
+    are `s{step}-{seed}-{k}`. `factory` overrides `spec.factory` (a function, not a path).
     """
     started = time.time()
     runs = await run_tasks(
@@ -94,6 +95,7 @@ async def collect_workflow_samples(
         endpoint=endpoint,
         prefix=f"s{step}",
         concurrency=concurrency,
+        factory=factory,
     )
     calls = read_calls(store, [r.rollout_id for r in runs], since=started)
     return workflow_samples(runs, calls, policy_of), runs

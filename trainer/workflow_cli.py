@@ -24,8 +24,9 @@ from rich.console import Console
 from rich.table import Table
 from rich.text import Text
 
+from masenvs.adapters.frameworks.calls import read_calls
 from masenvs.adapters.frameworks.clients import ClientSettings
-from masenvs.adapters.frameworks.workflow import WorkflowRun, WorkflowSpec, load_factory
+from masenvs.adapters.frameworks.workflow import Factory, WorkflowRun, WorkflowSpec, load_factory
 from masenvs.adapters.policy import Sampling
 from masenvs.traces import CallRecord
 from masenvs.trainer.samples import Sample
@@ -54,8 +55,11 @@ def main(
     argv: Sequence[str] | None = None,
     *,
     env_options: dict[str, Any] | None = None,
+    factory: Factory | None = None,
     description: str = "Run a framework workflow on env tasks and train it.",
 ) -> int:
+    """`factory` (the function itself) spares importing `spec.factory` by its path, which
+    only works from the directory that path is relative to."""
     args = build_parser(description).parse_args(argv)
     console = Console()
     # AutoGen logs every failed agent message with a full traceback; the runs table below
@@ -64,7 +68,7 @@ def main(
     from masenvs.adapters.stack import StackError, make_backend, start_stack
     from masenvs.trainer.config import TrainConfig
 
-    load_factory(spec.factory)  # a bad factory fails before any model loads
+    factory = factory or load_factory(spec.factory)  # fails before any model loads
     traces = args.traces or Path("runs") / f"{env}-{spec.framework}-{time.strftime('%H%M%S')}"
     cfg = TrainConfig(
         run_dir=str(traces.parent),
@@ -115,10 +119,11 @@ def main(
                     endpoint=stack.endpoint,
                     step=step,
                     concurrency=args.concurrency,
+                    factory=factory,
                 )
             )
             console.print(runs_table(runs, step, time.perf_counter() - started))
-            calls = [c for r in runs for c in stack.store.rollout(r.rollout_id)]
+            calls = read_calls(stack.store, [r.rollout_id for r in runs])
             console.print(trace_table(calls))
             if learner is None:
                 continue

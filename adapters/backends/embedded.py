@@ -45,6 +45,7 @@ from masenvs.adapters.models import LoadedModel, load_model
 
 BASE_NAMES = ("", "base")
 MAX_TOP_LOGPROBS = 20
+MIN_PREFIX_HIT = 16  # shorter shared prefixes are cheaper to recompute than to copy
 PREFILL_TOKENS = 2048  # prompt tokens per prefill pass; bounds the attention mask
 
 
@@ -77,6 +78,7 @@ class _Sequence:
     finish_reason: str | None = None
     stop_reason: int | str | None = None
     text: str = ""  # decode of token_ids, kept current only when stop strings need it
+    cached: int = 0  # cache positions holding this sequence's prompt and fed tokens
     sent_tokens: int = 0  # streamed so far
     sent_text: str = ""
 
@@ -84,6 +86,15 @@ class _Sequence:
     def length(self) -> int:
         """Tokens in the KV cache once the last sampled token has been fed."""
         return len(self.request.prompt_ids) + len(self.token_ids)
+
+
+@dataclass(eq=False)
+class _Prefix:
+    """A cache row kept after its sequence finished: the KV of `tokens` under `adapter`."""
+
+    tokens: list[int]
+    adapter: LoraAdapter | None
+    last_used: int  # decode step, for least-recently-used eviction
 
 
 @dataclass
@@ -95,12 +106,13 @@ class EngineStats:
     generated_tokens: int = 0
     prompt_tokens: int = 0
     prefilled_tokens: int = 0  # prompt tokens actually run (identical prompts run once)
+    prefix_hit_tokens: int = 0  # prompt tokens whose KV came from the prefix cache
     peak_batch: int = 0  # most sequences decoded in one step
 
 
 @dataclass
 class _AdapterUpdate:
-    name: str
+    name: str | None  # None: only empty the prefix cache
     adapter: LoraAdapter | None  # None removes the adapter
     in_place: bool
     done: threading.Event = field(default_factory=threading.Event)
@@ -117,6 +129,7 @@ class EmbeddedBackend:
         max_batch_size: int = 32,
         max_model_len: int | None = None,
         num_threads: int | None = None,
+        prefix_cache_rows: int = 4,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -126,7 +139,13 @@ class EmbeddedBackend:
         self.name = loaded.name
         self.max_batch_size = max_batch_size
         self.max_model_len = min(max_model_len or loaded.context_length, loaded.context_length)
-        self.forward = LlamaForward(self.model, max_batch_size, self.max_model_len)
+        # Rows 0..max_batch_size-1 hold running sequences; the rows after them keep the
+        # KV of recently finished sequences, so a prompt that extends one skips its prefill.
+        self.forward = LlamaForward(
+            self.model, max_batch_size + prefix_cache_rows, self.max_model_len
+        )
+        self._prefix_rows = range(max_batch_size, max_batch_size + prefix_cache_rows)
+        self._prefixes: dict[int, _Prefix] = {}  # cache row -> what it holds
         self.eos_token_ids = _eos_ids(loaded)
         self._tokenizer_id = _fingerprint(self.tokenizer)
         self._adapters: dict[str, LoraAdapter] = {}
@@ -158,7 +177,9 @@ class EmbeddedBackend:
             async for item in items:
                 if isinstance(item, Generation):
                     return item
-        raise BackendError("The embedded engine ended a request without a result.", 500, "engine_error")
+        raise BackendError(
+            "The embedded engine ended a request without a result.", 500, "engine_error"
+        )
 
     def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta | Generation]:
         """Yield deltas as tokens are produced, then the full `Generation` last."""
@@ -220,7 +241,9 @@ class EmbeddedBackend:
         """Replace adapter `name`'s weights in place (same rank and alpha), between decode steps."""
         current = self._adapters.get(name)
         if current is None:
-            raise BackendError(f"No adapter named {name!r}; add it first with add_adapter.", 404, "model_not_found")
+            raise BackendError(
+                f"No adapter named {name!r}; add it first with add_adapter.", 404, "model_not_found"
+            )
         try:
             adapter = lora_from_state_dict(
                 name,
@@ -234,6 +257,10 @@ class EmbeddedBackend:
             raise BackendError(str(exc)) from exc
         self._check_adapter_shapes(adapter)
         self._apply(_AdapterUpdate(name, adapter, in_place=True))
+
+    def reset_prefix_cache(self) -> None:
+        """Forget cached prefixes; call after changing the base model's weights in place."""
+        self._apply(_AdapterUpdate(None, None, in_place=False))
 
     def remove_adapter(self, name: str) -> None:
         """Forget adapter `name`; requests already running with it finish with its weights."""
@@ -251,7 +278,9 @@ class EmbeddedBackend:
 
     # ---- request intake (event-loop side) ----------------------------------------------------
 
-    async def _run(self, request: GenerateRequest, streaming: bool) -> AsyncIterator[StreamDelta | Generation]:
+    async def _run(
+        self, request: GenerateRequest, streaming: bool
+    ) -> AsyncIterator[StreamDelta | Generation]:
         job = self._prepare(request, streaming)
         with self._wakeup:
             if self._closed:
@@ -288,7 +317,8 @@ class EmbeddedBackend:
             adapter=adapter,
             model_name=request.model or self.name,
             stops=[s for s in params.stop if s],
-            stop_token_ids=frozenset(params.stop_token_ids) | (frozenset() if params.ignore_eos else self.eos_token_ids),
+            stop_token_ids=frozenset(params.stop_token_ids)
+            | (frozenset() if params.ignore_eos else self.eos_token_ids),
             max_tokens=min(params.max_tokens, room),  # clamped to the context window
             streaming=streaming,
             loop=asyncio.get_running_loop(),
@@ -323,7 +353,9 @@ class EmbeddedBackend:
                     **request.chat_template_kwargs,
                 )
             except Exception as exc:  # jinja errors of any kind: the template rejected the input
-                raise BackendError(f"The chat template cannot render these messages: {exc}") from exc
+                raise BackendError(
+                    f"The chat template cannot render these messages: {exc}"
+                ) from exc
             return list(ids)
         if isinstance(request.prompt, str):
             ids = self.tokenizer(request.prompt)["input_ids"]
@@ -340,9 +372,15 @@ class EmbeddedBackend:
         layers = self.forward.layers
         for (index, module), (a, b) in adapter.weights.items():
             if index >= len(layers):
-                raise BackendError(f"Adapter {adapter.name!r} has layer {index}; the model has {len(layers)}.")
+                raise BackendError(
+                    f"Adapter {adapter.name!r} has layer {index}; the model has {len(layers)}."
+                )
             weight = layers[index].linears[module].weight
-            if a.shape[1] != weight.shape[1] or b.shape[0] != weight.shape[0] or a.shape[0] != b.shape[1]:
+            if (
+                a.shape[1] != weight.shape[1]
+                or b.shape[0] != weight.shape[0]
+                or a.shape[0] != b.shape[1]
+            ):
                 raise BackendError(
                     f"Adapter {adapter.name!r} does not fit {module} of layer {index}: "
                     f"A {tuple(a.shape)}, B {tuple(b.shape)}, weight {tuple(weight.shape)}."
@@ -397,6 +435,18 @@ class EmbeddedBackend:
         self._running.clear()
 
     def _apply_update(self, update: _AdapterUpdate) -> None:
+        # Cached prefixes computed with the old weights are stale.
+        stale = [
+            row
+            for row, prefix in self._prefixes.items()
+            if update.name is None
+            or (prefix.adapter is not None and prefix.adapter.name == update.name)
+        ]
+        for row in stale:
+            del self._prefixes[row]
+        if update.name is None:
+            update.done.set()
+            return
         current = self._adapters.get(update.name)
         if update.adapter is None:
             self._adapters.pop(update.name, None)
@@ -419,7 +469,9 @@ class EmbeddedBackend:
                     self._waiting.popleft()
                     continue
                 size = len(job.prompt_ids)
-                if rows + job.request.params.n > self.max_batch_size or (jobs and tokens + size > PREFILL_TOKENS):
+                if rows + job.request.params.n > self.max_batch_size or (
+                    jobs and tokens + size > PREFILL_TOKENS
+                ):
                     break
                 jobs.append(self._waiting.popleft())
                 rows, tokens = rows + job.request.params.n, tokens + size
@@ -431,34 +483,32 @@ class EmbeddedBackend:
             failed = set(map(id, jobs))
             self._running = [seq for seq in self._running if id(seq.request) not in failed]
             for job in jobs:
-                _send(job, BackendError(f"The embedded engine failed: {exc!r}", 500, "engine_error"))
+                _send(
+                    job, BackendError(f"The embedded engine failed: {exc!r}", 500, "engine_error")
+                )
 
     def _prefill(self, jobs: list[_Request]) -> None:
         """Prefill the prompts into new cache rows, then sample each choice's first token.
 
         Identical prompts (same adapter) run once: the n choices of a request, and the K
-        separate requests a GRPO group often sends, copy one prefilled cache row.
+        separate requests a GRPO group often sends, copy one prefilled cache row. A prompt
+        that extends a cached prefix (an agent's next turn) copies that prefix's KV and
+        runs only the rest.
         """
         first_rows, row = [], len(self._running)
         for job in jobs:
             first_rows.append(row)
             row += job.request.params.n
-        source: dict[tuple[int, tuple[int, ...]], int] = {}  # (adapter, prompt) -> index into unique
+        source: dict[tuple[int, tuple[int, ...]], int] = {}  # (adapter, prompt) -> unique index
         unique: list[Prefill] = []
         which: list[int] = []
         for job, first in zip(jobs, first_rows):
             key = (id(job.adapter), tuple(job.prompt_ids))
             if key not in source:
                 source[key] = len(unique)
-                unique.append(Prefill(first, torch.tensor(job.prompt_ids, dtype=torch.long), 0, job.adapter))
+                unique.append(self._reuse_prefix(first, job))
             which.append(source[key])
-        if len(unique) == 1 and unique[0].tokens.numel() > PREFILL_TOKENS:  # a long prompt, in chunks
-            whole = unique[0]
-            for begin in range(0, whole.tokens.numel(), PREFILL_TOKENS):
-                chunk = whole.tokens[begin : begin + PREFILL_TOKENS]
-                logits = self.forward.prefill([Prefill(whole.slot, chunk, begin, whole.lora)])
-        else:
-            logits = self.forward.prefill(unique)
+        logits = self._run_prefills(unique)
         choice_logits = []
         for job, first, index in zip(jobs, first_rows, which):
             params = job.request.params
@@ -469,21 +519,65 @@ class EmbeddedBackend:
             seeds = _choice_seeds(params.seed, params.n)
             for choice in range(params.n):
                 generator = torch.Generator().manual_seed(seeds[choice])
-                sampling = RowSampling(params.temperature, params.top_p, params.top_k, params.top_logprobs, generator)
-                job.sequences.append(_Sequence(job, choice, sampling))
+                sampling = RowSampling(
+                    params.temperature, params.top_p, params.top_k, params.top_logprobs, generator
+                )
+                job.sequences.append(_Sequence(job, choice, sampling, cached=length))
             self._running.extend(job.sequences)
             choice_logits.append(logits[index : index + 1].expand(params.n, -1))
             self.stats.requests += 1
             self.stats.prompt_tokens += length
-            self.stats.prefilled_tokens += length if first == unique[index].slot else 0
+            if first == unique[index].slot:
+                self.stats.prefilled_tokens += unique[index].tokens.numel()
+                self.stats.prefix_hit_tokens += unique[index].start
         self._accept([seq for job in jobs for seq in job.sequences], torch.cat(choice_logits))
+
+    def _reuse_prefix(self, row: int, job: _Request) -> Prefill:
+        """The prefill of `job` into `row`, starting after the longest cached prefix of its prompt."""
+        prompt = job.prompt_ids
+        best_row, best = None, 0
+        for prefix_row, prefix in self._prefixes.items():
+            if prefix.adapter is not job.adapter:
+                continue
+            shared = _common_prefix(prefix.tokens, prompt)
+            if shared > best:
+                best_row, best = prefix_row, shared
+        best = min(best, len(prompt) - 1)  # the last prompt token must run to give logits
+        if best_row is None or best < MIN_PREFIX_HIT:
+            return Prefill(row, torch.tensor(prompt, dtype=torch.long), 0, job.adapter)
+        self.forward.copy_slot(best_row, row, best)
+        self._prefixes[best_row].last_used = self.stats.decode_steps
+        return Prefill(row, torch.tensor(prompt[best:], dtype=torch.long), best, job.adapter)
+
+    def _run_prefills(self, prefills: list[Prefill]) -> Tensor:
+        """Logits after each prompt [n, V]: fresh short prompts packed into one pass, the rest
+        (long prompts, continued prefixes) in chunks of PREFILL_TOKENS."""
+        logits: list[Tensor | None] = [None] * len(prefills)
+        packed = [
+            i for i, p in enumerate(prefills) if p.start == 0 and p.tokens.numel() <= PREFILL_TOKENS
+        ]
+        if packed:
+            rows = self.forward.prefill([prefills[i] for i in packed])
+            for row, i in enumerate(packed):
+                logits[i] = rows[row : row + 1]
+        for i, p in enumerate(prefills):
+            if logits[i] is not None:
+                continue
+            for begin in range(0, p.tokens.numel(), PREFILL_TOKENS):
+                chunk = p.tokens[begin : begin + PREFILL_TOKENS]
+                logits[i] = self.forward.prefill([Prefill(p.slot, chunk, p.start + begin, p.lora)])
+        return torch.cat(logits)
 
     def _step(self) -> None:
         """Decode one token for every running sequence."""
         running = self._running
+        for seq in running:
+            seq.cached = seq.length  # this step feeds the last sampled token
         last = torch.tensor([seq.token_ids[-1] for seq in running], dtype=torch.long)
         positions = torch.tensor([seq.length - 1 for seq in running], dtype=torch.long)
-        logits = self.forward.decode(last.to(self.forward.device), positions.to(self.forward.device), _lora_rows(running))
+        logits = self.forward.decode(
+            last.to(self.forward.device), positions.to(self.forward.device), _lora_rows(running)
+        )
         self.stats.decode_steps += 1
         self.stats.peak_batch = max(self.stats.peak_batch, len(running))
         self._accept(list(running), logits)
@@ -551,8 +645,14 @@ class EmbeddedBackend:
             safe = len(full) - hold
             upto, text = seq.sent_tokens, seq.sent_text
             for k in range(len(seq.token_ids), max(seq.sent_tokens, len(seq.token_ids) - 8), -1):
-                candidate = full if k == len(seq.token_ids) else self.tokenizer.decode(seq.token_ids[:k])
-                if len(candidate) <= safe and not candidate.endswith("\ufffd") and candidate.startswith(seq.sent_text):
+                candidate = (
+                    full if k == len(seq.token_ids) else self.tokenizer.decode(seq.token_ids[:k])
+                )
+                if (
+                    len(candidate) <= safe
+                    and not candidate.endswith("\ufffd")
+                    and candidate.startswith(seq.sent_text)
+                ):
                     upto, text = k, candidate
                     break
             if upto == seq.sent_tokens:
@@ -563,7 +663,9 @@ class EmbeddedBackend:
             text=text[len(seq.sent_text) :],
             logprobs=seq.logprobs[seq.sent_tokens : upto],
             finish_reason=seq.finish_reason,
-            top_logprobs=seq.top_logprobs[seq.sent_tokens : upto] if seq.sampling.top_logprobs else None,
+            top_logprobs=seq.top_logprobs[seq.sent_tokens : upto]
+            if seq.sampling.top_logprobs
+            else None,
         )
         seq.sent_tokens, seq.sent_text = upto, text
         _send(seq.request, delta)
@@ -577,16 +679,49 @@ class EmbeddedBackend:
 
     def _retire(self, finished: list[_Sequence]) -> None:
         done = set(map(id, finished))
+        rows = {id(seq): row for row, seq in enumerate(self._running)}
+        for seq in finished:
+            if not seq.request.cancelled:
+                self._keep_prefix(rows[id(seq)], seq)
         keep = [seq for seq in self._running if id(seq) not in done]
-        # Compact the cache: surviving sequences move to rows 0..len(keep)-1.
-        for new_row, seq in enumerate(keep):
-            old_row = next(i for i, s in enumerate(self._running) if s is seq)
-            if old_row != new_row:
-                self.forward.copy_slot(old_row, new_row, seq.length - 1)
-        self._running = keep
+        # Compact the cache: the last survivors move into the holes, so that running
+        # sequences always sit in rows 0..len(keep)-1.
+        holes = sorted(rows[id(seq)] for seq in finished if rows[id(seq)] < len(keep))
+        movers = [seq for seq in keep if rows[id(seq)] >= len(keep)]
+        for hole, seq in zip(holes, movers):
+            self.forward.copy_slot(rows[id(seq)], hole, seq.cached)
+            rows[id(seq)] = hole
+        self._running = sorted(keep, key=lambda seq: rows[id(seq)])
         for job in {id(seq.request): seq.request for seq in finished}.values():
             if not job.cancelled and all(seq.finish_reason for seq in job.sequences):
                 _send(job, self._generation(job))
+
+    def _keep_prefix(self, row: int, seq: _Sequence) -> None:
+        """Copy a finished sequence's KV into a prefix row (evicting the least recently used)."""
+        if not self._prefix_rows:
+            return
+        tokens = (seq.request.prompt_ids + seq.token_ids)[: seq.cached]
+        if len(tokens) < MIN_PREFIX_HIT:
+            return
+        adapter = seq.request.adapter
+        same = [r for r, p in self._prefixes.items() if p.adapter is adapter]
+        if any(_common_prefix(self._prefixes[r].tokens, tokens) == len(tokens) for r in same):
+            return  # already cached (another choice of the same prompt, say)
+        # A cached prefix of these tokens is now redundant: reuse its row.
+        covered = [
+            r
+            for r in same
+            if _common_prefix(self._prefixes[r].tokens, tokens) == len(self._prefixes[r].tokens)
+        ]
+        free = [r for r in self._prefix_rows if r not in self._prefixes]
+        if covered:
+            target = covered[0]
+        elif free:
+            target = free[0]
+        else:
+            target = min(self._prefixes, key=lambda r: self._prefixes[r].last_used)
+        self.forward.copy_slot(row, target, len(tokens))
+        self._prefixes[target] = _Prefix(tokens, adapter, self.stats.decode_steps)
 
     def _generation(self, job: _Request) -> Generation:
         completions = [
@@ -601,6 +736,14 @@ class EmbeddedBackend:
             for seq in job.sequences
         ]
         return Generation(list(job.prompt_ids), completions, job.model_name)
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 def _send(job: _Request, item: Any) -> None:
@@ -678,7 +821,11 @@ def _eos_ids(loaded: LoadedModel) -> frozenset[int]:
 def _fingerprint(tokenizer: Any) -> str:
     """A hash of the vocabulary, merges and chat template: equal ids mean interchangeable ids."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
-    body = backend.to_str() if backend is not None else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    body = (
+        backend.to_str()
+        if backend is not None
+        else json.dumps(tokenizer.get_vocab(), sort_keys=True)
+    )
     digest = hashlib.sha256(body.encode())
     digest.update((tokenizer.chat_template or "").encode())
     return f"sha256:{digest.hexdigest()[:16]}"
@@ -686,7 +833,8 @@ def _fingerprint(tokenizer: Any) -> str:
 
 def _same_shapes(a: LoraAdapter, b: LoraAdapter) -> bool:
     return a.weights.keys() == b.weights.keys() and all(
-        a.weights[k][0].shape == b.weights[k][0].shape and a.weights[k][1].shape == b.weights[k][1].shape
+        a.weights[k][0].shape == b.weights[k][0].shape
+        and a.weights[k][1].shape == b.weights[k][1].shape
         for k in a.weights
     )
 
@@ -697,7 +845,9 @@ def _read_peft_dir(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
         raise BackendError(f"{path} is not a peft adapter directory (no adapter_config.json).")
     config = json.loads(config_file.read_text())
     if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
-        raise BackendError(f"{path} holds a {config.get('peft_type')} adapter; the embedded engine runs plain LoRA.")
+        raise BackendError(
+            f"{path} holds a {config.get('peft_type')} adapter; the embedded engine runs plain LoRA."
+        )
     if (path / "adapter_model.safetensors").is_file():
         from safetensors.torch import load_file
 

@@ -87,7 +87,9 @@ def lora_from_state_dict(
     adapter = LoraAdapter(name, rank, scale)
     for (layer, module), ab in pairs.items():
         if set(ab) != {"A", "B"}:
-            raise ValueError(f"Adapter {name!r} has only lora_{next(iter(ab))} for {module} of layer {layer}.")
+            raise ValueError(
+                f"Adapter {name!r} has only lora_{next(iter(ab))} for {module} of layer {layer}."
+            )
         a = ab["A"].detach().to(device=device, dtype=dtype).contiguous()
         b = (ab["B"].detach().to(device=device, dtype=torch.float32) * scale).to(dtype).contiguous()
         adapter.weights[(layer, module)] = (a, b)
@@ -137,35 +139,44 @@ class LlamaForward:
         self.max_slots = max_slots
         self.max_len = max_len
         self._rope_tables(inner.rotary_emb, max_len)
-        self.capacity = 0
+        self.rows = 0  # slots allocated so far
+        self.capacity = 0  # positions allocated per slot
         self.k_cache: list[Tensor] = []
         self.v_cache: list[Tensor] = []
 
     # ---- cache -------------------------------------------------------------------------
 
     @torch.inference_mode()
-    def ensure_capacity(self, length: int) -> None:
-        """Grow every slot's cache to hold `length` positions (in steps of 256)."""
-        if length <= self.capacity:
+    def ensure(self, rows: int, length: int) -> None:
+        """Grow the cache to hold `rows` slots of `length` positions (allocated on demand)."""
+        if rows <= self.rows and length <= self.capacity:
             return
         if length > self.max_len:
             raise ValueError(f"length {length} exceeds the context window {self.max_len}")
-        new_cap = min(self.max_len, max(256, -(-length // 256) * 256, self.capacity * 2))
-        shape = (self.max_slots, self.n_kv, new_cap, self.head_dim)
+        if rows > self.max_slots:
+            raise ValueError(f"{rows} cache slots requested; the cache has {self.max_slots}")
+        new_rows, new_cap = self.rows, self.capacity
+        if rows > self.rows:  # doubling keeps the number of regrowths logarithmic
+            new_rows = min(self.max_slots, max(rows, 2 * self.rows))
+        if length > self.capacity:
+            new_cap = min(self.max_len, max(256, -(-length // 256) * 256, 2 * self.capacity))
+        shape = (new_rows, self.n_kv, new_cap, self.head_dim)
         for cache in (self.k_cache, self.v_cache):
             for i in range(len(self.layers)):
+                # Zeros, not empty: masked-out keys still meet V in a matmul, and 0 * NaN = NaN.
                 grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
-                if self.capacity:
-                    grown[:, :, : self.capacity] = cache[i]
+                if self.rows:
+                    grown[: self.rows, :, : self.capacity] = cache[i]
                 if i < len(cache):
                     cache[i] = grown
                 else:
                     cache.append(grown)
-        self.capacity = new_cap
+        self.rows, self.capacity = new_rows, new_cap
 
     @torch.inference_mode()
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of slot `src` into slot `dst`."""
+        self.ensure(max(src, dst) + 1, length)
         for cache in (self.k_cache, self.v_cache):
             for layer_cache in cache:
                 layer_cache[dst, :, :length] = layer_cache[src, :, :length]
@@ -181,14 +192,16 @@ class LlamaForward:
         """
         if all(p.start == 0 for p in prompts):
             return self._prefill_packed(prompts)
-        return torch.cat([self._prefill_packed([p]) if p.start == 0 else self._prefill_chunk(p) for p in prompts])
+        return torch.cat(
+            [self._prefill_packed([p]) if p.start == 0 else self._prefill_chunk(p) for p in prompts]
+        )
 
     @torch.inference_mode()
     def decode(self, tokens: Tensor, positions: Tensor, lora: LoraRows | None) -> Tensor:
         """One token for each of slots 0..B-1: `tokens` [B] at `positions` [B]; logits [B, V]."""
         batch = tokens.numel()
         kv_len = int(positions.max()) + 1
-        self.ensure_capacity(kv_len)
+        self.ensure(batch, kv_len)
         if bool((positions == kv_len - 1).all()):
             mask = None  # every row sees all kv_len keys
         else:
@@ -211,15 +224,19 @@ class LlamaForward:
     def _prefill_packed(self, prompts: list[Prefill]) -> Tensor:
         lengths = [p.tokens.numel() for p in prompts]
         total = sum(lengths)
-        self.ensure_capacity(max(lengths))
+        self.ensure(max(p.slot for p in prompts) + 1, max(lengths))
         device = self.device
         tokens = torch.cat([p.tokens for p in prompts]).to(device)
         positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-        slots = torch.cat([torch.full((n,), p.slot, device=device) for p, n in zip(prompts, lengths)])
+        slots = torch.cat(
+            [torch.full((n,), p.slot, device=device) for p, n in zip(prompts, lengths)]
+        )
         if len(prompts) == 1:
             mask, causal = None, True
         else:
-            owner = torch.repeat_interleave(torch.arange(len(prompts), device=device), torch.tensor(lengths, device=device))
+            owner = torch.repeat_interleave(
+                torch.arange(len(prompts), device=device), torch.tensor(lengths, device=device)
+            )
             mask = (owner[:, None] == owner[None, :]) & (positions[:, None] >= positions[None, :])
             mask, causal = mask[None, None], False
 
@@ -236,14 +253,16 @@ class LlamaForward:
 
         ends = torch.tensor(lengths, device=device).cumsum(0) - 1
         offsets = [0, *ends.add(1).tolist()[:-1]]
-        rows = _group_rows([(p.lora, slice(o, o + n)) for p, o, n in zip(prompts, offsets, lengths)], device)
+        rows = _group_rows(
+            [(p.lora, slice(o, o + n)) for p, o, n in zip(prompts, offsets, lengths)], device
+        )
         return self._forward(tokens, positions, slots, attend, rows, ends, fresh_kv=True)
 
     def _prefill_chunk(self, prompt: Prefill) -> Tensor:
         """A prompt chunk after `start` cached positions of its slot."""
         length = prompt.tokens.numel()
         kv_len = prompt.start + length
-        self.ensure_capacity(kv_len)
+        self.ensure(prompt.slot + 1, kv_len)
         device = self.device
         positions = torch.arange(prompt.start, kv_len, device=device)
         keys = torch.arange(kv_len, device=device)
@@ -262,7 +281,9 @@ class LlamaForward:
 
         slots = torch.full((length,), prompt.slot, device=device)
         rows = LoraRows([(prompt.lora, slice(None))]) if prompt.lora is not None else None
-        return self._forward(prompt.tokens.to(device), positions, slots, attend, rows, slice(length - 1, length))
+        return self._forward(
+            prompt.tokens.to(device), positions, slots, attend, rows, slice(length - 1, length)
+        )
 
     def _forward(
         self,
@@ -301,7 +322,9 @@ class LlamaForward:
         x = F.rms_norm(x[last], (hidden,), self.norm, self.eps)
         return self.lm_head(x).float()
 
-    def _linear(self, x: Tensor, layer: _Layer, index: int, name: str, lora: LoraRows | None) -> Tensor:
+    def _linear(
+        self, x: Tensor, layer: _Layer, index: int, name: str, lora: LoraRows | None
+    ) -> Tensor:
         linear = layer.linears[name]
         y = F.linear(x, linear.weight, linear.bias)
         if lora is None:
@@ -328,7 +351,9 @@ class LlamaForward:
         self.sin = (emb.sin() * scaling).to(self.dtype)
 
 
-def _group_rows(items: list[tuple[LoraAdapter | None, slice]], device: torch.device) -> LoraRows | None:
+def _group_rows(
+    items: list[tuple[LoraAdapter | None, slice]], device: torch.device
+) -> LoraRows | None:
     """Rows (token ranges) that use each adapter; None when all rows use the base model."""
     groups: dict[int, tuple[LoraAdapter, list[slice]]] = {}
     for adapter, rows in items:
@@ -343,7 +368,9 @@ def _group_rows(items: list[tuple[LoraAdapter | None, slice]], device: torch.dev
             whole = ranges[0].start == 0 and ranges[0].stop == total
             result.append((adapter, slice(None) if whole else ranges[0]))
         else:
-            result.append((adapter, torch.cat([torch.arange(r.start, r.stop, device=device) for r in ranges])))
+            result.append(
+                (adapter, torch.cat([torch.arange(r.start, r.stop, device=device) for r in ranges]))
+            )
     return LoraRows(result)
 
 

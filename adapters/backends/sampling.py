@@ -39,8 +39,12 @@ def sample(logits: Tensor, rows: list[RowSampling]) -> Sampled:
     tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
 
     greedy = [i for i, r in enumerate(rows) if r.temperature <= 0.0]
-    plain = [i for i, r in enumerate(rows) if r.temperature > 0.0 and r.top_k <= 0 and r.top_p >= 1.0]
-    filtered = [i for i, r in enumerate(rows) if r.temperature > 0.0 and (r.top_k > 0 or r.top_p < 1.0)]
+    plain = [
+        i for i, r in enumerate(rows) if r.temperature > 0.0 and r.top_k <= 0 and r.top_p >= 1.0
+    ]
+    filtered = [
+        i for i, r in enumerate(rows) if r.temperature > 0.0 and (r.top_k > 0 or r.top_p < 1.0)
+    ]
     if greedy:
         index = _index(greedy, batch, logits.device)
         tokens[index] = logits[index].argmax(dim=-1)

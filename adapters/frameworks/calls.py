@@ -20,8 +20,9 @@ def read_calls(
 ) -> list[CallRecord]:
     """Calls of `rollout_ids`, ordered by (rollout, agent, call_index).
 
-    `since` (unix time) skips segments last written before it; give the time the rollouts
-    started. Without it every segment is read.
+    `since` (unix time) skips segments last written before it, and calls that arrived
+    before it (a rollout id reused by a resumed run); give the time the rollouts started.
+    Without it every segment is read.
     """
     wanted = set(rollout_ids)
     if not wanted:
@@ -31,8 +32,11 @@ def read_calls(
         if since is not None and _mtime(segment) < since - _MTIME_SLACK_S:
             continue
         for data in _lines(segment):
-            if data.get("type") == "call" and data.get("rollout_id") in wanted:
-                calls.append(CallRecord.from_dict(data))
+            if data.get("type") != "call" or data.get("rollout_id") not in wanted:
+                continue
+            if since is not None and data.get("started_at", 0.0) < since:
+                continue
+            calls.append(CallRecord.from_dict(data))
     calls.sort(key=lambda c: (c.rollout_id or "", c.agent, c.call_index))
     return calls
 

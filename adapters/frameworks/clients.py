@@ -14,6 +14,8 @@ trace) and its model name (the agent, which the endpoint's policy map routes to 
 from __future__ import annotations
 
 import contextlib
+import functools
+import ssl
 from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -59,6 +61,14 @@ def rollout_url(root_url: str, rollout_id: str) -> str:
     if not rollout_id or "/" in rollout_id:
         raise ValueError(f"rollout id {rollout_id!r} must be a non-empty string without '/'")
     return f"{root_url.rstrip('/')}/r/{rollout_id}/v1"
+
+
+@functools.cache
+def _ssl_context() -> ssl.SSLContext:
+    # httpx's default trust (certifi), built once: loading it costs ~50 ms per client.
+    import certifi
+
+    return ssl.create_default_context(cafile=certifi.where())
 
 
 def _extra_body(sampling: Sampling) -> dict[str, Any]:
@@ -193,7 +203,7 @@ class Clients(Mapping[str, Any]):
         timeout = httpx.Timeout(self.settings.timeout, connect=10.0)
         # Our own pools: frameworks that make their own cache one per base URL, which would
         # leak one pool per rollout.
-        self._http = httpx.AsyncClient(timeout=timeout)
+        self._http = httpx.AsyncClient(timeout=timeout, verify=_ssl_context())
         self._http_sync: httpx.Client | None = None
         self._sync_timeout = timeout
 
@@ -254,7 +264,7 @@ class Clients(Mapping[str, Any]):
     def _sync_client(self) -> httpx.Client:
         # Sync framework calls (a plain `def` LangGraph node) need a sync pool of their own.
         if self._http_sync is None:
-            self._http_sync = httpx.Client(timeout=self._sync_timeout)
+            self._http_sync = httpx.Client(timeout=self._sync_timeout, verify=_ssl_context())
         return self._http_sync
 
     async def aclose(self) -> None:

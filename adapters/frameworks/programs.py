@@ -98,8 +98,9 @@ def _start(framework: Framework, program: Any, messages: Messages, limits: RunLi
 
 
 def _is_async_program(program: Any) -> bool:
-    return inspect.iscoroutinefunction(program) or inspect.iscoroutinefunction(
-        getattr(program, "__call__", None)  # noqa: B004 - an object with an async __call__
+    # A function, or an object whose __call__ is async.
+    return inspect.iscoroutinefunction(program) or (
+        callable(program) and inspect.iscoroutinefunction(type(program).__call__)
     )
 
 

@@ -146,11 +146,7 @@ class RolePolicy:
     def _completion_tokens(self, rollout_id: str, agent: str, since: float, n: int) -> int:
         if self.store is None:
             return 0
-        calls = [
-            c
-            for c in read_calls(self.store, [rollout_id], since=since)
-            if c.agent == agent and c.started_at >= since
-        ]
+        calls = [c for c in read_calls(self.store, [rollout_id], since=since) if c.agent == agent]
         total = sum(len(choice.token_ids) for c in calls for choice in c.choices)
         return total // n  # n candidates ran concurrently: their calls cannot be told apart
 

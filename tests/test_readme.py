@@ -1,0 +1,27 @@
+"""The README's set-up commands are the ones CI runs."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def readme_commands() -> list[str]:
+    text = (ROOT / "README.md").read_text()
+    setup = text.split("## Set up", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```bash\n(.*?)\n```", setup, re.DOTALL)
+
+
+def test_readme_has_exactly_two_setup_commands() -> None:
+    commands = readme_commands()
+    assert len(commands) == 2
+    assert "masenvs train examples/quickstart.yaml" in commands[0]
+    assert "pytest" in commands[1]
+    assert (ROOT / "examples" / "quickstart.yaml").is_file()
+
+
+def test_ci_runs_the_readme_test_command() -> None:
+    ci = (ROOT / ".ci" / "run").read_text()
+    assert readme_commands()[1] in ci
