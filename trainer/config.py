@@ -13,6 +13,8 @@ from typing import Any, Literal
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from masenvs.adapters.frameworks.workflow import WorkflowSpec
+
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the field and the fix."""
@@ -81,6 +83,25 @@ class RolloutConfig(_Section):
         "team",
         description="Which reward picks the branch that continues: the team reward (default) or "
         "the acting agent's own reward.",
+    )
+    concurrency: int = Field(
+        8,
+        ge=1,
+        description="Tasks (or workflow runs) in flight at once; the backend batches their calls.",
+    )
+
+
+class BackendConfig(_Section):
+    """Which inference backend samples the rollouts (behind the capture endpoint)."""
+
+    kind: Literal["embedded", "vllm"] = Field(
+        "embedded",
+        description="'embedded': the in-process PyTorch engine (CPU or GPU, nothing to start); "
+        "'vllm': a running `vllm serve --enable-lora` at vllm_url.",
+    )
+    vllm_url: str | None = Field(None, description="Root URL of the vLLM server (kind 'vllm').")
+    max_batch_size: int = Field(
+        32, ge=1, description="Embedded engine: sequences decoded together at most."
     )
 
 
@@ -260,6 +281,12 @@ class TrainConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig)
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
+    backend: BackendConfig = Field(default_factory=BackendConfig)
+    workflow: WorkflowSpec | None = Field(
+        None,
+        description="Train a framework program (LangGraph, AutoGen, LlamaIndex) instead of "
+        "env roles: K runs per task, groups keyed (task, agent, call index).",
+    )
 
     def train_seeds(self) -> range:
         """Every task seed training will draw."""

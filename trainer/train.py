@@ -7,6 +7,7 @@ the capture endpoint, and the env rollouts. `train(cfg)` is what `masenvs train`
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 from collections import defaultdict
@@ -31,7 +32,10 @@ from masenvs.trainer.learner import Learner
 from masenvs.trainer.metrics import MetricsLogger, group_metrics, read_metrics, sample_metrics
 from masenvs.trainer.plots import plot_curves
 from masenvs.trainer.rollout import TaskRollout, collect_tree_batch
+from masenvs.trainer.samples import Sample
 from masenvs.trainer.sync import WeightSync
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -48,22 +52,25 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def env_factory(cfg: TrainConfig) -> Callable[[], MASEnv]:
+def env_options(cfg: TrainConfig) -> dict[str, Any]:
     options = dict(cfg.env.options)
     if cfg.rollout.max_rounds is not None:
         options["max_rounds"] = cfg.rollout.max_rounds
+    return options
+
+
+def env_factory(cfg: TrainConfig) -> Callable[[], MASEnv]:
+    options = env_options(cfg)
     make(cfg.env.name, **options)  # a bad env name or option fails here, before any model loads
     return lambda: make(cfg.env.name, **options)
 
 
-def rollout_metrics(results: list[TaskRollout], seconds: float) -> dict[str, float]:
+def rollout_metrics(results: list[TaskRollout]) -> dict[str, float]:
     ok = [r for r in results if r.error is None]
     out: dict[str, float] = {
         "train/success": sum(r.success for r in ok) / max(len(ok), 1),
         "train/rounds": sum(r.rounds for r in ok) / max(len(ok), 1),
         "train/failed_tasks": float(len(results) - len(ok)),
-        "time/rollout_s": seconds,
-        "throughput/rollout_tokens_per_s": sum(r.completion_tokens for r in results) / seconds,
     }
     path_rewards: dict[str, list[float]] = defaultdict(list)
     for r in ok:
@@ -74,48 +81,131 @@ def rollout_metrics(results: list[TaskRollout], seconds: float) -> dict[str, flo
     return out
 
 
-async def validate(cfg: TrainConfig, stack: Stack, step: int) -> dict[str, float]:
-    """Independent (non-branching) episodes on held-out seeds; `val/...` metrics."""
-    sampling = Sampling(
-        temperature=cfg.validation.temperature,
-        top_p=1.0,
-        max_tokens=cfg.rollout.max_tokens,
-        seed=cfg.seed,
-    )
-    policy = ChatPolicy(stack.base_url, sampling=sampling, api_key=stack.api_key or "masenvs")
-    seeds = list(
-        range(cfg.validation.seed_start, cfg.validation.seed_start + cfg.validation.episodes)
-    )
-    options = dict(cfg.env.options)
-    if cfg.rollout.max_rounds is not None:
-        options["max_rounds"] = cfg.rollout.max_rounds
-    try:
-        results = await run_episodes(
-            cfg.env.name,
-            policy,
-            seeds,
-            env_config=options,
-            store=stack.store,
-            concurrency=cfg.rollout.concurrency,
-            rollout_prefix=f"val{step}",
+class TreeSource:
+    """Env roles sampled with AT-GRPO tree sampling; validation runs independent episodes."""
+
+    def __init__(self, cfg: TrainConfig, stack: Stack, learner: Learner) -> None:
+        self.cfg, self.stack, self.learner = cfg, stack, learner
+        self.make_env = env_factory(cfg)
+        self.policy = ChatPolicy(
+            stack.base_url,
+            sampling=Sampling(
+                cfg.rollout.temperature, cfg.rollout.top_p, 0, cfg.rollout.max_tokens
+            ),
+            api_key=stack.api_key or "masenvs",
         )
-    finally:
-        await policy.aclose()
-    out = {"val/success": sum(r.success for r in results) / len(results)}
-    agents = sorted({a for r in results for a in r.rewards})
-    for agent in agents:
-        out[f"val/reward/{agent}"] = sum(r.rewards.get(agent, 0.0) for r in results) / len(results)
-    return out
+
+    async def collect(self, step: int, seeds: list[int]) -> tuple[list[Sample], dict[str, float]]:
+        cfg = self.cfg
+        results = await collect_tree_batch(
+            self.make_env,
+            seeds,
+            self.policy,
+            branches=cfg.rollout.branches,
+            policy_of=self.learner.policy_of,
+            select_by=cfg.rollout.select_by,
+            rollout_prefix=f"s{step}",
+            concurrency=cfg.rollout.concurrency,
+        )
+        for r in results:
+            if r.error:
+                log.warning("task %s dropped from step %d: %s", r.task_id, step, r.error)
+        return [s for r in results for s in r.samples], rollout_metrics(results)
+
+    async def validate(self, step: int) -> dict[str, float]:
+        cfg = self.cfg
+        sampling = Sampling(cfg.validation.temperature, 1.0, 0, cfg.rollout.max_tokens, cfg.seed)
+        policy = ChatPolicy(self.stack.base_url, sampling=sampling, api_key=self.policy.api_key)
+        try:
+            results = await run_episodes(
+                cfg.env.name,
+                policy,
+                list(cfg.validation_seeds()),
+                env_config=env_options(cfg),
+                store=self.stack.store,
+                concurrency=cfg.rollout.concurrency,
+                rollout_prefix=f"val{step}",
+            )
+        finally:
+            await policy.aclose()
+        out = {"val/success": sum(r.success for r in results) / len(results)}
+        for agent in sorted({a for r in results for a in r.rewards}):
+            rewards = [r.rewards.get(agent, 0.0) for r in results]
+            out[f"val/reward/{agent}"] = sum(rewards) / len(rewards)
+        return out
+
+    async def aclose(self) -> None:
+        await self.policy.aclose()
+
+
+class WorkflowSource:
+    """A framework program run K times per task; every call it made is a sample."""
+
+    def __init__(self, cfg: TrainConfig, stack: Stack, learner: Learner) -> None:
+        from masenvs.adapters.frameworks.clients import ClientSettings
+
+        self.cfg, self.stack, self.learner = cfg, stack, learner
+        self.spec = cfg.workflow
+        r = cfg.rollout
+        self.settings = ClientSettings(
+            sampling=Sampling(r.temperature, r.top_p, 0, r.max_tokens),
+            api_key=stack.api_key or "masenvs",
+        )
+        self.val_settings = ClientSettings(
+            sampling=Sampling(cfg.validation.temperature, 1.0, 0, r.max_tokens, cfg.seed),
+            api_key=stack.api_key or "masenvs",
+        )
+
+    async def _runs(self, step, seeds, runs_per_task, settings):
+        from masenvs.trainer.workflow import collect_workflow_samples
+
+        return await collect_workflow_samples(
+            self.spec,
+            root_url=self.stack.base_url,
+            store=self.stack.store,
+            env_name=self.cfg.env.name,
+            seeds=seeds,
+            runs_per_task=runs_per_task,
+            env_options=self.cfg.env.options,
+            settings=settings,
+            policy_of=self.learner.policy_of,
+            endpoint=self.stack.endpoint,
+            step=step,
+            concurrency=self.cfg.rollout.concurrency,
+        )
+
+    async def collect(self, step: int, seeds: list[int]) -> tuple[list[Sample], dict[str, float]]:
+        from masenvs.trainer.workflow import workflow_metrics
+
+        samples, runs = await self._runs(step, seeds, self.cfg.rollout.branches, self.settings)
+        for run in runs:
+            if run.error:
+                log.warning("workflow run %s failed: %s", run.rollout_id, run.error)
+        return samples, workflow_metrics(runs, samples)
+
+    async def validate(self, step: int) -> dict[str, float]:
+        seeds = list(self.cfg.validation_seeds())
+        _, runs = await self._runs(-step - 1, seeds, 1, self.val_settings)
+        return {
+            "val/success": sum(r.success for r in runs) / len(runs),
+            "val/reward": sum(r.reward for r in runs) / len(runs),
+        }
+
+    async def aclose(self) -> None:
+        pass
 
 
 def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
-    """Run (or resume) the training described by `cfg`; returns where everything went."""
+    """Run (or resume, with `cfg.checkpoint.resume`) the training described by `cfg`."""
     console = console or Console()
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
-    make_env = env_factory(cfg)
-    agents = make_env().possible_agents
+    if cfg.workflow is not None:
+        agents = list(cfg.workflow.agents)
+        make(cfg.env.name, **cfg.env.options)  # fail on a bad env before loading models
+    else:
+        agents = env_factory(cfg)().possible_agents
 
     with console.status(f"loading {cfg.model.name} for the learner"):
         learner = Learner(cfg, agents)
@@ -127,27 +217,24 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     save_config(cfg, run_dir / "config.yaml")
 
     with console.status(f"starting the {cfg.backend.kind} backend"):
+        engine = {"max_batch_size": cfg.backend.max_batch_size, "device": str(learner.device)}
         backend = make_backend(
             cfg.model.name,
             cfg.backend.kind,
             cfg.backend.vllm_url,
-            **(
-                {"max_batch_size": cfg.backend.max_batch_size}
-                if cfg.backend.kind == "embedded"
-                else {}
-            ),
+            **(engine if cfg.backend.kind == "embedded" else {}),
         )
         sync = WeightSync(learner, backend, run_dir / "sync")
         sync.push(version=state.step)
         routes = {agent: learner.policy_of(agent) for agent in agents}
         stack = start_stack(backend=backend, traces=run_dir / "traces", policy_map=routes)
     stack.endpoint.policy_version = state.step
-    metrics = MetricsLogger(run_dir, cfg.logging, cfg, resume_step=state.step)
-    validations: list[dict[str, float]] = []
+    metrics = MetricsLogger(
+        run_dir, cfg.logging, cfg, resume_step=state.step if checkpoint is not None else -1
+    )
+    source_class = WorkflowSource if cfg.workflow is not None else TreeSource
     try:
-        asyncio.run(
-            _loop(cfg, learner, stack, sync, metrics, make_env, state, console, validations)
-        )
+        asyncio.run(_loop(cfg, learner, stack, sync, metrics, source_class, state, console))
     finally:
         metrics.close()
         stack.close()
@@ -165,43 +252,25 @@ async def _loop(
     stack: Stack,
     sync: WeightSync,
     metrics: MetricsLogger,
-    make_env: Callable[[], MASEnv],
+    source_class: type[TreeSource] | type[WorkflowSource],
     state: TrainState,
     console: Console,
-    validations: list[dict[str, float]],
 ) -> None:
-    agents = learner.agents
-    sampling = Sampling(
-        temperature=cfg.rollout.temperature,
-        top_p=cfg.rollout.top_p,
-        max_tokens=cfg.rollout.max_tokens,
-    )
-    policy = ChatPolicy(stack.base_url, sampling=sampling, api_key=stack.api_key or "masenvs")
+    source = source_class(cfg, stack, learner)
     every = cfg.validation.every
     try:
         if every and state.step == 0:
             with console.status("validating before training"):
-                val = await validate(cfg, stack, 0)
+                val = await source.validate(0)
             metrics.log(0, val)
-            validations.append({"step": 0, **val})
             console.print(f"step 0 validation: success {val['val/success']:.0%}")
         for step in range(state.step + 1, cfg.steps + 1):
             seeds = list(
                 range(state.next_task_seed, state.next_task_seed + cfg.rollout.tasks_per_step)
             )
             started = time.perf_counter()
-            results = await collect_tree_batch(
-                make_env,
-                seeds,
-                policy,
-                branches=cfg.rollout.branches,
-                policy_of=learner.policy_of,
-                select_by=cfg.rollout.select_by,
-                rollout_prefix=f"s{step}",
-                concurrency=cfg.rollout.concurrency,
-            )
+            samples, row = await source.collect(step, seeds)
             rollout_s = time.perf_counter() - started
-            samples = [s for r in results for s in r.samples]
             trainable, stats = group_advantages(samples, cfg.algorithm)
             started = time.perf_counter()
             update = await asyncio.to_thread(learner.step, trainable) if trainable else {}
@@ -209,26 +278,24 @@ async def _loop(
             await asyncio.to_thread(sync.push, step)
             stack.endpoint.policy_version = step
 
-            row = {
-                **rollout_metrics(results, rollout_s),
-                **sample_metrics(samples),
-                **group_metrics(stats),
-                **update,
-                "time/update_s": update_s,
-            }
-            if every and step % every == 0 or step == cfg.steps:
-                val = await validate(cfg, stack, step)
-                row.update(val)
-                validations.append({"step": step, **val})
+            tokens = sum(len(s.completion_token_ids) for s in samples)
+            row.update(sample_metrics(samples))
+            row.update(group_metrics(stats))
+            row.update(update)
+            row["time/rollout_s"] = rollout_s
+            row["time/update_s"] = update_s
+            row["throughput/rollout_tokens_per_s"] = tokens / max(rollout_s, 1e-9)
+            if every and (step % every == 0 or step == cfg.steps):
+                row.update(await source.validate(step))
             metrics.log(step, row)
             state = TrainState(step=step, next_task_seed=seeds[-1] + 1)
             if step % cfg.checkpoint.every == 0 or step == cfg.steps:
                 await asyncio.to_thread(
                     save_checkpoint, cfg.run_dir, learner, state, cfg, cfg.checkpoint.keep_last
                 )
-            console.print(_progress_line(step, cfg.steps, row, agents))
+            console.print(_progress_line(step, cfg.steps, row, learner.agents))
     finally:
-        await policy.aclose()
+        await source.aclose()
 
 
 def _progress_line(step: int, total: int, row: dict[str, Any], agents: list[str]) -> str:

@@ -1,0 +1,67 @@
+"""`masenvs train CONFIG [--set key=value ...] [--resume]`."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+
+from rich.console import Console
+from rich.logging import RichHandler
+
+from masenvs.adapters.stack import StackError
+from masenvs.trainer.checkpoint import list_checkpoints
+from masenvs.trainer.config import ConfigError, load_config
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="masenvs train", description="Train agents with AT-GRPO from a YAML config."
+    )
+    parser.add_argument("config", help="YAML file (see examples/quickstart.yaml)")
+    parser.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a field, e.g. --set optim.lr=1e-4 --set rollout.branches=8",
+    )
+    parser.add_argument(
+        "--resume", action="store_true", help="continue from the latest checkpoint in run_dir"
+    )
+    return parser
+
+
+def main(argv: list[str]) -> int:
+    args = build_parser().parse_args(argv)
+    console = Console()
+    logging.basicConfig(
+        level=logging.WARNING, handlers=[RichHandler(console=console)], format="%(message)s"
+    )
+    try:
+        cfg = load_config(args.config, args.set)
+    except ConfigError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
+    existing = list_checkpoints(cfg.run_dir)
+    if existing and not args.resume:
+        console.print(
+            f"[red]{cfg.run_dir} already holds checkpoints (latest {existing[-1].name}): pass "
+            "--resume to continue that run, or --set run_dir=... to start a new one[/red]"
+        )
+        return 2
+    cfg.checkpoint.resume = args.resume
+
+    from masenvs.trainer.train import train  # loads torch; keep --help and config errors fast
+
+    try:
+        result = train(cfg, console=console)
+    except StackError as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
+    if result.validation:
+        first, last = result.validation[0], result.validation[-1]
+        console.print(
+            f"validation success {first['val/success']:.0%} (step {first['step']}) -> "
+            f"{last['val/success']:.0%} (step {last['step']})"
+        )
+    return 0
