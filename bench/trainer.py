@@ -6,20 +6,26 @@ step with gradient clipping. Generation is excluded: TRL gets a prepared batch (
 left-padded, completion ids right-padded, advantages), as its `_generate_and_score_completions`
 would hand to `compute_loss`; the timed region is compute_loss + backward + clip + step.
 masenvs times `Learner.step(samples)` (packing included). Each system runs in its own fresh
-process (one after the other), so neither inherits the other's allocator state; both start
-from the same LoRA weights, and their first step's gradient norms are printed side by side to
-show that they compute the same loss.
+process, one after the other; both start from the same LoRA weights, and their first step's
+gradient norms are printed side by side to show that they compute the same loss.
 
-Two batches: `uniform` (every sequence prompt + completion of the same length) and `varied`
-(the same total tokens, uneven prompt and completion lengths, as RL batches are).
+Batches (8 sequences of 256 tokens on average):
+  uniform   2 prompts x 4 completions (a GRPO batch: K completions per prompt), 128 + 128
+  varied    2 prompts x 4 completions, uneven prompt and completion lengths
+  distinct  8 different prompts, 128 + 128: nothing to share, the worst case for masenvs
 
-MFU counts useful FLOPs only: LoRA training = forward + activation-gradient backward (frozen
-weights get no weight gradient), i.e. 2 x forward; forward = 2 x linear params x tokens
-+ causal attention (2 L^2 d per layer per sequence) + LM head on completion tokens only
-(2 H V per completion token). Peak = a large fp32 torch.mm timed in the same run.
+Wall time on a shared machine swings with the load, so the table also gives process CPU time
+(all threads), which other processes disturb far less; speedups are given on both.
 
-    python bench/trainer.py                        # SmolLM2-135M, 8 x 256 tokens, 3 repeats
-    python bench/trainer.py --model tiny --repeats 2
+MFU = model FLOPs / wall time / peak. Model FLOPs count the tokens each system feeds (masenvs
+feeds a shared prompt once; padding excluded): LoRA training = forward + activation-gradient
+backward (frozen weights get no weight gradient) = 2 x forward; forward = 2 x (linear + LoRA
+params) x tokens + causal attention (2 L^2 d per layer and sequence) + the LM head on
+completion tokens (what the loss needs; TRL's extra LM-head work is not counted). Peak = a
+large fp32 torch.mm timed in the same run.
+
+    python bench/trainer.py                        # SmolLM2-135M, 3 repeats, all batches
+    python bench/trainer.py --model tiny --repeats 2 --kinds uniform
 """
 
 from __future__ import annotations
@@ -80,32 +86,42 @@ def load_base(name: str) -> tuple[Any, Any]:
 
 def make_batch(kind: str, n: int, seq: int, vocab: int, seed: int = 0) -> list[Sample]:
     rng = random.Random(seed)
+    k = 1 if kind == "distinct" else 4  # completions per prompt
     samples = []
-    for k in range(n):
-        if kind == "uniform":
-            p = c = seq // 2
-        else:  # varied: the same mean length, uneven split and total
-            total = rng.randint(seq // 4, seq * 7 // 4)
-            p = rng.randint(total // 8, total * 7 // 8)
-            c = max(1, total - p)
+    for g in range(n // k):
+        p = seq // 2 if kind != "varied" else rng.randint(seq // 8, seq)
         prompt = [rng.randrange(vocab) for _ in range(p)]
-        completion = [rng.randrange(vocab) for _ in range(c)]
-        group = tree_group(k // 4, 0, "agent")  # two groups of four
-        samples.append(Sample(prompt, completion, [], "agent", "agent", group, float(k % 2)))
+        for b in range(k):
+            c = seq // 2 if kind != "varied" else rng.randint(seq // 8, seq * 3 // 2)
+            completion = [rng.randrange(vocab) for _ in range(c)]
+            group = tree_group(g // 4 if k == 1 else g, 0, "agent")  # groups of four
+            reward = float((g + b) % 2)
+            samples.append(Sample(prompt, completion, [], "agent", "agent", group, reward))
     return samples
 
 
-def useful_flops(model: Any, samples: list[Sample], lora_params: int) -> float:
+def useful_flops(model: Any, samples: list[Sample], lora_params: int, share: bool) -> float:
+    """Model FLOPs of one update on `samples` (see the module docstring)."""
     cfg = model.config
     linear = sum(
         m.weight.numel() for m in model.model.layers.modules() if isinstance(m, torch.nn.Linear)
     )
-    tokens = sum(s.num_tokens for s in samples)
+    prompts = {tuple(s.prompt_token_ids) for s in samples} if share else None
+    prompt_tokens = (
+        sum(len(p) for p in prompts) if share else sum(len(s.prompt_token_ids) for s in samples)
+    )
     completion = sum(len(s.completion_token_ids) for s in samples)
-    attention = sum(2 * s.num_tokens**2 * cfg.hidden_size * cfg.num_hidden_layers for s in samples)
-    forward = 2 * (linear + lora_params) * tokens + attention
-    forward += 2 * cfg.hidden_size * cfg.vocab_size * completion
-    return 2 * forward  # backward through frozen weights: activation gradients only
+    d, layers = cfg.hidden_size, cfg.num_hidden_layers
+    # causal attention: a completion token attends to its prompt and its own earlier tokens
+    attention = 0
+    for s in samples:
+        p, c = len(s.prompt_token_ids), len(s.completion_token_ids)
+        attention += 4 * d * layers * (p * c + c * c / 2)
+    for p in prompts if share else (tuple(s.prompt_token_ids) for s in samples):
+        attention += 4 * d * layers * len(p) ** 2 / 2
+    forward = 2 * (linear + lora_params) * (prompt_tokens + completion) + attention
+    forward += 2 * d * cfg.vocab_size * completion
+    return 2 * forward
 
 
 def masenvs_worker(args: argparse.Namespace) -> dict[str, Any]:
@@ -115,15 +131,18 @@ def masenvs_worker(args: argparse.Namespace) -> dict[str, Any]:
     learner = Learner(cfg, ["agent"], lambda *_: base)
     learner.save_adapter("agent", args.adapter)  # the TRL worker starts from these weights
     batch = group_advantages(samples, cfg.algorithm)[0]
-    times, norms = [], []
+    times, cpu, norms = [], [], []
     for _ in range(args.warmup + args.repeats):
-        start = time.perf_counter()
+        start, start_cpu = time.perf_counter(), time.process_time()
         metrics = learner.step(batch)
         times.append(time.perf_counter() - start)
+        cpu.append(time.process_time() - start_cpu)
         norms.append(metrics["learner/agent/grad_norm"])
     lora_params = sum(p.numel() for p in learner.policies["agent"].params)
+    share = learner.policies["agent"].share_prompts
     return {
         "times": times[args.warmup :],
+        "cpu": cpu[args.warmup :],
         "grad_norm": norms[0],
         "tokens": sum(s.num_tokens for s in samples),
         "trl_padded_tokens": len(samples)
@@ -131,7 +150,8 @@ def masenvs_worker(args: argparse.Namespace) -> dict[str, Any]:
             max(len(s.prompt_token_ids) for s in samples)
             + max(len(s.completion_token_ids) for s in samples)
         ),
-        "flops": useful_flops(base, samples, lora_params),
+        "flops": useful_flops(base, samples, lora_params, share),
+        "trl_flops": useful_flops(base, samples, lora_params, share=False),
     }
 
 
@@ -256,14 +276,14 @@ def trl_worker(args: argparse.Namespace) -> dict[str, Any]:
         params, lr=opt.lr, betas=opt.betas, eps=opt.adam_eps, weight_decay=opt.weight_decay
     )
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-    times, norms = [], []
+    times, cpu, norms = [], [], []
     for _ in range(args.warmup + args.repeats):
-        start = time.perf_counter()
-        norms.append(
-            trl_step(trainer, optimizer, params, trl_inputs(batch, pad), opt.grad_clip or math.inf)
-        )
+        start, start_cpu = time.perf_counter(), time.process_time()
+        inputs = trl_inputs(batch, pad)
+        norms.append(trl_step(trainer, optimizer, params, inputs, opt.grad_clip or math.inf))
         times.append(time.perf_counter() - start)
-    return {"times": times[args.warmup :], "grad_norm": norms[0]}
+        cpu.append(time.process_time() - start_cpu)
+    return {"times": times[args.warmup :], "cpu": cpu[args.warmup :], "grad_norm": norms[0]}
 
 
 def run_worker(system: str, kind: str, adapter: Path, args: argparse.Namespace) -> dict[str, Any]:
@@ -288,7 +308,7 @@ def main() -> None:
     parser.add_argument("--seq", type=int, default=256, help="mean tokens per sequence")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--kinds", default="uniform,varied")
+    parser.add_argument("--kinds", default="uniform,varied,distinct")
     parser.add_argument("--worker", choices=["masenvs", "trl"], help=argparse.SUPPRESS)
     parser.add_argument("--kind", help=argparse.SUPPRESS)
     parser.add_argument("--adapter", help=argparse.SUPPRESS)
@@ -317,19 +337,24 @@ def main() -> None:
             )
             rows.append((kind, ours, theirs))
 
-    print(
-        f"\n{'batch':8} {'system':17} {'step s (median)':>15} {'best':>7} {'tokens/s':>9} {'MFU':>6} {'speedup':>8}"
+    header = (
+        f"{'batch':9}{'system':17}{'wall s':>8}{'best':>7}{'cpu s':>8}{'tokens/s':>10}{'MFU':>7}"
     )
+    print(f"\n{header}{'speedup wall':>14}{'speedup cpu':>13}")
     for kind, ours, theirs in rows:
-        trl_median = statistics.median(theirs["times"])
-        for name, r in (("masenvs Learner", ours), ("TRL GRPOTrainer", theirs)):
-            median = statistics.median(r["times"])
+        trl_wall, trl_cpu = statistics.median(theirs["times"]), statistics.median(theirs["cpu"])
+        systems = (
+            ("masenvs Learner", ours, ours["flops"]),
+            ("TRL GRPOTrainer", theirs, ours["trl_flops"]),
+        )
+        for name, r, flops in systems:
+            wall, cpu = statistics.median(r["times"]), statistics.median(r["cpu"])
             print(
-                f"{kind:8} {name:17} {median:15.2f} {min(r['times']):7.2f} "
-                f"{ours['tokens'] / median:9.0f} {ours['flops'] / median / peak:6.1%} "
-                f"{trl_median / median:7.2f}x"
+                f"{kind:9}{name:17}{wall:8.2f}{min(r['times']):7.2f}{cpu:8.2f}"
+                f"{ours['tokens'] / wall:10.0f}{flops / wall / peak:7.1%}"
+                f"{trl_wall / wall:13.2f}x{trl_cpu / cpu:12.2f}x"
             )
-    print("\nFigures are provisional on a shared CPU; rerun on an idle machine for stable numbers.")
+    print("\nMedians of the timed steps. Figures are provisional on a shared CPU.")
 
 
 if __name__ == "__main__":

@@ -15,7 +15,13 @@ from safetensors.torch import load_file
 from masenvs.adapters.models import load_model
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import TrainConfig, load_config
-from masenvs.trainer.learner import Learner, build_microbatch, lr_at, plan_microbatches
+from masenvs.trainer.learner import (
+    Learner,
+    build_microbatch,
+    lr_at,
+    plan_microbatches,
+    prompt_units,
+)
 from masenvs.trainer.samples import Sample, tree_group
 
 VOCAB = 49152
@@ -91,7 +97,7 @@ def test_plan_microbatches_packs_every_sequence_once_within_budget() -> None:
 
 def test_packed_rows_lay_out_positions_and_targets() -> None:
     samples = make_samples("coder", 6, seed=1)
-    mb = build_microbatch(samples, [[0, 1, 2], [3, 4, 5]])
+    mb = build_microbatch(samples, [[[0], [1], [2]], [[3], [4], [5]]])  # no shared prompt
     assert mb.samples == [0, 1, 2, 3, 4, 5]
     lengths = [s.num_tokens - 1 for s in samples]  # prompt + completion[:-1]
     width = max(sum(lengths[:3]), sum(lengths[3:]))
@@ -101,6 +107,7 @@ def test_packed_rows_lay_out_positions_and_targets() -> None:
         # positions restart at 0 for every sequence and for the padding after them
         expected = [p for i in row for p in range(lengths[i])] + list(range(width - used))
         assert mb.position_ids[r].tolist() == expected
+    assert mb.attention_mask is None  # position ids are enough
     assert mb.targets.tolist() == [t for s in samples for t in s.completion_token_ids]
     # each scored position's next input token is the target, except a sequence's last token
     flat = mb.input_ids.flatten()
@@ -110,6 +117,34 @@ def test_packed_rows_lay_out_positions_and_targets() -> None:
             if j < len(s.completion_token_ids) - 1:
                 assert flat[mb.score_index[k] + 1].item() == target
             k += 1
+
+
+def branches(agent: str, n_prompts: int, k: int, seed: int) -> list[Sample]:
+    """K completions per prompt, as a tree node's K branches."""
+    rng = random.Random(seed)
+    out = []
+    for t in range(n_prompts):
+        prompt = [rng.randrange(VOCAB) for _ in range(rng.randint(3, 30))]
+        for b in range(k):
+            completion = [rng.randrange(VOCAB) for _ in range(rng.randint(1, 12))]
+            group = tree_group(t, 0, agent)
+            out.append(Sample(prompt, completion, [], agent, agent, group, float((b * 7 + t) % 3)))
+    return out
+
+
+def test_shared_prompt_layout_masks_sibling_completions() -> None:
+    samples = branches("coder", 1, 3, seed=20)
+    units = prompt_units(samples, share=True)
+    assert units == [[0, 1, 2]]
+    mb = build_microbatch(samples, [units])
+    p = len(samples[0].prompt_token_ids)
+    mask = mb.attention_mask[0, 0]
+    c0 = len(samples[0].completion_token_ids) - 1
+    first, second = p, p + c0  # where completions 0 and 1 start
+    assert mask[first:second, :p].all()  # completion 0 sees the whole prompt
+    assert not mask[second:, first:second].any()  # completion 1+ never sees completion 0
+    assert mb.position_ids[0, second].item() == p  # and continues the prompt's positions
+    assert mb.score_index.tolist().count(p - 1) == 3  # one prompt position predicts 3 firsts
 
 
 # -- log-probs ----------------------------------------------------------------------------------
@@ -125,6 +160,25 @@ def test_recomputed_logprobs_equal_the_models_logprobs(loader: Any) -> None:
     with torch.no_grad():
         for s, lp in zip(samples, got, strict=True):
             assert torch.allclose(lp, direct_logprobs(model, s), atol=1e-5)
+
+
+def test_shared_prompts_give_the_same_logprobs_and_gradients(loader: Any) -> None:
+    samples = branches("coder", 3, 4, seed=21)
+    grads = {}
+    for share in (True, False):
+        cfg = config(
+            f"optim.share_prompts={str(share).lower()}", "optim.max_tokens_per_microbatch=80"
+        )
+        learner = Learner(cfg, ["coder"], loader)
+        assert learner.policies["coder"].share_prompts is share
+        model = learner.policies["coder"].model
+        with torch.no_grad():
+            for s, lp in zip(samples, learner.logprobs("coder", samples), strict=True):
+                assert torch.allclose(lp, direct_logprobs(model, s), atol=1e-5)
+        learner.step(with_advantages(samples, cfg))
+        grads[share] = [p.grad.clone() for p in learner.policies["coder"].params]
+    for a, b in zip(grads[True], grads[False], strict=True):
+        assert torch.allclose(a, b, atol=1e-7, rtol=1e-4)
 
 
 def test_adapter_starts_as_the_base_model_so_kl_is_zero(loader: Any) -> None:

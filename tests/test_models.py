@@ -144,17 +144,23 @@ def test_smollm2_answers_coherently() -> None:
     from masenvs.adapters.backends.embedded import EmbeddedBackend
 
     backend = EmbeddedBackend.from_spec("smollm2-135m")
+    request = GenerateRequest(
+        model="",
+        params=SamplingParams(max_tokens=30, temperature=0.0),
+        messages=[{"role": "user", "content": "What is the capital of France?"}],
+    )
     try:
-        request = GenerateRequest(
-            model="",
-            params=SamplingParams(max_tokens=30, temperature=0.0),
-            messages=[{"role": "user", "content": "What is the capital of France?"}],
-        )
-        completion = asyncio.run(backend.generate(request)).completions[0]
+        generation = asyncio.run(backend.generate(request))
     finally:
         backend.shutdown()
+    completion = generation.completions[0]
     assert "Paris" in completion.text
-    assert (
-        completion.finish_reason == "stop"
-        and completion.stop_reason == backend.tokenizer.eos_token_id
-    )
+    assert completion.finish_reason == "stop"
+    assert completion.stop_reason == backend.tokenizer.eos_token_id
+    # The engine's own forward pass gives the transformers model's log-probabilities.
+    prompt = generation.prompt_token_ids
+    ids = torch.tensor([prompt + completion.token_ids])
+    with torch.no_grad():
+        logits = backend.model(ids).logits[0, len(prompt) - 1 : -1].float()
+    expected = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None])[:, 0]
+    assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-3)

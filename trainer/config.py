@@ -180,6 +180,12 @@ class OptimConfig(_Section):
     grad_clip: float | None = Field(
         1.0, gt=0.0, description="Max global grad norm per adapter; None turns clipping off."
     )
+    share_prompts: bool = Field(
+        True,
+        description="Feed a prompt once for all samples that share it (the K branches of a "
+        "tree node do): their completions attend to one copy. Exact; needs sdpa or eager "
+        "attention without sliding windows, else it is skipped.",
+    )
     max_tokens_per_microbatch: int = Field(
         4096,
         ge=16,

@@ -13,7 +13,7 @@ import math
 import time
 import warnings
 from collections import defaultdict
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -57,13 +57,33 @@ def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
 # ---------------------------------------------------------------------------------------------
 
 
-def plan_microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[list[int]]]:
-    """Pack sequences (by length) into rows, and rows into micro-batches of <= `max_tokens`.
+Unit = list[int]
+"""Batch indices of samples fed as one copy of their shared prompt followed by each completion."""
 
-    Rows are as wide as the longest sequence, filled first-fit-decreasing, so padding is
-    small and attention (quadratic in row width) stays as cheap as without packing. A
-    sequence longer than `max_tokens` gets a micro-batch to itself.
-    Returns micro-batches -> rows -> sequence indices.
+
+def prompt_units(batch: Sequence[Sample], share: bool) -> list[Unit]:
+    """Group samples with identical prompts (the K branches of a tree node have one prompt)."""
+    if not share:
+        return [[i] for i in range(len(batch))]
+    units: dict[tuple[int, ...], Unit] = {}
+    for i, s in enumerate(batch):
+        units.setdefault(tuple(s.prompt_token_ids), []).append(i)
+    return list(units.values())
+
+
+def unit_length(batch: Sequence[Sample], unit: Unit) -> int:
+    """Input tokens of a unit: the prompt once, then each completion but its last token."""
+    prompt = len(batch[unit[0]].prompt_token_ids)
+    return prompt + sum(len(batch[i].completion_token_ids) - 1 for i in unit)
+
+
+def plan_microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[list[int]]]:
+    """Pack units (by length) into rows, and rows into micro-batches of <= `max_tokens`.
+
+    Rows are as wide as the longest unit, filled first-fit-decreasing, so padding is small
+    and attention (quadratic in row width) stays as cheap as without packing. A unit longer
+    than `max_tokens` gets a micro-batch to itself.
+    Returns micro-batches -> rows -> unit indices.
     """
     if not lengths:
         return []
@@ -85,46 +105,73 @@ def plan_microbatches(lengths: Sequence[int], max_tokens: int) -> list[list[list
 
 @dataclass
 class MicroBatch:
-    """Packed rows; each sequence is prompt + completion[:-1] (the last token is only a target)."""
+    """Packed rows of units: [prompt][completion 1 minus last token][completion 2 ...] ..."""
 
     samples: list[int]  # batch indices, in the order their tokens appear in `targets`
     input_ids: torch.Tensor  # [rows, width]
-    position_ids: torch.Tensor  # [rows, width]; restarting at 0 marks a new sequence
+    position_ids: torch.Tensor  # [rows, width]; each completion continues its prompt's positions
     score_index: torch.Tensor  # [n] flat positions whose next token is a completion token
     targets: torch.Tensor  # [n] those completion tokens
+    attention_mask: torch.Tensor | None  # [rows, 1, width, width] bool, when prompts are shared
 
 
-def build_microbatch(batch: Sequence[Sample], rows: list[list[int]]) -> MicroBatch:
-    seqs = {
-        i: batch[i].prompt_token_ids + batch[i].completion_token_ids[:-1] for r in rows for i in r
-    }
-    width = max(sum(len(seqs[i]) for i in row) for row in rows)
+def build_microbatch(batch: Sequence[Sample], rows: list[list[Unit]]) -> MicroBatch:
+    """Lay out rows of units; `attention_mask` is None when no prompt is shared.
+
+    Without sharing, position ids that restart at 0 are enough: transformers derives a
+    block-diagonal causal mask from them. With sharing, each completion must see its prompt
+    but not its sibling completions, so the mask is built here (True = may attend).
+    """
+    width = max(sum(unit_length(batch, u) for u in row) for row in rows)
+    shared = any(len(u) > 1 for row in rows for u in row)
     input_ids = torch.zeros(len(rows), width, dtype=torch.long)
     position_ids = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), 1, width, width, dtype=torch.bool) if shared else None
     order: list[int] = []
-    score: list[torch.Tensor] = []
+    score: list[int] = []
     targets: list[int] = []
     for r, row in enumerate(rows):
-        offset = 0
-        for i in row:
-            seq, s = seqs[i], batch[i]
-            n = len(seq)
-            input_ids[r, offset : offset + n] = torch.tensor(seq)
-            position_ids[r, offset : offset + n] = torch.arange(n)
-            first = r * width + offset + len(s.prompt_token_ids) - 1  # predicts completion[0]
-            score.append(torch.arange(first, first + len(s.completion_token_ids)))
-            targets.extend(s.completion_token_ids)
-            order.append(i)
-            offset += n
+        o = 0  # where the current unit starts
+        for unit in row:
+            prompt = batch[unit[0]].prompt_token_ids
+            p = len(prompt)
+            input_ids[r, o : o + p] = torch.tensor(prompt)
+            position_ids[r, o : o + p] = torch.arange(p)
+            if mask is not None:
+                mask[r, 0, o : o + p, o : o + p] = _causal(p)
+            start = o + p  # where the current completion starts
+            for i in unit:
+                completion = batch[i].completion_token_ids
+                n = len(completion) - 1
+                input_ids[r, start : start + n] = torch.tensor(completion[:-1])
+                position_ids[r, start : start + n] = torch.arange(p, p + n)
+                if mask is not None:
+                    mask[r, 0, start : start + n, o : o + p] = True
+                    mask[r, 0, start : start + n, start : start + n] = _causal(n)
+                # completion[0] is predicted by the prompt's last position, completion[j] by
+                # the position of completion[j - 1]
+                base = r * width
+                score += [base + o + p - 1] + [base + start + j for j in range(n)]
+                targets += completion
+                order.append(i)
+                start += n
+            o = start
         # Padding is its own sequence (positions restart at 0): real tokens never attend to it.
-        position_ids[r, offset:] = torch.arange(width - offset)
+        position_ids[r, o:] = torch.arange(width - o)
+        if mask is not None:
+            mask[r, 0, o:, o:] = _causal(width - o)  # no fully masked row (NaN in softmax)
     return MicroBatch(
         samples=order,
         input_ids=input_ids,
         position_ids=position_ids,
-        score_index=torch.cat(score),
+        score_index=torch.tensor(score, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long),
+        attention_mask=mask,
     )
+
+
+def _causal(n: int) -> torch.Tensor:
+    return torch.ones(n, n, dtype=torch.bool).tril()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -141,6 +188,7 @@ class Policy:
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.AdamW
     base_name: str  # model the adapter sits on
+    share_prompts: bool  # feed a prompt once for all samples that have it (see build_microbatch)
 
 
 @dataclass
@@ -223,7 +271,8 @@ class Learner:
         optimizer = torch.optim.AdamW(
             params, lr=opt.lr, betas=opt.betas, eps=opt.adam_eps, weight_decay=opt.weight_decay
         )
-        self.policies[name] = Policy(name, model, params, optimizer, base_name)
+        share = self.cfg.optim.share_prompts and _custom_mask_ok(model.get_base_model().config)
+        self.policies[name] = Policy(name, model, params, optimizer, base_name, share)
 
     def policy_of(self, agent: str) -> str:
         return self.cfg.policy.policy_of(agent)
@@ -291,8 +340,9 @@ class Learner:
             for part in self._mini_batches(len(batch), epoch):
                 policy.optimizer.zero_grad(set_to_none=True)
                 self._accumulate_gradients(
-                    model, batch, part, old, ref, sums, mismatch if one_step else None
-                )
+                    model, batch, part, old, ref, sums, mismatch if one_step else None,
+                    policy.share_prompts,
+                )  # fmt: skip
                 max_norm = self.cfg.optim.grad_clip or math.inf
                 grad_norms.append(float(torch.nn.utils.clip_grad_norm_(policy.params, max_norm)))
                 for group in policy.optimizer.param_groups:
@@ -319,13 +369,12 @@ class Learner:
         ref: list[torch.Tensor] | None,
         sums: LossSums,
         mismatch: _Mismatch | None,
+        share: bool,
     ) -> None:
         """Backward of the token-mean loss of `batch[part]`, one micro-batch at a time."""
         sub = [batch[i] for i in part]
         num_tokens = sum(len(s.completion_token_ids) for s in sub)  # the token mean's N
-        budget = self.cfg.optim.max_tokens_per_microbatch
-        for rows in plan_microbatches([s.num_tokens - 1 for s in sub], budget):
-            mb = build_microbatch(sub, rows)
+        for mb in self._microbatches(sub, share):
             scored = self._forward(model, mb, with_entropy=self.cfg.logging.entropy)
             idx = [part[i] for i in mb.samples]  # back to batch indices
             old_lp = _gather(old, idx) if old is not None else scored.logprobs.detach()
@@ -378,10 +427,7 @@ class Learner:
         raw = [empty] * len(batch)
         todo = [i for i, s in enumerate(batch) if s.completion_token_ids]
         sub = [batch[i] for i in todo]
-        for rows in plan_microbatches(
-            [s.num_tokens - 1 for s in sub], self.cfg.optim.max_tokens_per_microbatch
-        ):
-            mb = build_microbatch(sub, rows)
+        for mb in self._microbatches(sub, policy.share_prompts):
             if base:
                 with model.disable_adapter():
                     out = self._forward(model, mb, with_entropy=False)
@@ -393,6 +439,13 @@ class Learner:
                 scored[todo[j]], raw[todo[j]] = lp, r
         return scored, raw
 
+    def _microbatches(self, batch: list[Sample], share: bool) -> Iterator[MicroBatch]:
+        """Prompt units packed into rows, rows into micro-batches within the token budget."""
+        units = prompt_units(batch, share)
+        lengths = [unit_length(batch, u) for u in units]
+        for rows in plan_microbatches(lengths, self.cfg.optim.max_tokens_per_microbatch):
+            yield build_microbatch(batch, [[units[u] for u in row] for row in rows])
+
     def _forward(self, model: PeftModel, mb: MicroBatch, with_entropy: bool) -> _Scored:
         """Log-probs of the micro-batch's completion tokens (grad follows the caller's mode)."""
         causal_lm = model.get_base_model()
@@ -400,21 +453,19 @@ class Learner:
         position_ids = mb.position_ids.to(self.device)
         index = mb.score_index.to(self.device)
         targets = mb.targets.to(self.device)
-        # No attention mask: transformers derives a block-diagonal causal mask from position_ids
-        # that restart at 0, so packed sequences never see each other.
+        inputs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids}
+        if mb.attention_mask is not None:  # shared prompts; else position ids delimit sequences
+            mask = mb.attention_mask.to(self.device)
+            inputs["attention_mask"] = _mask_for(causal_lm.config, mask, self.dtype)
         if _plain_lm_head(causal_lm.config):
             # Project only the positions that predict completion tokens: the LM head is a big
             # matmul, and prompt positions would be thrown away.
             backbone = getattr(causal_lm, causal_lm.base_model_prefix)
-            hidden = backbone(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False
-            ).last_hidden_state
+            hidden = backbone(**inputs, use_cache=False).last_hidden_state
             hidden = hidden.reshape(-1, hidden.shape[-1])[index]
             logits = causal_lm.get_output_embeddings()(hidden)
         else:  # heads with soft-capping or scaling: let the model apply them
-            logits = causal_lm(
-                input_ids=input_ids, position_ids=position_ids, use_cache=False
-            ).logits
+            logits = causal_lm(**inputs, use_cache=False).logits
             logits = logits.reshape(-1, logits.shape[-1])[index]
         logits = logits.float()
         temperature = self.cfg.rollout.temperature
@@ -533,6 +584,28 @@ def _plain_lm_head(config: Any) -> bool:
     text = config.get_text_config() if hasattr(config, "get_text_config") else config
     scalers = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier")
     return all(getattr(text, name, None) in (None, 1.0) for name in scalers)
+
+
+def _custom_mask_ok(config: Any) -> bool:
+    """Whether a hand-built 4D mask gives exact attention: sdpa or eager, no sliding window."""
+    if getattr(config, "_attn_implementation", None) not in ("sdpa", "eager"):
+        return False  # flash-attention kernels take no custom mask
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    layer_types = getattr(text, "layer_types", None)
+    if layer_types is not None:
+        return all(t == "full_attention" for t in layer_types)
+    if getattr(text, "use_sliding_window", None) is False:
+        return True
+    return getattr(text, "sliding_window", None) is None
+
+
+def _mask_for(config: Any, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """sdpa takes the boolean mask as is; eager attention adds a float mask to the scores."""
+    if config._attn_implementation == "sdpa":
+        return mask
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
+        ~mask, torch.finfo(dtype).min
+    )
 
 
 def _resolve_device(device: str) -> torch.device:

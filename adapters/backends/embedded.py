@@ -408,7 +408,12 @@ class EmbeddedBackend:
                 updates = list(self._updates)
                 self._updates.clear()
             for update in updates:
-                self._apply_update(update)
+                try:
+                    self._apply_update(update)
+                except Exception as exc:
+                    update.error = BackendError(f"Cannot apply the adapter update: {exc!r}", 500)
+                finally:
+                    update.done.set()
             try:
                 self._admit()
                 if self._running:
@@ -445,7 +450,6 @@ class EmbeddedBackend:
         for row in stale:
             del self._prefixes[row]
         if update.name is None:
-            update.done.set()
             return
         current = self._adapters.get(update.name)
         if update.adapter is None:
@@ -456,7 +460,6 @@ class EmbeddedBackend:
                 current.weights[key][1].copy_(b)
         else:
             self._adapters[update.name] = update.adapter
-        update.done.set()
 
     def _admit(self) -> None:
         """Prefill waiting requests, several per forward pass, while cache rows are free."""

@@ -1,9 +1,11 @@
 """A compact Llama-family forward pass over a slot KV cache, with per-row LoRA.
 
-It reads the weights of a transformers model (Llama, Mistral, Qwen2, Qwen3) without
-copying them, so it stays in step with in-place weight updates, and it costs a fraction
-of the per-step Python overhead of `model.generate`, which dominates on small models.
-Each sequence owns a slot (a row) of the cache; rows can sit at different positions.
+It runs the weights of a transformers model (Llama, Mistral, Qwen2, Qwen3): q/k/v and
+gate/up are concatenated into one matmul each (copies rebuilt when the model's weights
+change in place), the other weights are read as they are. It avoids the per-step work of
+`model.generate` (growing the KV cache by concatenation, padding masks, logits
+processors). Each sequence owns a slot (a row) of the cache; rows sit at different
+positions.
 """
 
 from __future__ import annotations
@@ -17,10 +19,34 @@ import torch.nn.functional as F
 from torch import Tensor
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
-LORA_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 _LORA_KEY = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
+
+
+@dataclass
+class _Fused:
+    """Projections that read the same input, concatenated into one matmul.
+
+    The concatenated copy is rebuilt when a source weight changes in place (its tensor
+    version moves), so a trainer updating the transformers model is seen at the next step.
+    """
+
+    sources: list[Any]  # nn.Linear modules, in output order
+    parts: list[tuple[str, int, int]]  # (module name, first output column, end column)
+    weight: Tensor | None = None
+    bias: Tensor | None = None
+    stamp: tuple = ()
+
+    def refresh(self) -> None:
+        stamp = tuple((id(m.weight), m.weight._version) for m in self.sources)
+        if stamp == self.stamp:
+            return
+        with torch.no_grad():
+            self.weight = torch.cat([m.weight.detach() for m in self.sources])
+            biases = [m.bias for m in self.sources]
+            self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+        self.stamp = stamp
 
 
 @dataclass
@@ -28,6 +54,8 @@ class _Layer:
     ln_attn: Tensor
     ln_mlp: Tensor
     linears: dict[str, Any]  # q_proj ... down_proj -> nn.Linear (weights read live)
+    qkv: _Fused
+    gate_up: _Fused
     q_norm: Tensor | None
     k_norm: Tensor | None
 
@@ -115,27 +143,32 @@ class LlamaForward:
         self.embed = inner.embed_tokens.weight
         self.lm_head = model.lm_head
         self.norm = inner.norm.weight
-        self.layers = [
-            _Layer(
-                ln_attn=layer.input_layernorm.weight,
-                ln_mlp=layer.post_attention_layernorm.weight,
-                linears={
-                    "q_proj": layer.self_attn.q_proj,
-                    "k_proj": layer.self_attn.k_proj,
-                    "v_proj": layer.self_attn.v_proj,
-                    "o_proj": layer.self_attn.o_proj,
-                    "gate_proj": layer.mlp.gate_proj,
-                    "up_proj": layer.mlp.up_proj,
-                    "down_proj": layer.mlp.down_proj,
-                },
-                q_norm=_weight(getattr(layer.self_attn, "q_norm", None)),
-                k_norm=_weight(getattr(layer.self_attn, "k_norm", None)),
+        self.layers = []
+        for layer in inner.layers:
+            linears = {
+                "q_proj": layer.self_attn.q_proj,
+                "k_proj": layer.self_attn.k_proj,
+                "v_proj": layer.self_attn.v_proj,
+                "o_proj": layer.self_attn.o_proj,
+                "gate_proj": layer.mlp.gate_proj,
+                "up_proj": layer.mlp.up_proj,
+                "down_proj": layer.mlp.down_proj,
+            }
+            self.layers.append(
+                _Layer(
+                    ln_attn=layer.input_layernorm.weight,
+                    ln_mlp=layer.post_attention_layernorm.weight,
+                    linears=linears,
+                    qkv=_fuse(linears, ("q_proj", "k_proj", "v_proj")),
+                    gate_up=_fuse(linears, ("gate_proj", "up_proj")),
+                    q_norm=_weight(getattr(layer.self_attn, "q_norm", None)),
+                    k_norm=_weight(getattr(layer.self_attn, "k_norm", None)),
+                )
             )
-            for layer in inner.layers
-        ]
         self.device = self.embed.device
         self.dtype = self.embed.dtype
         self.gqa = self.n_kv != self.n_heads
+        self.scale = self.head_dim**-0.5
         self.max_slots = max_slots
         self.max_len = max_len
         self._rope_tables(inner.rotary_emb, max_len)
@@ -206,17 +239,22 @@ class LlamaForward:
             mask = None  # every row sees all kv_len keys
         else:
             keys = torch.arange(kv_len, device=self.device)
-            mask = (keys[None, :] <= positions[:, None])[:, None, None, :]  # [B, 1, 1, K]
+            hidden = keys[None, :] > positions[:, None]
+            mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device)
+            mask = mask.masked_fill_(hidden, float("-inf"))[:, None, None, :]  # [B, 1, 1, K]
+
+        groups = self.n_heads // self.n_kv
 
         def attend(q: Tensor, index: int) -> Tensor:
-            out = F.scaled_dot_product_attention(
-                q.unsqueeze(2),  # [B, H, 1, D]
-                self.k_cache[index][:batch, :, :kv_len],
-                self.v_cache[index][:batch, :, :kv_len],
-                attn_mask=mask,
-                enable_gqa=self.gqa,
-            )
-            return out.view(batch, -1)
+            # Two batched matmuls beat scaled_dot_product_attention for one query token on
+            # CPU; the query heads of a KV head share its keys without repeating them.
+            q = q.view(batch, self.n_kv, groups, self.head_dim)
+            scores = torch.matmul(q, self.k_cache[index][:batch, :, :kv_len].transpose(-1, -2))
+            scores.mul_(self.scale)
+            if mask is not None:
+                scores.add_(mask)
+            weights = torch.softmax(scores, dim=-1)
+            return torch.matmul(weights, self.v_cache[index][:batch, :, :kv_len]).view(batch, -1)
 
         slots = torch.arange(batch, device=self.device)
         return self._forward(tokens, positions, slots, attend, lora, slice(None))
@@ -303,9 +341,10 @@ class LlamaForward:
         hidden = x.shape[-1]
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (hidden,), layer.ln_attn, self.eps)
-            q = self._linear(h, layer, index, "q_proj", lora).view(n, self.n_heads, self.head_dim)
-            k = self._linear(h, layer, index, "k_proj", lora).view(n, self.n_kv, self.head_dim)
-            v = self._linear(h, layer, index, "v_proj", lora).view(n, self.n_kv, self.head_dim)
+            q, k, v = self._fused(h, layer.qkv, index, lora)
+            q = q.view(n, self.n_heads, self.head_dim)
+            k = k.view(n, self.n_kv, self.head_dim)
+            v = v.view(n, self.n_kv, self.head_dim)
             if layer.q_norm is not None:
                 q = F.rms_norm(q, (self.head_dim,), layer.q_norm, self.eps)
                 k = F.rms_norm(k, (self.head_dim,), layer.k_norm, self.eps)
@@ -316,28 +355,27 @@ class LlamaForward:
             attn = attend(q, index, k, v) if fresh_kv else attend(q, index)
             x = x + self._linear(attn, layer, index, "o_proj", lora)
             h = F.rms_norm(x, (hidden,), layer.ln_mlp, self.eps)
-            gate = self._linear(h, layer, index, "gate_proj", lora)
-            up = self._linear(h, layer, index, "up_proj", lora)
+            gate, up = self._fused(h, layer.gate_up, index, lora)
             x = x + self._linear(F.silu(gate) * up, layer, index, "down_proj", lora)
         x = F.rms_norm(x[last], (hidden,), self.norm, self.eps)
         return self.lm_head(x).float()
+
+    def _fused(self, x: Tensor, fused: _Fused, index: int, lora: LoraRows | None) -> list[Tensor]:
+        """The outputs of the fused projections, each with its own LoRA delta."""
+        fused.refresh()
+        y = F.linear(x, fused.weight, fused.bias)
+        if lora is not None:
+            for name, start, end in fused.parts:
+                _add_lora(y[:, start:end], x, index, name, lora)
+        return [y[:, start:end] for _, start, end in fused.parts]
 
     def _linear(
         self, x: Tensor, layer: _Layer, index: int, name: str, lora: LoraRows | None
     ) -> Tensor:
         linear = layer.linears[name]
         y = F.linear(x, linear.weight, linear.bias)
-        if lora is None:
-            return y
-        for adapter, rows in lora.groups:
-            ab = adapter.weights.get((index, name))
-            if ab is None:
-                continue
-            a, b = ab
-            if isinstance(rows, slice) and rows == slice(None):
-                y = y + F.linear(F.linear(x, a), b)
-            else:
-                y[rows] += F.linear(F.linear(x[rows], a), b)
+        if lora is not None:
+            _add_lora(y, x, index, name, lora)
         return y
 
     def _rope_tables(self, rotary: Any, max_len: int) -> None:
@@ -372,6 +410,28 @@ def _group_rows(
                 (adapter, torch.cat([torch.arange(r.start, r.stop, device=device) for r in ranges]))
             )
     return LoraRows(result)
+
+
+def _add_lora(y: Tensor, x: Tensor, index: int, name: str, lora: LoraRows) -> None:
+    """y[rows] += x[rows] A^T (scale B)^T for each adapter's rows, in place."""
+    for adapter, rows in lora.groups:
+        ab = adapter.weights.get((index, name))
+        if ab is None:
+            continue
+        a, b = ab
+        if isinstance(rows, slice):
+            y[rows] += F.linear(F.linear(x[rows], a), b)
+        else:
+            y[rows] = y[rows] + F.linear(F.linear(x[rows], a), b)
+
+
+def _fuse(linears: dict[str, Any], names: tuple[str, ...]) -> _Fused:
+    parts, start = [], 0
+    for name in names:
+        end = start + linears[name].weight.shape[0]
+        parts.append((name, start, end))
+        start = end
+    return _Fused([linears[name] for name in names], parts)
 
 
 def _weight(module: Any) -> Tensor | None:

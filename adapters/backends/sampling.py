@@ -35,7 +35,11 @@ class Sampled:
 def sample(logits: Tensor, rows: list[RowSampling]) -> Sampled:
     """Sample one token per row of `logits` [B, V] (float32)."""
     batch = logits.shape[0]
-    logprobs = torch.log_softmax(logits, dim=-1)
+    # log p(token) = logit - log(sum exp(logits)); the exp weights double as the T=1
+    # sampling weights (the inverse CDF needs no normalisation).
+    peak = logits.amax(dim=-1, keepdim=True)
+    weights = (logits - peak).exp_()
+    log_total = peak[:, 0] + weights.sum(dim=-1).log()
     tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
 
     greedy = [i for i, r in enumerate(rows) if r.temperature <= 0.0]
@@ -50,21 +54,21 @@ def sample(logits: Tensor, rows: list[RowSampling]) -> Sampled:
         tokens[index] = logits[index].argmax(dim=-1)
     if plain:
         index = _index(plain, batch, logits.device)
-        temps = _column([rows[i].temperature for i in plain], logits)
         if all(rows[i].temperature == 1.0 for i in plain):
-            probs = logprobs[index].exp()
+            probs = weights[index]
         else:
+            temps = _column([rows[i].temperature for i in plain], logits)
             probs = torch.softmax(logits[index] / temps, dim=-1)
         tokens[index] = _inverse_cdf(probs, _uniforms([rows[i] for i in plain], logits.device))
     if filtered:
         tokens[filtered] = _sample_filtered(logits[filtered], [rows[i] for i in filtered])
 
-    chosen = logprobs.gather(1, tokens[:, None])[:, 0]
+    chosen = logits.gather(1, tokens[:, None])[:, 0] - log_total
     top: list[dict[int, float] | None] = [None] * batch
     most = max(r.top_logprobs for r in rows)
     if most > 0:
-        values, ids = logprobs.topk(most, dim=-1)
-        values, ids = values.tolist(), ids.tolist()
+        values, ids = logits.topk(most, dim=-1)
+        values, ids = (values - log_total[:, None]).tolist(), ids.tolist()
         for i, r in enumerate(rows):
             if r.top_logprobs > 0:
                 top[i] = dict(zip(ids[i][: r.top_logprobs], values[i][: r.top_logprobs]))
@@ -89,12 +93,34 @@ def _sample_filtered(logits: Tensor, rows: list[RowSampling]) -> Tensor:
     return sorted_ids.gather(1, picks[:, None])[:, 0]
 
 
-def _inverse_cdf(probs: Tensor, uniforms: Tensor) -> Tensor:
-    cdf = probs.cumsum(dim=-1)
-    targets = uniforms[:, None] * cdf[:, -1:]
-    picks = torch.searchsorted(cdf, targets, right=True)[:, 0]
-    # Never pick a zero-probability token: u * total can round onto the last edge.
-    return picks.clamp_(max=probs.shape[-1] - 1)
+def _inverse_cdf(probs: Tensor, uniforms: Tensor, block: int = 256) -> Tensor:
+    """The token where each row's cumulative probability first exceeds `uniform * total`.
+
+    Two levels (blocks of `block` tokens, then tokens within the chosen block), because a
+    cumulative sum over a whole vocabulary row is a slow sequential scan on CPU.
+    """
+    batch, vocab = probs.shape
+    blocks = -(-vocab // block)
+    if blocks * block != vocab:
+        probs = torch.nn.functional.pad(probs, (0, blocks * block - vocab))
+    grid = probs.view(batch, blocks, block)
+    block_cdf = grid.sum(dim=-1).cumsum(dim=-1)
+    targets = uniforms * block_cdf[:, -1]
+    chosen = _search(block_cdf, targets)
+    before = torch.where(
+        chosen > 0, block_cdf.gather(1, (chosen - 1).clamp(min=0)[:, None])[:, 0], 0.0
+    )
+    inner = grid.gather(1, chosen[:, None, None].expand(batch, 1, block))[:, 0]
+    within = _search(inner.cumsum(dim=-1), targets - before)
+    return chosen * block + within
+
+
+def _search(cdf: Tensor, targets: Tensor) -> Tensor:
+    """First index with cdf > target; never one of zero mass (rounding can pass the end)."""
+    picks = torch.searchsorted(cdf, targets[:, None], right=True)[:, 0]
+    mass = torch.diff(cdf, dim=-1, prepend=torch.zeros_like(cdf[:, :1])) > 0
+    last = cdf.shape[-1] - 1 - mass.flip(-1).to(torch.int8).argmax(dim=-1)
+    return torch.minimum(picks, last)
 
 
 def _uniforms(rows: list[RowSampling], device: torch.device) -> Tensor:

@@ -150,6 +150,11 @@ SYSTEM = {
         + _RULES
     ),
 }
+# The last line of every prompt repeats the answer format: small models follow what they read last.
+ASK = {
+    "tool": "Answer with a ```python block that prints `Moves: [...]`.",
+    "plan": "Answer with your moves after ####, for example: #### [R, D, D]",
+}
 SOLO_SYSTEM = (
     "You solve path-planning tasks. You may write a Python program in a ```python block; it "
     "runs and you see its output next round. End your answer with `#### [moves]`, e.g. "
@@ -208,9 +213,17 @@ class PlanPathEnv(MASEnv):
             lines += ["", "Last round:", feedback]
         if agent == "plan" and not self.config.single_agent and self.state.tool_runs:
             run = self.state.tool_runs[-1]
-            lines += ["", "The tool agent's program:", f"```python\n{clip_text(run.code, 3000)}\n```"]
+            lines += [
+                "",
+                "The tool agent's program:",
+                f"```python\n{clip_text(run.code, 3000)}\n```",
+            ]
             lines += ["Its output:", clip_text(run.output, 2000) or "(no output)"]
-        return [{"role": "system", "content": system}, {"role": "user", "content": "\n".join(lines)}]
+        lines += ["", ASK["tool" if agent == "tool" else "plan"]]
+        return [
+            {"role": "system", "content": system},
+            {"role": "user", "content": "\n".join(lines)},
+        ]
 
     # --- one round ----------------------------------------------------------------------------
 
@@ -231,7 +244,8 @@ class PlanPathEnv(MASEnv):
                 parts["tool"].process = sim.shaping
                 parts["tool"].agent = outcome_reward(sim, steps_before, task, cfg)
                 self.last_feedback["tool"] = (
-                    run.describe() + f"\nYour moves {''.join(moves)} lead to {sim.end}"
+                    run.describe()
+                    + f"\nYour moves {''.join(moves)} lead to {sim.end}"
                     + (" — the goal." if sim.reached else ", not the goal.")
                 )
 
@@ -251,9 +265,8 @@ class PlanPathEnv(MASEnv):
             parts["plan"].agent = outcome_reward(out, steps_before, task, cfg)
             self.state.success = out.reached
             invalid = len(moves) - out.valid_moves if not out.reached else 0
-            self.last_feedback["plan"] = (
-                f"Moves {''.join(moves)} took you to {out.end}"
-                + (" — the goal." if out.reached else f"; {invalid} move(s) were invalid.")
+            self.last_feedback["plan"] = f"Moves {''.join(moves)} took you to {out.end}" + (
+                " — the goal." if out.reached else f"; {invalid} move(s) were invalid."
             )
         if cfg.single_agent and self.state.tool_runs and "```" in plan_text:
             self.last_feedback["plan"] += "\n" + self.state.tool_runs[-1].describe()
