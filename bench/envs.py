@@ -1,4 +1,4 @@
-"""Environment-side speed: sandboxed program runs (and, later, env steps) per second.
+"""Environment-side speed: env steps, sandboxed program runs and code test cases per second.
 
 Run: python bench/envs.py [--repeats 5] [--runs 100]
 Figures depend on the machine and its load; compare the rows of one run, not across runs.
@@ -140,7 +140,40 @@ def bench_code_tests(repeats: int = 5, console: Console | None = None) -> None:
     console.print(table)
 
 
-# bench_env_steps() goes here: env steps per second for each env in masenvs.envs.
+def bench_env_steps(repeats: int = 5, console: Console | None = None, steps: int = 200) -> None:
+    """Env steps/s per task with canned text answers (no LLM, no tool code), and the
+    snapshot + restore pairs/s the tree sampler does before every branch."""
+    import masenvs
+
+    answers = ["#### [R, D, 1, 2]", "\\boxed{3}", "no answer here"]
+    table = Table(title="env steps (no LLM, no sandboxed code)")
+    for column in ("env", "agents", "steps/s", "snapshot+restore/s"):
+        table.add_column(column, justify="right")
+    for name in masenvs.list_envs():
+        env = masenvs.make(name)
+
+        def play(env: masenvs.MASEnv = env) -> None:
+            env.reset(seed=0)
+            for i in range(steps):
+                if not env.agents:
+                    env.reset(seed=i)
+                env.step({a: answers[i % len(answers)] for a in env.agents})
+
+        def branch(env: masenvs.MASEnv = env) -> None:
+            env.reset(seed=0)
+            for _ in range(steps):
+                env.restore(env.snapshot())
+
+        rates = []
+        for fn in (play, branch):
+            times = []
+            for _ in range(repeats):
+                started = time.perf_counter()
+                fn()
+                times.append(time.perf_counter() - started)
+            rates.append(steps / statistics.median(times))
+        table.add_row(name, str(len(env.possible_agents)), f"{rates[0]:,.0f}", f"{rates[1]:,.0f}")
+    (console or Console()).print(table)
 
 
 def main() -> None:
@@ -152,7 +185,7 @@ def main() -> None:
     console.print(f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
     bench_sandbox(args.repeats, args.runs, console)
     bench_code_tests(args.repeats, console)
-    # bench_env_steps(args.repeats, console)
+    bench_env_steps(args.repeats, console)
 
 
 if __name__ == "__main__":

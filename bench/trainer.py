@@ -170,14 +170,16 @@ def bench_config(args: argparse.Namespace) -> TrainConfig:
     )  # fmt: skip
 
 
-def trl_trainer(base: Any, tokenizer: Any, cfg: TrainConfig, n: int, max_completion: int) -> Any:
+def trl_trainer(
+    base: Any, tokenizer: Any, cfg: TrainConfig, n: int, max_completion: int, output_dir: str
+) -> Any:
     from datasets import Dataset
     from peft import LoraConfig
     from trl import GRPOConfig, GRPOTrainer
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # deprecation notices from transformers' TrainingArguments
-        args = _grpo_config(GRPOConfig, cfg, n, max_completion)
+        args = _grpo_config(GRPOConfig, cfg, n, max_completion, output_dir)
     lora = LoraConfig(
         r=cfg.lora.rank, lora_alpha=cfg.lora.alpha, lora_dropout=0.0,
         target_modules="all-linear", bias="none", task_type="CAUSAL_LM",
@@ -196,9 +198,11 @@ def trl_trainer(base: Any, tokenizer: Any, cfg: TrainConfig, n: int, max_complet
     return trainer
 
 
-def _grpo_config(GRPOConfig: Any, cfg: TrainConfig, n: int, max_completion: int) -> Any:
+def _grpo_config(
+    GRPOConfig: Any, cfg: TrainConfig, n: int, max_completion: int, output_dir: str
+) -> Any:
     return GRPOConfig(
-        output_dir=tempfile.mkdtemp(prefix="trl-bench-"),
+        output_dir=output_dir,  # nothing is saved; inside the bench's temp dir
         per_device_train_batch_size=n,
         num_generations=n,
         max_completion_length=max_completion,
@@ -265,7 +269,8 @@ def trl_worker(args: argparse.Namespace) -> dict[str, Any]:
     samples = make_batch(args.kind, args.batch, args.seq, base.config.vocab_size)
     batch = group_advantages(samples, cfg.algorithm)[0]
     max_completion = max(len(s.completion_token_ids) for s in samples)
-    trainer = trl_trainer(base, tokenizer, cfg, args.batch, max_completion)
+    out_dir = str(Path(args.adapter).parent / "trl-output")
+    trainer = trl_trainer(base, tokenizer, cfg, args.batch, max_completion, out_dir)
     weights = load_file(f"{args.adapter}/adapter_model.safetensors")
     set_peft_model_state_dict(trainer.model, weights, adapter_name="default")
     model = trainer.model

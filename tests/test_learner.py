@@ -331,6 +331,7 @@ def test_bad_input_fails_clearly(loader: Any) -> None:
 # -- adapter export -----------------------------------------------------------------------------
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft
 def test_saved_adapter_loads_in_peft_with_identical_outputs(loader: Any, tmp_path: Any) -> None:
     cfg = config("policy.mode=per_agent")
     learner = Learner(cfg, ["coder", "tester"], loader)

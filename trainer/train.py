@@ -273,9 +273,11 @@ async def _loop(
             rollout_s = time.perf_counter() - started
             trainable, stats = group_advantages(samples, cfg.algorithm)
             started = time.perf_counter()
-            update = await asyncio.to_thread(learner.step, trainable) if trainable else {}
+            # The update runs on this thread: a worker thread would keep a second torch thread
+            # pool that competes with the engine's once the next rollout starts.
+            update = learner.step(trainable) if trainable else {}
             update_s = time.perf_counter() - started
-            await asyncio.to_thread(sync.push, step)
+            sync.push(step)
             stack.endpoint.policy_version = step
 
             tokens = sum(len(s.completion_token_ids) for s in samples)

@@ -19,8 +19,8 @@ from pydantic import Field
 from masenvs.env import EnvConfig, EpisodeState, MASEnv, Message, RewardParts
 from masenvs.envs import grid
 from masenvs.envs.grid import Cell
-from masenvs.envs.tooling import ToolRun, run_tool
-from masenvs.parsing import clip_text, parse_moves
+from masenvs.envs.tooling import ToolRun, round_context, run_tool
+from masenvs.parsing import parse_moves
 
 
 class SokobanConfig(EnvConfig):
@@ -465,17 +465,12 @@ class SokobanEnv(MASEnv):
             f"{len(self.task.goals)}.",
             f"Round {self.round + 1} of {self.config.max_rounds}.",
         ]
-        feedback = self.last_feedback.get(agent)
-        if feedback:
-            lines += ["", "Last round:", feedback]
-        if agent == "plan" and not self.config.single_agent and self.state.tool_runs:
-            run = self.state.tool_runs[-1]
-            lines += [
-                "",
-                "The tool agent's program:",
-                f"```python\n{clip_text(run.code, 3000)}\n```",
-            ]
-            lines += ["Its output:", clip_text(run.output, 2000) or "(no output)"]
+        lines += round_context(
+            agent,
+            self.last_feedback.get(agent),
+            self.state.tool_runs,
+            show_tool=not self.config.single_agent,
+        )
         return [
             {"role": "system", "content": system},
             {"role": "user", "content": "\n".join(lines)},

@@ -20,8 +20,8 @@ from pydantic import Field, model_validator
 
 from masenvs.env import EnvConfig, EpisodeState, MASEnv, Message, RewardParts
 from masenvs.envs import grid
-from masenvs.envs.tooling import ToolRun, run_tool
-from masenvs.parsing import clip_text, parse_json_list
+from masenvs.envs.tooling import ToolRun, round_context, run_tool
+from masenvs.parsing import parse_json_list
 
 Board = list[list[int]]  # 0 = empty
 DEFAULT_CLUES = {4: 6, 9: 30}
@@ -481,17 +481,12 @@ class SudokuEnv(MASEnv):
             f"As a JSON list of rows (0 = empty): {json.dumps(self.state.board)}",
             f"Round {self.round + 1} of {self.config.max_rounds}.",
         ]
-        feedback = self.last_feedback.get(agent)
-        if feedback:
-            lines += ["", "Last round:", feedback]
-        if agent == "plan" and not self.config.single_agent and self.state.tool_runs:
-            run = self.state.tool_runs[-1]
-            lines += [
-                "",
-                "The tool agent's program:",
-                f"```python\n{clip_text(run.code, 3000)}\n```",
-            ]
-            lines += ["Its output:", clip_text(run.output, 2000) or "(no output)"]
+        lines += round_context(
+            agent,
+            self.last_feedback.get(agent),
+            self.state.tool_runs,
+            show_tool=not self.config.single_agent,
+        )
         return [
             {"role": "system", "content": system},
             {"role": "user", "content": "\n".join(lines)},

@@ -47,3 +47,18 @@ def run_tool(answer: str, timeout: float, stdin: str = "") -> ToolRun:
     return ToolRun(
         code=code, output=output, verdict=getattr(result.verdict, "value", str(result.verdict))
     )
+
+
+def round_context(
+    agent: str, feedback: str | None, runs: list[ToolRun], show_tool: bool
+) -> list[str]:
+    """Prompt lines after the board: last round's feedback and, for `plan` in multi-agent
+    mode, the tool agent's latest program and its output."""
+    lines: list[str] = []
+    if feedback:
+        lines += ["", "Last round:", feedback]
+    if agent == "plan" and show_tool and runs:
+        run = runs[-1]
+        lines += ["", "The tool agent's program:", f"```python\n{clip_text(run.code, 3000)}\n```"]
+        lines += ["Its output:", clip_text(run.output, 2000) or "(no output)"]
+    return lines
