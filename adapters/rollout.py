@@ -16,6 +16,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from rich.table import Table
 
 from masenvs.adapters.policy import ChatPolicy, Sampling
+from masenvs.adapters.stack import add_engine_arguments
 from masenvs.env import MASEnv
 from masenvs.registry import make
 from masenvs.traces import EpisodeRecord, TraceStore
@@ -156,6 +157,7 @@ def build_parser() -> argparse.ArgumentParser:
         "--policy", action="append", default=[], metavar="AGENT=ADAPTER", help="route an agent"
     )
     parser.add_argument("--concurrency", type=int, default=8, help="episodes in flight")
+    add_engine_arguments(parser)
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--single-agent", action="store_true")
@@ -165,7 +167,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str]) -> int:
-    from masenvs.adapters.stack import StackError, parse_pairs, start_stack
+    from masenvs.adapters.stack import StackError, engine_options, parse_pairs, start_stack
     from masenvs.cli import parse_overrides
 
     args = build_parser().parse_args(argv)
@@ -188,6 +190,7 @@ def main(argv: list[str]) -> int:
                 traces=traces,
                 adapters=parse_pairs(args.adapter, "--adapter"),
                 policy_map=parse_pairs(args.policy, "--policy"),
+                **(engine_options(args) if args.backend == "embedded" else {}),
             )
     except StackError as exc:
         console.print(f"[red]{exc}[/red]")

@@ -14,6 +14,8 @@ import socket
 import sys
 from typing import Any
 
+from masenvs.adapters.stack import add_engine_arguments, engine_options
+
 DEFAULT_MODEL = "smollm2-135m"
 
 
@@ -68,6 +70,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="fsync each trace record (survives power loss, not only a killed process)",
     )
     parser.add_argument("--device", default="cpu", help="embedded backend: cpu or cuda")
+    add_engine_arguments(parser)
     parser.add_argument("--log-level", default="warning")
     return parser
 
@@ -139,12 +142,13 @@ def _make_backend(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[A
             asyncio.run(backend.load_adapter(name, path))
         return backend, launched
 
+    from masenvs.adapters.backends.base import BackendError
     from masenvs.adapters.backends.embedded import EmbeddedBackend
     from masenvs.adapters.models import ModelLoadError
 
     try:
-        backend = EmbeddedBackend.from_spec(args.model, device=args.device)
-    except ModelLoadError as exc:
+        backend = EmbeddedBackend.from_spec(args.model, device=args.device, **engine_options(args))
+    except (ModelLoadError, BackendError) as exc:
         raise ValueError(str(exc)) from exc
     for name, path in adapters.items():
         asyncio.run(backend.load_adapter(name, path))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 from dataclasses import dataclass
 from pathlib import Path
@@ -52,6 +53,28 @@ def parse_pairs(pairs: list[str], flag: str) -> dict[str, str]:
     return result
 
 
+def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
+    """--dtype and --quantize: how the embedded engine holds the weights."""
+    parser.add_argument(
+        "--dtype",
+        choices=["auto", "float32", "bfloat16"],
+        default="auto",
+        help="embedded engine weights; auto: bfloat16 on GPUs and on CPUs with native bf16 "
+        "(AVX512-BF16, AMX, Arm BF16), float32 elsewhere",
+    )
+    parser.add_argument(
+        "--quantize",
+        choices=["int8"],
+        help="embedded engine on CPU: decode steps read weight-only int8 copies (needs "
+        "bfloat16); faster at small batches, logits within int8 rounding of the dense model",
+    )
+
+
+def engine_options(args: argparse.Namespace) -> dict[str, Any]:
+    """Keyword arguments for the embedded engine from the flags of `add_engine_arguments`."""
+    return {"dtype": None if args.dtype == "auto" else args.dtype, "quantize": args.quantize}
+
+
 def make_backend(
     model: str = "smollm2-135m",
     backend: str = "embedded",
@@ -71,7 +94,7 @@ def make_backend(
 
     try:
         return EmbeddedBackend.from_spec(model, **engine)
-    except ModelLoadError as exc:
+    except (ModelLoadError, BackendError) as exc:
         raise StackError(str(exc)) from exc
 
 

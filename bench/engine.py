@@ -5,6 +5,10 @@ at temperature 1 and generate exactly `--max-tokens` tokens per sequence (EOS ig
 prefill included. Run:
 
     python bench/engine.py --model smollm2-135m --threads 2 --batches 1 8 32
+
+Modes: HF `generate` in float32 (its default on CPU: the baseline) and bfloat16; the
+embedded engine in float32, bfloat16 (its default on CPUs with native bf16) and bfloat16
+with int8 decode weights (`--quantize int8`).
 """
 
 from __future__ import annotations
@@ -93,44 +97,83 @@ def embedded_generate(
     return asyncio.run(serve())
 
 
+@dataclass
+class Mode:
+    label: str
+    dtype: torch.dtype
+    quantize: str | None = None  # engine modes only
+    hf: bool = False
+
+
+MODES = {
+    "hf-fp32": Mode("hf-generate float32", torch.float32, hf=True),
+    "hf-bf16": Mode("hf-generate bfloat16", torch.bfloat16, hf=True),
+    "fp32": Mode("embedded float32", torch.float32),
+    "bf16": Mode("embedded bfloat16", torch.bfloat16),
+    "int8": Mode("embedded bf16 + int8", torch.bfloat16, quantize="int8"),
+}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default=None, help="default: float32 on CPU, bfloat16 on CUDA")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])
     parser.add_argument("--max-tokens", type=int, default=64)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--skip-hf", action="store_true", help="engine only (no baseline ratio)")
+    parser.add_argument(
+        "--modes",
+        nargs="+",
+        choices=list(MODES),
+        default=list(MODES),
+        help="hf-fp32 is the baseline every ratio is taken against (HF's default on CPU)",
+    )
     args = parser.parse_args()
 
     torch.set_num_threads(args.threads)
-    loaded = load_model(args.model, device=args.device, dtype=args.dtype)
-    backend = EmbeddedBackend(loaded, max_batch_size=max(args.batches))
-    embedded_generate(backend, prompts(2), 4)  # warm-up: allocate the cache, load kernels
-    title = f"{args.model} on {args.device} ({loaded.dtype}, {args.threads} threads, {args.max_tokens} new tokens)"
-    table = Table(title=title)
-    for column in ("mode", "batch", "tokens/s (median)", "vs HF generate", "tokens per CPU-s"):
-        table.add_column(column, justify="right")
+    models = {
+        dtype: load_model(args.model, device=args.device, dtype=dtype)
+        for dtype in {MODES[m].dtype for m in args.modes}
+    }
+    engines = {}
+    for name in args.modes:
+        mode = MODES[name]
+        if not mode.hf:
+            engines[name] = EmbeddedBackend(
+                models[mode.dtype], max_batch_size=max(args.batches), quantize=mode.quantize
+            )
+            embedded_generate(engines[name], prompts(2), 4)  # warm-up: cache, kernels
     console = Console()
+    title = (
+        f"{args.model} on {args.device}: aggregate tokens/s, {args.threads} threads, "
+        f"{args.max_tokens} new tokens per sequence, prefill included"
+    )
+    table = Table(title=title)
+    for column in ("mode", "batch", "tokens/s (median)", "vs HF fp32", "tokens per CPU-s"):
+        table.add_column(column, justify="right")
     for size in args.batches:
         batch = prompts(size)
-        hf_runs, our_runs = [], []
-        for _ in range(args.repeats):  # alternate, so that load from elsewhere hits both alike
-            if not args.skip_hf:
-                hf_runs.append(hf_generate(loaded, batch, args.max_tokens))
-            our_runs.append(embedded_generate(backend, batch, args.max_tokens))
-        ours = statistics.median(r.tokens / r.wall_s for r in our_runs)
-        ours_cpu = statistics.median(r.tokens / r.cpu_s for r in our_runs)
-        if hf_runs:
-            hf = statistics.median(r.tokens / r.wall_s for r in hf_runs)
-            hf_cpu = statistics.median(r.tokens / r.cpu_s for r in hf_runs)
-            table.add_row("hf-generate", str(size), f"{hf:.1f}", "1.00x", f"{hf_cpu:.1f}")
-        ratio = f"{ours / hf:.2f}x" if hf_runs else "-"
-        table.add_row("embedded", str(size), f"{ours:.1f}", ratio, f"{ours_cpu:.1f}")
+        runs: dict[str, list[Rate]] = {name: [] for name in args.modes}
+        for _ in range(args.repeats):  # interleaved, so load from elsewhere hits all alike
+            for name in args.modes:
+                mode = MODES[name]
+                rate = (
+                    hf_generate(models[mode.dtype], batch, args.max_tokens)
+                    if mode.hf
+                    else embedded_generate(engines[name], batch, args.max_tokens)
+                )
+                runs[name].append(rate)
+        medians = {n: statistics.median(r.tokens / r.wall_s for r in rs) for n, rs in runs.items()}
+        base = medians.get("hf-fp32")
+        for name in args.modes:
+            cpu = statistics.median(r.tokens / r.cpu_s for r in runs[name])
+            ratio = f"{medians[name] / base:.2f}x" if base else "-"
+            table.add_row(MODES[name].label, str(size), f"{medians[name]:.1f}", ratio, f"{cpu:.1f}")
+        table.add_section()
         console.print(f"batch {size} done", style="dim")
-    backend.shutdown()
+    for engine in engines.values():
+        engine.shutdown()
     console.print(table)
 
 

@@ -25,7 +25,8 @@ CHAT = [{"role": "user", "content": "Name three colours."}]
 
 @pytest.fixture(scope="module")
 def backend() -> Iterator[EmbeddedBackend]:
-    engine = EmbeddedBackend.from_spec("tiny", max_batch_size=16)
+    # float32: these tests compare log-probs with the transformers model to 1e-4.
+    engine = EmbeddedBackend.from_spec("tiny", max_batch_size=16, dtype="float32")
     yield engine
     engine.shutdown()
 
@@ -416,3 +417,21 @@ def test_in_place_base_weight_updates_are_served(backend: EmbeddedBackend) -> No
         with torch.no_grad():
             weight.copy_(original)
         backend.reset_prefix_cache()
+
+
+def test_bfloat16_int8_engine_samples_the_same_policy_closely() -> None:
+    engine = EmbeddedBackend.from_spec("tiny", max_batch_size=4, dtype="bfloat16", quantize="int8")
+    try:
+        generation = run(engine.generate(chat(max_tokens=12, seed=5, n=2)))
+        reference = load_model("tiny")  # float32
+        for completion in generation.completions:
+            assert len(completion.token_ids) == 12
+            assert engine.decode(completion.token_ids) == completion.text
+            expected = raw_logprobs(
+                reference.model, generation.prompt_token_ids, completion.token_ids
+            )
+            assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=0.05)
+    finally:
+        engine.shutdown()
+    with pytest.raises(BackendError, match="bfloat16"):
+        EmbeddedBackend.from_spec("tiny", dtype="float32", quantize="int8")

@@ -143,7 +143,7 @@ def test_unsupported_architecture_is_named() -> None:
 def test_smollm2_answers_coherently() -> None:
     from masenvs.adapters.backends.embedded import EmbeddedBackend
 
-    backend = EmbeddedBackend.from_spec("smollm2-135m")
+    backend = EmbeddedBackend.from_spec("smollm2-135m", dtype="float32")
     request = GenerateRequest(
         model="",
         params=SamplingParams(max_tokens=30, temperature=0.0),
@@ -164,3 +164,62 @@ def test_smollm2_answers_coherently() -> None:
         logits = backend.model(ids).logits[0, len(prompt) - 1 : -1].float()
     expected = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None])[:, 0]
     assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-3)
+
+
+def decode_after(forward: LlamaForward, prompts: list[torch.Tensor]) -> torch.Tensor:
+    """Prefill all but each prompt's last token, then decode the last tokens as one batch."""
+    forward.prefill([Prefill(slot, p[:-1]) for slot, p in enumerate(prompts)])
+    tokens = torch.stack([p[-1] for p in prompts])
+    positions = torch.tensor([len(p) - 1 for p in prompts])
+    return forward.decode(tokens, positions, None)
+
+
+def test_int8_decode_stays_within_rounding_of_the_dense_weights() -> None:
+    model = small_model("qwen2").to(torch.bfloat16)  # biases and an untied head
+    prompts = [torch.randint(0, 300, (n,)) for n in (9, 4, 13)]
+    dense = decode_after(LlamaForward(model, max_slots=3, max_len=128), prompts)
+    int8 = decode_after(LlamaForward(model, max_slots=3, max_len=128, quantize="int8"), prompts)
+    assert not torch.equal(dense, int8)  # the int8 weights are really read
+    gap = (dense.log_softmax(-1) - int8.log_softmax(-1)).abs().max()
+    assert gap < 0.02, gap
+
+
+def test_int8_weights_round_to_half_a_step_and_follow_in_place_updates() -> None:
+    from masenvs.adapters.backends.llama import _quantize_int8
+
+    weight = torch.randn(96, 64).to(torch.bfloat16)
+    q, scale = _quantize_int8(weight)
+    assert q.dtype == torch.int8 and scale.dtype == torch.bfloat16
+    error = (q.float() * scale.float()[:, None] - weight.float()).abs()
+    assert bool((error <= scale.float()[:, None] * 0.5 + 1e-6).all())
+
+    model = small_model("llama").to(torch.bfloat16)
+    prompts = [torch.randint(0, 300, (n,)) for n in (7, 5)]
+    forward = LlamaForward(model, max_slots=2, max_len=128, quantize="int8")
+    before = decode_after(forward, prompts)
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight.mul_(3.0)
+    after = decode_after(forward, prompts)
+    fresh = decode_after(LlamaForward(model, max_slots=2, max_len=128, quantize="int8"), prompts)
+    assert not torch.allclose(before, after)
+    assert torch.equal(after, fresh)
+
+
+def test_quantize_errors_name_the_fix() -> None:
+    with pytest.raises(ValueError, match="bfloat16"):
+        LlamaForward(small_model("llama"), max_slots=1, max_len=64, quantize="int8")
+    with pytest.raises(ValueError, match="'int8'"):
+        LlamaForward(small_model("llama").to(torch.bfloat16), 1, 64, quantize="int4")
+
+
+def test_engine_dtype_follows_the_cpu_flags(monkeypatch) -> None:
+    from masenvs.adapters import models
+
+    assert models.cpu_has_native_bf16("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
+    assert models.cpu_has_native_bf16("Features\t: fp asimd bf16 i8mm\n")  # Arm
+    assert not models.cpu_has_native_bf16("flags\t\t: fpu sse2 avx2 avx512f\n")
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
+    assert models.engine_dtype("cpu") == torch.bfloat16
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
+    assert models.engine_dtype("cpu") == torch.float32
+    assert models.engine_dtype("cuda") == torch.bfloat16

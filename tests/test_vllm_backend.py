@@ -38,7 +38,7 @@ HELLO = [{"role": "user", "content": "Say hello."}]
 
 @pytest.fixture(scope="module")
 def engine() -> Iterator[EmbeddedBackend]:
-    backend = EmbeddedBackend.from_spec("tiny", max_model_len=512)
+    backend = EmbeddedBackend.from_spec("tiny", max_model_len=512, dtype="float32")
     yield backend
     backend.shutdown()
 

@@ -103,6 +103,17 @@ class BackendConfig(_Section):
     max_batch_size: int = Field(
         32, ge=1, description="Embedded engine: sequences decoded together at most."
     )
+    dtype: Literal["auto", "float32", "bfloat16"] = Field(
+        "auto",
+        description="Embedded engine weights (the learner keeps model.dtype); 'auto' is "
+        "bfloat16 on GPUs and on CPUs with native bf16, float32 elsewhere. The learner "
+        "recomputes old log-probs itself, so the engine's precision only shifts the samples.",
+    )
+    quantize: Literal["int8"] | None = Field(
+        None,
+        description="Embedded engine on CPU: decode with weight-only int8 copies (needs "
+        "bfloat16). Faster at small batches; the samples come from a slightly rounded policy.",
+    )
 
 
 class AlgorithmConfig(_Section):

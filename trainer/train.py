@@ -217,7 +217,12 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     save_config(cfg, run_dir / "config.yaml")
 
     with console.status(f"starting the {cfg.backend.kind} backend"):
-        engine = {"max_batch_size": cfg.backend.max_batch_size, "device": str(learner.device)}
+        engine = {
+            "max_batch_size": cfg.backend.max_batch_size,
+            "device": str(learner.device),
+            "dtype": None if cfg.backend.dtype == "auto" else cfg.backend.dtype,
+            "quantize": cfg.backend.quantize,
+        }
         backend = make_backend(
             cfg.model.name,
             cfg.backend.kind,

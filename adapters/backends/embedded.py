@@ -41,7 +41,7 @@ from masenvs.adapters.backends.llama import (
     lora_scale,
 )
 from masenvs.adapters.backends.sampling import RowSampling, sample
-from masenvs.adapters.models import LoadedModel, load_model
+from masenvs.adapters.models import LoadedModel, engine_dtype, load_model
 
 BASE_NAMES = ("", "base")
 MAX_TOP_LOGPROBS = 20
@@ -130,6 +130,7 @@ class EmbeddedBackend:
         max_model_len: int | None = None,
         num_threads: int | None = None,
         prefix_cache_rows: int = 4,
+        quantize: str | None = None,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -141,9 +142,12 @@ class EmbeddedBackend:
         self.max_model_len = min(max_model_len or loaded.context_length, loaded.context_length)
         # Rows 0..max_batch_size-1 hold running sequences; the rows after them keep the
         # KV of recently finished sequences, so a prompt that extends one skips its prefill.
-        self.forward = LlamaForward(
-            self.model, max_batch_size + prefix_cache_rows, self.max_model_len
-        )
+        try:
+            self.forward = LlamaForward(
+                self.model, max_batch_size + prefix_cache_rows, self.max_model_len, quantize
+            )
+        except ValueError as exc:
+            raise BackendError(str(exc)) from exc
         self._prefix_rows = range(max_batch_size, max_batch_size + prefix_cache_rows)
         self._prefixes: dict[int, _Prefix] = {}  # cache row -> what it holds
         self.eos_token_ids = _eos_ids(loaded)
@@ -167,8 +171,8 @@ class EmbeddedBackend:
         dtype: torch.dtype | str | None = None,
         **kwargs: Any,
     ) -> EmbeddedBackend:
-        """Load `spec` (see `load_model`) and serve it."""
-        return cls(load_model(spec, device=device, dtype=dtype), **kwargs)
+        """Load `spec` (see `load_model`) and serve it; `dtype` None picks `engine_dtype`."""
+        return cls(load_model(spec, device=device, dtype=dtype or engine_dtype(device)), **kwargs)
 
     # ---- Backend protocol ----------------------------------------------------------------
 

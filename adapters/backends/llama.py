@@ -25,17 +25,21 @@ _LORA_KEY = re.compile(
 
 
 @dataclass
-class _Fused:
-    """Projections that read the same input, concatenated into one matmul.
+class _Projection:
+    """The weights one matmul reads: one nn.Linear, or several that share an input.
 
-    The concatenated copy is rebuilt when a source weight changes in place (its tensor
-    version moves), so a trainer updating the transformers model is seen at the next step.
+    Several sources (q/k/v, gate/up) are concatenated into one matrix. With `int8`, a
+    weight-only int8 copy (one scale per output row) serves the decode steps. Copies are
+    rebuilt when a source weight changes in place (its tensor version moves), so a trainer
+    updating the transformers model is seen at the next step.
     """
 
     sources: list[Any]  # nn.Linear modules, in output order
     parts: list[tuple[str, int, int]]  # (module name, first output column, end column)
+    int8: bool = False
     weight: Tensor | None = None
     bias: Tensor | None = None
+    packed: tuple[Tensor, Tensor] | None = None  # int8 weight [out, in], scales [out]
     stamp: tuple = ()
 
     def refresh(self) -> None:
@@ -43,10 +47,19 @@ class _Fused:
         if stamp == self.stamp:
             return
         with torch.no_grad():
-            self.weight = torch.cat([m.weight.detach() for m in self.sources])
+            weights = [m.weight.detach() for m in self.sources]
+            self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)
             biases = [m.bias for m in self.sources]
             self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
+            self.packed = _quantize_int8(self.weight) if self.int8 else None
         self.stamp = stamp
+
+    def __call__(self, x: Tensor, quantized: bool) -> Tensor:
+        self.refresh()
+        if quantized and self.packed is not None:
+            y = torch.ops.aten._weight_int8pack_mm(x, *self.packed)
+            return y if self.bias is None else y + self.bias
+        return F.linear(x, self.weight, self.bias)
 
 
 @dataclass
@@ -54,8 +67,10 @@ class _Layer:
     ln_attn: Tensor
     ln_mlp: Tensor
     linears: dict[str, Any]  # q_proj ... down_proj -> nn.Linear (weights read live)
-    qkv: _Fused
-    gate_up: _Fused
+    qkv: _Projection
+    o: _Projection
+    gate_up: _Projection
+    down: _Projection
     q_norm: Tensor | None
     k_norm: Tensor | None
 
@@ -127,13 +142,16 @@ def lora_from_state_dict(
 class LlamaForward:
     """Runs a Llama-family transformers model over a KV cache with `max_slots` rows."""
 
-    def __init__(self, model: Any, max_slots: int, max_len: int) -> None:
+    def __init__(
+        self, model: Any, max_slots: int, max_len: int, quantize: str | None = None
+    ) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
             raise ValueError(
                 f"The embedded engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models, not "
                 f"{config.model_type!r}; serve this model with the vllm backend."
             )
+        self.int8 = _check_quantize(quantize, model)
         inner = model.model
         self.config = config
         self.n_heads = config.num_attention_heads
@@ -141,7 +159,7 @@ class LlamaForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.eps = config.rms_norm_eps
         self.embed = inner.embed_tokens.weight
-        self.lm_head = model.lm_head
+        self.lm_head = _project({"lm_head": model.lm_head}, ("lm_head",), self.int8)
         self.norm = inner.norm.weight
         self.layers = []
         for layer in inner.layers:
@@ -159,8 +177,10 @@ class LlamaForward:
                     ln_attn=layer.input_layernorm.weight,
                     ln_mlp=layer.post_attention_layernorm.weight,
                     linears=linears,
-                    qkv=_fuse(linears, ("q_proj", "k_proj", "v_proj")),
-                    gate_up=_fuse(linears, ("gate_proj", "up_proj")),
+                    qkv=_project(linears, ("q_proj", "k_proj", "v_proj"), self.int8),
+                    o=_project(linears, ("o_proj",), self.int8),
+                    gate_up=_project(linears, ("gate_proj", "up_proj"), self.int8),
+                    down=_project(linears, ("down_proj",), self.int8),
                     q_norm=_weight(getattr(layer.self_attn, "q_norm", None)),
                     k_norm=_weight(getattr(layer.self_attn, "k_norm", None)),
                 )
@@ -257,7 +277,9 @@ class LlamaForward:
             return torch.matmul(weights, self.v_cache[index][:batch, :, :kv_len]).view(batch, -1)
 
         slots = torch.arange(batch, device=self.device)
-        return self._forward(tokens, positions, slots, attend, lora, slice(None))
+        return self._forward(
+            tokens, positions, slots, attend, lora, slice(None), quantized=self.int8
+        )
 
     def _prefill_packed(self, prompts: list[Prefill]) -> Tensor:
         lengths = [p.tokens.numel() for p in prompts]
@@ -332,8 +354,13 @@ class LlamaForward:
         lora: LoraRows | None,
         last: Tensor | slice,
         fresh_kv: bool = False,
+        quantized: bool = False,
     ) -> Tensor:
-        """Tokens [N] (flat, one per row of x) at `positions` [N] in cache `slots` [N]."""
+        """Tokens [N] (flat, one per row of x) at `positions` [N] in cache `slots` [N].
+
+        `quantized` reads the int8 weights (decode steps); prefill reads the dense ones,
+        where the int8 kernel would be slower than a dense matmul.
+        """
         n = tokens.numel()
         cos = self.cos[positions].unsqueeze(1)  # [N, 1, D]
         sin = self.sin[positions].unsqueeze(1)
@@ -341,7 +368,7 @@ class LlamaForward:
         hidden = x.shape[-1]
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (hidden,), layer.ln_attn, self.eps)
-            q, k, v = self._fused(h, layer.qkv, index, lora)
+            q, k, v = self._project(h, layer.qkv, index, lora, quantized)
             q = q.view(n, self.n_heads, self.head_dim)
             k = k.view(n, self.n_kv, self.head_dim)
             v = v.view(n, self.n_kv, self.head_dim)
@@ -353,30 +380,31 @@ class LlamaForward:
             self.k_cache[index][slots, :, positions] = k
             self.v_cache[index][slots, :, positions] = v
             attn = attend(q, index, k, v) if fresh_kv else attend(q, index)
-            x = x + self._linear(attn, layer, index, "o_proj", lora)
+            x = x + self._project(attn, layer.o, index, lora, quantized)[0]
             h = F.rms_norm(x, (hidden,), layer.ln_mlp, self.eps)
-            gate, up = self._fused(h, layer.gate_up, index, lora)
-            x = x + self._linear(F.silu(gate) * up, layer, index, "down_proj", lora)
+            gate, up = self._project(h, layer.gate_up, index, lora, quantized)
+            x = x + self._project(F.silu(gate) * up, layer.down, index, lora, quantized)[0]
         x = F.rms_norm(x[last], (hidden,), self.norm, self.eps)
-        return self.lm_head(x).float()
+        return self.lm_head(x, quantized).float()
 
-    def _fused(self, x: Tensor, fused: _Fused, index: int, lora: LoraRows | None) -> list[Tensor]:
-        """The outputs of the fused projections, each with its own LoRA delta."""
-        fused.refresh()
-        y = F.linear(x, fused.weight, fused.bias)
+    def _project(
+        self,
+        x: Tensor,
+        projection: _Projection,
+        index: int,
+        lora: LoraRows | None,
+        quantized: bool,
+    ) -> list[Tensor]:
+        """The outputs of the projection's modules, each with its own LoRA delta."""
+        y = projection(x, quantized)
+        if len(projection.parts) == 1:
+            if lora is not None:
+                _add_lora(y, x, index, projection.parts[0][0], lora)
+            return [y]
         if lora is not None:
-            for name, start, end in fused.parts:
+            for name, start, end in projection.parts:
                 _add_lora(y[:, start:end], x, index, name, lora)
-        return [y[:, start:end] for _, start, end in fused.parts]
-
-    def _linear(
-        self, x: Tensor, layer: _Layer, index: int, name: str, lora: LoraRows | None
-    ) -> Tensor:
-        linear = layer.linears[name]
-        y = F.linear(x, linear.weight, linear.bias)
-        if lora is not None:
-            _add_lora(y, x, index, name, lora)
-        return y
+        return [y[:, start:end] for _, start, end in projection.parts]
 
     def _rope_tables(self, rotary: Any, max_len: int) -> None:
         # Reuse the model's own inverse frequencies and scaling so every rope type matches.
@@ -425,13 +453,45 @@ def _add_lora(y: Tensor, x: Tensor, index: int, name: str, lora: LoraRows) -> No
             y[rows] = y[rows] + F.linear(F.linear(x[rows], a), b)
 
 
-def _fuse(linears: dict[str, Any], names: tuple[str, ...]) -> _Fused:
+def _project(linears: dict[str, Any], names: tuple[str, ...], int8: bool) -> _Projection:
     parts, start = [], 0
     for name in names:
         end = start + linears[name].weight.shape[0]
         parts.append((name, start, end))
         start = end
-    return _Fused([linears[name] for name in names], parts)
+    return _Projection([linears[name] for name in names], parts, int8)
+
+
+def _check_quantize(quantize: str | None, model: Any) -> bool:
+    """Whether decode steps read int8 weights; a clear error where they cannot."""
+    if quantize is None:
+        return False
+    if quantize != "int8":
+        raise ValueError(f"Unknown quantize {quantize!r}; the embedded engine offers 'int8'.")
+    weight = model.lm_head.weight
+    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        raise ValueError(
+            "quantize='int8' runs on the CPU with bfloat16 weights (its kernel is slower than a "
+            f"dense matmul otherwise); this model is {weight.dtype} on {weight.device.type}."
+        )
+    return True
+
+
+def _quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Symmetric per-output-row int8: weight ~ q * scale, |q| <= 127.
+
+    The kernel takes the scales in the weights' dtype, so each scale is rounded up to that
+    dtype first and the rows are quantized against the rounded scale: the only error left
+    is int8 rounding, at most half a step per weight.
+    """
+    w = weight.float()
+    exact = w.abs().amax(dim=1).clamp_min(1e-12) / 127.0
+    scale = exact.to(weight.dtype)
+    scale = torch.where(
+        scale.float() < exact, torch.nextafter(scale, torch.full_like(scale, float("inf"))), scale
+    )
+    q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
+    return q, scale
 
 
 def _weight(module: Any) -> Tensor | None:
