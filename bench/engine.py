@@ -106,11 +106,11 @@ class Mode:
 
 
 MODES = {
-    "hf-fp32": Mode("hf-generate float32", torch.float32, hf=True),
-    "hf-bf16": Mode("hf-generate bfloat16", torch.bfloat16, hf=True),
-    "fp32": Mode("embedded float32", torch.float32),
-    "bf16": Mode("embedded bfloat16", torch.bfloat16),
-    "int8": Mode("embedded bf16 + int8", torch.bfloat16, quantize="int8"),
+    "hf-fp32": Mode("HF fp32", torch.float32, hf=True),
+    "hf-bf16": Mode("HF bf16", torch.bfloat16, hf=True),
+    "fp32": Mode("engine fp32", torch.float32),
+    "bf16": Mode("engine bf16", torch.bfloat16),
+    "int8": Mode("engine int8", torch.bfloat16, quantize="int8"),
 }
 
 

@@ -435,3 +435,24 @@ def test_bfloat16_int8_engine_samples_the_same_policy_closely() -> None:
         engine.shutdown()
     with pytest.raises(BackendError, match="bfloat16"):
         EmbeddedBackend.from_spec("tiny", dtype="float32", quantize="int8")
+
+
+def test_thread_local_thread_count_leaves_other_threads_alone() -> None:
+    import threading
+
+    from masenvs.adapters.backends.omp import set_thread_local_threads
+
+    before = torch.get_num_threads()
+    seen: list[tuple[bool, int]] = []
+
+    def engine_like() -> None:
+        changed = set_thread_local_threads(1)
+        seen.append((changed, torch.get_num_threads()))
+
+    worker = threading.Thread(target=engine_like)
+    worker.start()
+    worker.join()
+    changed, count = seen[0]
+    assert torch.get_num_threads() == before  # the calling thread keeps its count
+    if "OpenMP" in torch.__config__.parallel_info():  # Linux wheels are OpenMP builds
+        assert changed and count == 1

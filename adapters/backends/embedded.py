@@ -40,6 +40,7 @@ from masenvs.adapters.backends.llama import (
     lora_from_state_dict,
     lora_scale,
 )
+from masenvs.adapters.backends.omp import set_thread_local_threads
 from masenvs.adapters.backends.sampling import RowSampling, sample
 from masenvs.adapters.models import LoadedModel, engine_dtype, load_model
 
@@ -47,6 +48,7 @@ BASE_NAMES = ("", "base")
 MAX_TOP_LOGPROBS = 20
 MIN_PREFIX_HIT = 16  # shorter shared prefixes are cheaper to recompute than to copy
 PREFILL_TOKENS = 2048  # prompt tokens per prefill pass; bounds the attention mask
+SINGLE_THREAD_ROWS = 4  # decode steps of at most this many rows run on one thread (see omp)
 
 
 @dataclass(eq=False)
@@ -131,9 +133,12 @@ class EmbeddedBackend:
         num_threads: int | None = None,
         prefix_cache_rows: int = 4,
         quantize: str | None = None,
+        single_thread_rows: int = SINGLE_THREAD_ROWS,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
+        self.num_threads = torch.get_num_threads()
+        self.single_thread_rows = single_thread_rows
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
@@ -403,6 +408,7 @@ class EmbeddedBackend:
     # ---- engine thread ---------------------------------------------------------------------
 
     def _loop(self) -> None:
+        threads = self.num_threads
         while True:
             with self._wakeup:
                 while not (self._closed or self._waiting or self._updates or self._running):
@@ -419,8 +425,11 @@ class EmbeddedBackend:
                 finally:
                     update.done.set()
             try:
+                threads = self._use_threads(self.num_threads, threads)
                 self._admit()
                 if self._running:
+                    small = len(self._running) <= self.single_thread_rows
+                    threads = self._use_threads(1 if small else self.num_threads, threads)
                     self._step()
             except Exception as exc:  # a bug or OOM: fail what is running, keep serving
                 error = BackendError(f"The embedded engine failed: {exc!r}", 500, "engine_error")
@@ -428,6 +437,13 @@ class EmbeddedBackend:
                     _send(seq.request, error)
                 self._running.clear()
         self._fail_all(BackendError("The embedded engine is shut down.", 503, "engine_closed"))
+
+    @staticmethod
+    def _use_threads(wanted: int, current: int) -> int:
+        """Set this thread's OpenMP thread count (see `omp`); the count now in force."""
+        if wanted == current or not set_thread_local_threads(wanted):
+            return current
+        return wanted
 
     def _fail_all(self, error: BackendError) -> None:
         with self._wakeup:
