@@ -78,6 +78,28 @@ def hf_generate(loaded, batch: list[list[dict[str, str]]], max_tokens: int) -> R
     return Rate(len(batch) * max_tokens, elapsed, cpu)
 
 
+def logprob_gaps(
+    backend: EmbeddedBackend, reference, batch: list[list[dict[str, str]]], max_tokens: int
+) -> torch.Tensor:
+    """|reported - float32 reference| log-probability of every sampled token."""
+    params = SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=0, ignore_eos=True)
+
+    async def serve():
+        return await asyncio.gather(
+            *(backend.generate(GenerateRequest(model="", params=params, messages=m)) for m in batch)
+        )
+
+    gaps = []
+    for generation in asyncio.run(serve()):
+        prompt, completion = generation.prompt_token_ids, generation.completions[0]
+        ids = torch.tensor([prompt + completion.token_ids])
+        with torch.inference_mode():
+            logits = reference.model(ids).logits[0, len(prompt) - 1 : -1].float()
+        expected = torch.log_softmax(logits, -1).gather(1, ids[0, len(prompt) :, None])[:, 0]
+        gaps.append((torch.tensor(completion.logprobs) - expected).abs())
+    return torch.cat(gaps)
+
+
 def embedded_generate(
     backend: EmbeddedBackend, batch: list[list[dict[str, str]]], max_tokens: int
 ) -> float:
@@ -172,9 +194,19 @@ def main() -> None:
             table.add_row(MODES[name].label, str(size), f"{medians[name]:.1f}", ratio, f"{cpu:.1f}")
         table.add_section()
         console.print(f"batch {size} done", style="dim")
-    for engine in engines.values():
-        engine.shutdown()
     console.print(table)
+
+    reference = models.get(torch.float32) or load_model(args.model, device=args.device)
+    fidelity = Table(title="sampled tokens' log-probs vs a float32 forward pass (|difference|)")
+    for column in ("mode", "mean", "p99", "max"):
+        fidelity.add_column(column, justify="right")
+    for name, engine in engines.items():
+        gaps = logprob_gaps(engine, reference, prompts(8), args.max_tokens)
+        fidelity.add_row(
+            MODES[name].label, *(f"{v:.4f}" for v in (gaps.mean(), gaps.quantile(0.99), gaps.max()))
+        )
+        engine.shutdown()
+    console.print(fidelity)
 
 
 if __name__ == "__main__":

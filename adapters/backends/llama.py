@@ -470,9 +470,11 @@ def _check_quantize(quantize: str | None, model: Any) -> bool:
         raise ValueError(f"Unknown quantize {quantize!r}; the embedded engine offers 'int8'.")
     weight = model.lm_head.weight
     if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
+        dtype = str(weight.dtype).removeprefix("torch.")
         raise ValueError(
-            "quantize='int8' runs on the CPU with bfloat16 weights (its kernel is slower than a "
-            f"dense matmul otherwise); this model is {weight.dtype} on {weight.device.type}."
+            "quantize='int8' needs bfloat16 weights on the CPU (elsewhere its kernel is slower "
+            f"than a dense matmul); this model is {dtype} on {weight.device.type}: load it "
+            "with dtype='bfloat16' (--dtype bfloat16)."
         )
     return True
 
