@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
 import statistics
 import time
 from dataclasses import dataclass
@@ -136,6 +137,68 @@ MODES = {
 }
 
 
+class Worker:
+    """One mode in its own process, so that no two modes share OpenMP thread pools (see
+    adapters/backends/omp.py) or allocator state; the parent only sends work and reads."""
+
+    def __init__(self, name: str, args: argparse.Namespace) -> None:
+        context = multiprocessing.get_context("spawn")
+        self.pipe, child = context.Pipe()
+        self.process = context.Process(target=_serve_mode, args=(name, vars(args), child))
+        self.process.start()
+        self._reply()  # loaded and warmed up
+
+    def run(self, size: int, max_tokens: int) -> Rate:
+        self.pipe.send(("rate", size, max_tokens))
+        return self._reply()
+
+    def gaps(self, max_tokens: int) -> torch.Tensor:
+        self.pipe.send(("gaps", 8, max_tokens))
+        return self._reply()
+
+    def close(self) -> None:
+        self.pipe.send(None)
+        self.process.join()
+
+    def _reply(self):
+        reply = self.pipe.recv()
+        if isinstance(reply, BaseException):
+            raise reply
+        return reply
+
+
+def _serve_mode(name: str, options: dict, pipe) -> None:
+    try:
+        args = argparse.Namespace(**options)
+        torch.set_num_threads(args.threads)
+        mode = MODES[name]
+        loaded = load_model(args.model, device=args.device, dtype=mode.dtype)
+        engine = None
+        if not mode.hf:
+            engine = EmbeddedBackend(
+                loaded, max_batch_size=max(args.batches), quantize=mode.quantize
+            )
+            embedded_generate(engine, prompts(2), 4)  # warm-up: cache, kernels
+        else:
+            hf_generate(loaded, prompts(1), 2)
+        pipe.send("ready")
+        reference = None
+        while (job := pipe.recv()) is not None:
+            kind, size, max_tokens = job
+            if kind == "rate" and engine is None:
+                pipe.send(hf_generate(loaded, prompts(size), max_tokens))
+            elif kind == "rate":
+                pipe.send(embedded_generate(engine, prompts(size), max_tokens))
+            else:
+                if reference is None:
+                    reference = load_model(args.model, device=args.device, dtype=torch.float32)
+                pipe.send(logprob_gaps(engine, reference, prompts(size), max_tokens))
+        if engine is not None:
+            engine.shutdown()
+    except BaseException as exc:  # shown by the parent
+        pipe.send(RuntimeError(f"{name}: {exc!r}"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="smollm2-135m")
@@ -153,20 +216,9 @@ def main() -> None:
     )
     args = parser.parse_args()
 
-    torch.set_num_threads(args.threads)
-    models = {
-        dtype: load_model(args.model, device=args.device, dtype=dtype)
-        for dtype in {MODES[m].dtype for m in args.modes}
-    }
-    engines = {}
-    for name in args.modes:
-        mode = MODES[name]
-        if not mode.hf:
-            engines[name] = EmbeddedBackend(
-                models[mode.dtype], max_batch_size=max(args.batches), quantize=mode.quantize
-            )
-            embedded_generate(engines[name], prompts(2), 4)  # warm-up: cache, kernels
     console = Console()
+    load_model(args.model)  # convert and cache once, before the workers load it
+    workers = {name: Worker(name, args) for name in args.modes}
     title = (
         f"{args.model} on {args.device}: aggregate tokens/s, {args.threads} threads, "
         f"{args.max_tokens} new tokens per sequence, prefill included"
@@ -175,17 +227,10 @@ def main() -> None:
     for column in ("mode", "batch", "tokens/s (median)", "vs HF fp32", "tokens per CPU-s"):
         table.add_column(column, justify="right")
     for size in args.batches:
-        batch = prompts(size)
         runs: dict[str, list[Rate]] = {name: [] for name in args.modes}
         for _ in range(args.repeats):  # interleaved, so load from elsewhere hits all alike
-            for name in args.modes:
-                mode = MODES[name]
-                rate = (
-                    hf_generate(models[mode.dtype], batch, args.max_tokens)
-                    if mode.hf
-                    else embedded_generate(engines[name], batch, args.max_tokens)
-                )
-                runs[name].append(rate)
+            for name, worker in workers.items():
+                runs[name].append(worker.run(size, args.max_tokens))
         medians = {n: statistics.median(r.tokens / r.wall_s for r in rs) for n, rs in runs.items()}
         base = medians.get("hf-fp32")
         for name in args.modes:
@@ -196,16 +241,15 @@ def main() -> None:
         console.print(f"batch {size} done", style="dim")
     console.print(table)
 
-    reference = models.get(torch.float32) or load_model(args.model, device=args.device)
     fidelity = Table(title="sampled tokens' log-probs vs a float32 forward pass (|difference|)")
     for column in ("mode", "mean", "p99", "max"):
         fidelity.add_column(column, justify="right")
-    for name, engine in engines.items():
-        gaps = logprob_gaps(engine, reference, prompts(8), args.max_tokens)
-        fidelity.add_row(
-            MODES[name].label, *(f"{v:.4f}" for v in (gaps.mean(), gaps.quantile(0.99), gaps.max()))
-        )
-        engine.shutdown()
+    for name, worker in workers.items():
+        if not MODES[name].hf:
+            gaps = worker.gaps(args.max_tokens)
+            values = (gaps.mean(), gaps.quantile(0.99), gaps.max())
+            fidelity.add_row(MODES[name].label, *(f"{v:.4f}" for v in values))
+        worker.close()
     console.print(fidelity)
 
 

@@ -60,8 +60,10 @@ def main(argv: list[str]) -> int:
         return 2
     if result.validation:
         first, last = result.validation[0], result.validation[-1]
-        console.print(
-            f"validation success {first['val/success']:.0%} (step {first['step']}) -> "
-            f"{last['val/success']:.0%} (step {last['step']})"
-        )
+        console.print(f"validation, step {first['step']} -> step {last['step']}:")
+        console.print(f"  success {first['val/success']:.0%} -> {last['val/success']:.0%}")
+        for key in sorted(k for k in first if k.startswith("val/reward/") and k in last):
+            console.print(
+                f"  reward {key.removeprefix('val/reward/')} {first[key]:.3f} -> {last[key]:.3f}"
+            )
     return 0
