@@ -25,3 +25,13 @@ def test_readme_has_exactly_two_setup_commands() -> None:
 def test_ci_runs_the_readme_test_command() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     assert readme_commands()[1] in ci
+
+
+def test_checkpoints_the_readme_serves_exist_after_the_quickstart() -> None:
+    from masenvs.trainer.config import load_config
+
+    cfg = load_config(ROOT / "examples" / "quickstart.yaml")
+    text = (ROOT / "README.md").read_text()
+    named = {int(step) for step in re.findall(r"runs/quickstart/checkpoints/step_(\d+)", text)}
+    written = set(range(cfg.checkpoint.every, cfg.steps + 1, cfg.checkpoint.every)) | {cfg.steps}
+    assert named and named <= written, (named, written)
