@@ -172,15 +172,19 @@ def _serve_mode(name: str, options: dict, pipe) -> None:
         args = argparse.Namespace(**options)
         torch.set_num_threads(args.threads)
         mode = MODES[name]
-        loaded = load_model(args.model, device=args.device, dtype=mode.dtype)
-        engine = None
-        if not mode.hf:
-            engine = EmbeddedBackend(
-                loaded, max_batch_size=max(args.batches), quantize=mode.quantize
+        engine = loaded = None
+        if mode.hf:
+            loaded = load_model(args.model, device=args.device, dtype=mode.dtype)
+            hf_generate(loaded, prompts(1), 2)
+        else:  # as `masenvs serve` and `masenvs rollout` start it
+            engine = EmbeddedBackend.from_spec(
+                args.model,
+                device=args.device,
+                dtype=mode.dtype,
+                max_batch_size=max(args.batches),
+                quantize=mode.quantize,
             )
             embedded_generate(engine, prompts(2), 4)  # warm-up: cache, kernels
-        else:
-            hf_generate(loaded, prompts(1), 2)
         pipe.send("ready")
         reference = None
         while (job := pipe.recv()) is not None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -438,8 +439,6 @@ def test_bfloat16_int8_engine_samples_the_same_policy_closely() -> None:
 
 
 def test_thread_local_thread_count_leaves_other_threads_alone() -> None:
-    import threading
-
     from masenvs.adapters.backends.omp import set_thread_local_threads
 
     before = torch.get_num_threads()
@@ -456,3 +455,29 @@ def test_thread_local_thread_count_leaves_other_threads_alone() -> None:
     assert torch.get_num_threads() == before  # the calling thread keeps its count
     if "OpenMP" in torch.__config__.parallel_info():  # Linux wheels are OpenMP builds
         assert changed and count == 1
+
+
+def test_loading_off_thread_returns_or_raises_like_a_call() -> None:
+    from masenvs.adapters.backends.omp import run_off_thread, wakeups_are_costly
+
+    caller = threading.get_ident()
+    assert run_off_thread(threading.get_ident) != caller
+    with pytest.raises(KeyError, match="missing"):
+        run_off_thread(lambda: {}["missing"])
+    assert isinstance(wakeups_are_costly(2, repeats=5), bool)
+    assert torch.get_num_threads() >= 1
+
+
+def test_engine_decides_its_small_batch_threads_on_its_own_thread() -> None:
+    engine = EmbeddedBackend.from_spec("tiny", max_batch_size=4)
+    try:
+        run(engine.generate(chat(max_tokens=2)))  # the engine thread has started and measured
+        assert engine.single_thread_rows in (0, 4)
+    finally:
+        engine.shutdown()
+    pinned = EmbeddedBackend.from_spec("tiny", max_batch_size=4, single_thread_rows=2)
+    try:
+        run(pinned.generate(chat(max_tokens=2)))
+        assert pinned.single_thread_rows == 2
+    finally:
+        pinned.shutdown()

@@ -40,7 +40,11 @@ from masenvs.adapters.backends.llama import (
     lora_from_state_dict,
     lora_scale,
 )
-from masenvs.adapters.backends.omp import set_thread_local_threads
+from masenvs.adapters.backends.omp import (
+    run_off_thread,
+    set_thread_local_threads,
+    wakeups_are_costly,
+)
 from masenvs.adapters.backends.sampling import RowSampling, sample
 from masenvs.adapters.models import LoadedModel, engine_dtype, load_model
 
@@ -48,7 +52,7 @@ BASE_NAMES = ("", "base")
 MAX_TOP_LOGPROBS = 20
 MIN_PREFIX_HIT = 16  # shorter shared prefixes are cheaper to recompute than to copy
 PREFILL_TOKENS = 2048  # prompt tokens per prefill pass; bounds the attention mask
-SINGLE_THREAD_ROWS = 4  # decode steps of at most this many rows run on one thread (see omp)
+SINGLE_THREAD_ROWS = 4  # decode steps this small run on one thread where wake-ups are costly
 
 
 @dataclass(eq=False)
@@ -133,11 +137,12 @@ class EmbeddedBackend:
         num_threads: int | None = None,
         prefix_cache_rows: int = 4,
         quantize: str | None = None,
-        single_thread_rows: int = SINGLE_THREAD_ROWS,
+        single_thread_rows: int | None = None,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
         self.num_threads = torch.get_num_threads()
+        # None: measured on the engine thread when it starts (see `_loop`).
         self.single_thread_rows = single_thread_rows
         self.loaded = loaded
         self.model = loaded.model
@@ -176,8 +181,17 @@ class EmbeddedBackend:
         dtype: torch.dtype | str | None = None,
         **kwargs: Any,
     ) -> EmbeddedBackend:
-        """Load `spec` (see `load_model`) and serve it; `dtype` None picks `engine_dtype`."""
-        return cls(load_model(spec, device=device, dtype=dtype or engine_dtype(device)), **kwargs)
+        """Load `spec` (see `load_model`) and serve it; `dtype` None picks `engine_dtype`.
+
+        Loading runs on a short-lived thread: the calling thread then never starts an
+        OpenMP pool of its own, so the engine thread's pool can be the process's only one
+        (see `omp`), which makes every decode step cheaper.
+        """
+        return run_off_thread(
+            lambda: cls(
+                load_model(spec, device=device, dtype=dtype or engine_dtype(device)), **kwargs
+            )
+        )
 
     # ---- Backend protocol ----------------------------------------------------------------
 
@@ -409,6 +423,9 @@ class EmbeddedBackend:
 
     def _loop(self) -> None:
         threads = self.num_threads
+        if self.single_thread_rows is None:
+            costly = self.num_threads > 1 and wakeups_are_costly(self.num_threads)
+            self.single_thread_rows = SINGLE_THREAD_ROWS if costly else 0
         while True:
             with self._wakeup:
                 while not (self._closed or self._waiting or self._updates or self._running):
