@@ -92,7 +92,7 @@ def run_off_thread(build: Callable[[], T]) -> T:
         except BaseException as exc:  # re-raised on the calling thread
             box["error"] = exc
 
-    thread = threading.Thread(target=target, name="masenvs-load")
+    thread = threading.Thread(target=target, name="masenvs-load", daemon=True)  # Ctrl-C exits
     thread.start()
     thread.join()
     if "error" in box:
