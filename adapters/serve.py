@@ -14,7 +14,7 @@ import socket
 import sys
 from typing import Any
 
-from masenvs.adapters.stack import add_engine_arguments, engine_options
+from masenvs.adapters.stack import StackError, add_engine_arguments, engine_options, make_backend
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -142,13 +142,9 @@ def _make_backend(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[A
             asyncio.run(backend.load_adapter(name, path))
         return backend, launched
 
-    from masenvs.adapters.backends.base import BackendError
-    from masenvs.adapters.backends.embedded import EmbeddedBackend
-    from masenvs.adapters.models import ModelLoadError
-
     try:
-        backend = EmbeddedBackend.from_spec(args.model, device=args.device, **engine_options(args))
-    except (ModelLoadError, BackendError) as exc:
+        backend = make_backend(args.model, device=args.device, **engine_options(args))
+    except StackError as exc:
         raise ValueError(str(exc)) from exc
     for name, path in adapters.items():
         asyncio.run(backend.load_adapter(name, path))

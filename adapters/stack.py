@@ -72,7 +72,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for the embedded engine from the flags of `add_engine_arguments`."""
-    return {"dtype": None if args.dtype == "auto" else args.dtype, "quantize": args.quantize}
+    return {"dtype": args.dtype, "quantize": args.quantize}
 
 
 def make_backend(

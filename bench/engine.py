@@ -103,7 +103,7 @@ def logprob_gaps(
 
 def embedded_generate(
     backend: EmbeddedBackend, batch: list[list[dict[str, str]]], max_tokens: int
-) -> float:
+) -> Rate:
     """Tokens/s of the engine serving the batch as concurrent requests."""
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
 

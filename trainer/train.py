@@ -220,7 +220,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
         engine = {
             "max_batch_size": cfg.backend.max_batch_size,
             "device": str(learner.device),
-            "dtype": None if cfg.backend.dtype == "auto" else cfg.backend.dtype,
+            "dtype": cfg.backend.dtype,
             "quantize": cfg.backend.quantize,
         }
         backend = make_backend(

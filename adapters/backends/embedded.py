@@ -181,7 +181,8 @@ class EmbeddedBackend:
         dtype: torch.dtype | str | None = None,
         **kwargs: Any,
     ) -> EmbeddedBackend:
-        """Load `spec` (see `load_model`) and serve it; `dtype` None picks `engine_dtype`.
+        """Load `spec` (see `load_model`) and serve it; `dtype` None or "auto" picks
+        `engine_dtype`.
 
         Loading runs on a short-lived thread: the calling thread then never starts an
         OpenMP pool of its own, so the engine thread's pool can be the process's only one
@@ -189,7 +190,12 @@ class EmbeddedBackend:
         """
         return run_off_thread(
             lambda: cls(
-                load_model(spec, device=device, dtype=dtype or engine_dtype(device)), **kwargs
+                load_model(
+                    spec,
+                    device=device,
+                    dtype=engine_dtype(device) if dtype in (None, "auto") else dtype,
+                ),
+                **kwargs,
             )
         )
 
