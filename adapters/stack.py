@@ -64,9 +64,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--quantize",
-        choices=["int8"],
-        help="embedded engine on CPU: decode steps read weight-only int8 copies (needs "
-        "bfloat16); faster at small batches, logits within int8 rounding of the dense model",
+        choices=["auto", "int4", "int8", "none"],
+        default="auto",
+        help="embedded engine on CPU in bfloat16: decode batches of up to 16 read weight-only "
+        "copies; auto: int4 for weights that already are 4-bit (SmolLM2's GGUF: lossless), "
+        "int4/int8: every matrix (lossy), none: dense",
     )
 
 

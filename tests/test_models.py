@@ -131,6 +131,20 @@ def test_chunked_prefill_continues_a_cached_prefix() -> None:
     assert torch.allclose(logits[0], expected[-1], atol=1e-4)
 
 
+def test_continued_and_fresh_prompts_prefill_together() -> None:
+    model = small_model("qwen3")
+    forward = LlamaForward(model, max_slots=3, max_len=128)
+    first, second = torch.randint(0, 300, (30,)), torch.randint(0, 300, (11,))
+    with torch.no_grad():
+        expected = [model(p[None]).logits[0, -1] for p in (first, second)]
+    forward.prefill([Prefill(0, first[:18])])
+    forward.copy_slot(0, 2, 18)
+    # One pass: slot 2 continues the copied prefix, slot 1 starts from nothing.
+    logits = forward.prefill([Prefill(2, first[18:], start=18), Prefill(1, second)])
+    assert torch.allclose(logits[0], expected[0], atol=1e-4)
+    assert torch.allclose(logits[1], expected[1], atol=1e-4)
+
+
 def test_unsupported_architecture_is_named() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
@@ -205,11 +219,55 @@ def test_int8_weights_round_to_half_a_step_and_follow_in_place_updates() -> None
     assert torch.equal(after, fresh)
 
 
+def on_4bit_grid(model: torch.nn.Module) -> torch.nn.Module:
+    """Give every projection weights as a Q4_1 GGUF file stores them: per group of 32 inputs,
+    16 evenly spaced levels from the group's lowest weight to its highest."""
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if name.endswith("_proj"):
+                out_features, in_features = module.weight.shape
+                groups = (out_features, in_features // 32, 1)
+                step, low = torch.rand(groups) * 0.01 + 0.002, torch.randn(groups) * 0.02 - 0.06
+                levels = torch.randint(0, 16, (out_features, in_features // 32, 32))
+                levels[..., 0], levels[..., 1] = 0, 15  # the quantizer maps min to 0, max to 15
+                module.weight.copy_((low + step * levels).view(out_features, in_features))
+    return model
+
+
+def test_auto_quantize_reads_4bit_weights_in_int4_and_loses_nothing() -> None:
+    model = on_4bit_grid(small_model("qwen2").to(torch.bfloat16))
+    prompts = [torch.randint(0, 300, (n,)) for n in (9, 4, 13)]
+    dense = decode_after(LlamaForward(model, max_slots=3, max_len=128), prompts)
+    forward = LlamaForward(model, max_slots=3, max_len=128, quantize="auto")
+    int4 = decode_after(forward, prompts)
+    projections = [
+        p for layer in forward.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
+    ]
+    assert all(p.packed is not None and p.packed.bits == 4 for p in projections)
+    assert forward.lm_head.packed is None  # random 16-bit weights stay dense
+    assert not torch.equal(dense, int4)  # the int4 kernel really ran
+    gap = (dense.log_softmax(-1) - int4.log_softmax(-1)).abs().max()
+    assert gap < 0.01, gap
+
+
+def test_auto_quantize_leaves_16bit_weights_dense_and_int4_forces_them() -> None:
+    model = small_model("llama").to(torch.bfloat16)
+    auto = LlamaForward(model, max_slots=1, max_len=64, quantize="auto")
+    forced = LlamaForward(model, max_slots=1, max_len=64, quantize="int4")
+    for forward in (auto, forced):
+        decode_after(forward, [torch.randint(0, 300, (5,))])
+    assert all(p.packed is None for layer in auto.layers for p in (layer.qkv, layer.down))
+    assert all(p.packed.bits == 4 for layer in forced.layers for p in (layer.qkv, layer.down))
+    # "auto" on float32 weights is simply dense: the kernels pay off in bfloat16 only.
+    assert LlamaForward(small_model("llama"), 1, 64, quantize="auto").quantize is None
+
+
 def test_quantize_errors_name_the_fix() -> None:
-    with pytest.raises(ValueError, match="bfloat16"):
-        LlamaForward(small_model("llama"), max_slots=1, max_len=64, quantize="int8")
-    with pytest.raises(ValueError, match="'int8'"):
-        LlamaForward(small_model("llama").to(torch.bfloat16), 1, 64, quantize="int4")
+    for mode in ("int8", "int4"):
+        with pytest.raises(ValueError, match="bfloat16"):
+            LlamaForward(small_model("llama"), max_slots=1, max_len=64, quantize=mode)
+    with pytest.raises(ValueError, match="auto, int4, int8"):
+        LlamaForward(small_model("llama").to(torch.bfloat16), 1, 64, quantize="int3")
 
 
 def test_engine_dtype_follows_the_cpu_flags(monkeypatch) -> None:

@@ -109,10 +109,12 @@ class BackendConfig(_Section):
         "bfloat16 on GPUs and on CPUs with native bf16, float32 elsewhere. The learner "
         "recomputes old log-probs itself, so the engine's precision only shifts the samples.",
     )
-    quantize: Literal["int8"] | None = Field(
-        None,
-        description="Embedded engine on CPU: decode with weight-only int8 copies (needs "
-        "bfloat16). Faster at small batches; the samples come from a slightly rounded policy.",
+    quantize: Literal["auto", "int4", "int8", "none"] = Field(
+        "auto",
+        description="Embedded engine on CPU in bfloat16: decode batches of up to 16 rows "
+        "read weight-only copies. 'auto' packs weights that already are 4-bit (SmolLM2's "
+        "GGUF) into int4, losing nothing; 'int4'/'int8' pack every matrix (the samples come "
+        "from a slightly rounded policy); 'none' stays dense.",
     )
 
 

@@ -136,7 +136,7 @@ class EmbeddedBackend:
         max_model_len: int | None = None,
         num_threads: int | None = None,
         prefix_cache_rows: int = 4,
-        quantize: str | None = None,
+        quantize: str | None = "auto",
         single_thread_rows: int | None = None,
     ) -> None:
         if num_threads is not None:
@@ -596,12 +596,10 @@ class EmbeddedBackend:
         return Prefill(row, torch.tensor(prompt[best:], dtype=torch.long), best, job.adapter)
 
     def _run_prefills(self, prefills: list[Prefill]) -> Tensor:
-        """Logits after each prompt [n, V]: fresh short prompts packed into one pass, the rest
-        (long prompts, continued prefixes) in chunks of PREFILL_TOKENS."""
+        """Logits after each prompt [n, V]: prompts up to PREFILL_TOKENS long packed into one
+        pass, longer ones in chunks of PREFILL_TOKENS."""
         logits: list[Tensor | None] = [None] * len(prefills)
-        packed = [
-            i for i, p in enumerate(prefills) if p.start == 0 and p.tokens.numel() <= PREFILL_TOKENS
-        ]
+        packed = [i for i, p in enumerate(prefills) if p.tokens.numel() <= PREFILL_TOKENS]
         if packed:
             rows = self.forward.prefill([prefills[i] for i in packed])
             for row, i in enumerate(packed):

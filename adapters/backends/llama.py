@@ -19,6 +19,16 @@ import torch.nn.functional as F
 from torch import Tensor
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+# Weight-only quantization of the decode steps' matmuls (CPU, bfloat16 activations):
+#   "auto": int4 for the matrices whose weights already are 4-bit (a GGUF Q4_1 file such
+#           as SmolLM2's: 16 levels per group of 32), so nothing is lost; others dense.
+#   "int4": every matrix to 4 bits per group of 32 inputs (lossy for 16-bit weights).
+#   "int8": every matrix to 8 bits with one scale per output row (lossy).
+QUANTIZE_MODES = ("auto", "int4", "int8")
+INT4_GROUP = 32
+# Decode batches above this many rows read the dense weights: there the weight-only
+# kernels, which dequantize per row block, cost more than the memory they save.
+QUANTIZED_MAX_ROWS = 16
 _LORA_KEY = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
@@ -28,18 +38,18 @@ _LORA_KEY = re.compile(
 class _Projection:
     """The weights one matmul reads: one nn.Linear, or several that share an input.
 
-    Several sources (q/k/v, gate/up) are concatenated into one matrix. With `int8`, a
-    weight-only int8 copy (one scale per output row) serves the decode steps. Copies are
-    rebuilt when a source weight changes in place (its tensor version moves), so a trainer
-    updating the transformers model is seen at the next step.
+    Several sources (q/k/v, gate/up) are concatenated into one matrix. With `quantize`, a
+    weight-only int8 or int4 copy serves the small decode steps (see `QUANTIZE_MODES`).
+    Copies are rebuilt when a source weight changes in place (its tensor version moves),
+    so a trainer updating the transformers model is seen at the next step.
     """
 
     sources: list[Any]  # nn.Linear modules, in output order
     parts: list[tuple[str, int, int]]  # (module name, first output column, end column)
-    int8: bool = False
+    quantize: str | None = None
     weight: Tensor | None = None
     bias: Tensor | None = None
-    packed: tuple[Tensor, Tensor] | None = None  # int8 weight [out, in], scales [out]
+    packed: _Packed | None = None
     stamp: tuple = ()
 
     def refresh(self) -> None:
@@ -51,15 +61,29 @@ class _Projection:
             self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)
             biases = [m.bias for m in self.sources]
             self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-            self.packed = _quantize_int8(self.weight) if self.int8 else None
+            self.packed = _pack(self.weight, self.quantize)
         self.stamp = stamp
 
     def __call__(self, x: Tensor, quantized: bool) -> Tensor:
         self.refresh()
-        if quantized and self.packed is not None:
-            y = torch.ops.aten._weight_int8pack_mm(x, *self.packed)
-            return y if self.bias is None else y + self.bias
-        return F.linear(x, self.weight, self.bias)
+        if not quantized or self.packed is None:
+            return F.linear(x, self.weight, self.bias)
+        y = self.packed(x)
+        return y if self.bias is None else y + self.bias
+
+
+@dataclass
+class _Packed:
+    """A weight-only quantized copy of a [out, in] matrix and the kernel that reads it."""
+
+    bits: int  # 8: one scale per output row; 4: scale and zero per INT4_GROUP inputs
+    weight: Tensor
+    scales: Tensor
+
+    def __call__(self, x: Tensor) -> Tensor:
+        if self.bits == 8:
+            return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
+        return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales)
 
 
 @dataclass
@@ -151,7 +175,7 @@ class LlamaForward:
                 f"The embedded engine runs {', '.join(SUPPORTED_MODEL_TYPES)} models, not "
                 f"{config.model_type!r}; serve this model with the vllm backend."
             )
-        self.int8 = _check_quantize(quantize, model)
+        self.quantize = _check_quantize(quantize, model)
         inner = model.model
         self.config = config
         self.n_heads = config.num_attention_heads
@@ -159,7 +183,7 @@ class LlamaForward:
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // self.n_heads
         self.eps = config.rms_norm_eps
         self.embed = inner.embed_tokens.weight
-        self.lm_head = _project({"lm_head": model.lm_head}, ("lm_head",), self.int8)
+        self.lm_head = _project({"lm_head": model.lm_head}, ("lm_head",), self.quantize)
         self.norm = inner.norm.weight
         self.layers = []
         for layer in inner.layers:
@@ -177,10 +201,10 @@ class LlamaForward:
                     ln_attn=layer.input_layernorm.weight,
                     ln_mlp=layer.post_attention_layernorm.weight,
                     linears=linears,
-                    qkv=_project(linears, ("q_proj", "k_proj", "v_proj"), self.int8),
-                    o=_project(linears, ("o_proj",), self.int8),
-                    gate_up=_project(linears, ("gate_proj", "up_proj"), self.int8),
-                    down=_project(linears, ("down_proj",), self.int8),
+                    qkv=_project(linears, ("q_proj", "k_proj", "v_proj"), self.quantize),
+                    o=_project(linears, ("o_proj",), self.quantize),
+                    gate_up=_project(linears, ("gate_proj", "up_proj"), self.quantize),
+                    down=_project(linears, ("down_proj",), self.quantize),
                     q_norm=_weight(getattr(layer.self_attn, "q_norm", None)),
                     k_norm=_weight(getattr(layer.self_attn, "k_norm", None)),
                 )
@@ -194,6 +218,8 @@ class LlamaForward:
         self._rope_tables(inner.rotary_emb, max_len)
         self.rows = 0  # slots allocated so far
         self.capacity = 0  # positions allocated per slot
+        # Keys are stored transposed, [slot, kv head, dim, position], so that the decode
+        # step's q @ K^T reads them in place; values as [slot, kv head, position, dim].
         self.k_cache: list[Tensor] = []
         self.v_cache: list[Tensor] = []
 
@@ -213,13 +239,17 @@ class LlamaForward:
             new_rows = min(self.max_slots, max(rows, 2 * self.rows))
         if length > self.capacity:
             new_cap = min(self.max_len, max(256, -(-length // 256) * 256, 2 * self.capacity))
-        shape = (new_rows, self.n_kv, new_cap, self.head_dim)
-        for cache in (self.k_cache, self.v_cache):
+        for cache, keys in ((self.k_cache, True), (self.v_cache, False)):
             for i in range(len(self.layers)):
                 # Zeros, not empty: masked-out keys still meet V in a matmul, and 0 * NaN = NaN.
-                grown = torch.zeros(shape, dtype=self.dtype, device=self.device)
+                grown = torch.zeros(
+                    (new_rows, self.n_kv, *_cached((new_cap, self.head_dim), keys)),
+                    dtype=self.dtype,
+                    device=self.device,
+                )
                 if self.rows:
-                    grown[: self.rows, :, : self.capacity] = cache[i]
+                    old = _cached((slice(self.capacity), slice(None)), keys)
+                    grown[(slice(self.rows), slice(None), *old)] = cache[i]
                 if i < len(cache):
                     cache[i] = grown
                 else:
@@ -230,9 +260,10 @@ class LlamaForward:
     def copy_slot(self, src: int, dst: int, length: int) -> None:
         """Copy the first `length` cached positions of slot `src` into slot `dst`."""
         self.ensure(max(src, dst) + 1, length)
-        for cache in (self.k_cache, self.v_cache):
+        for cache, keys in ((self.k_cache, True), (self.v_cache, False)):
+            span = _cached((slice(length), slice(None)), keys)
             for layer_cache in cache:
-                layer_cache[dst, :, :length] = layer_cache[src, :, :length]
+                layer_cache[(dst, slice(None), *span)] = layer_cache[(src, slice(None), *span)]
 
     # ---- forward -----------------------------------------------------------------------
 
@@ -240,14 +271,46 @@ class LlamaForward:
     def prefill(self, prompts: list[Prefill]) -> Tensor:
         """Run each prompt into its slot; return the logits after each prompt's last token [n, V].
 
-        Prompts that start at position 0 run packed into one forward pass (block-diagonal
-        causal attention); a prompt continuing a cached prefix runs on its own.
+        All prompts run packed into one forward pass (the matmuls see every token at once);
+        attention runs per prompt, over its own keys only. A prompt that continues a cached
+        prefix (`start` > 0) attends to that prefix as well.
         """
-        if all(p.start == 0 for p in prompts):
-            return self._prefill_packed(prompts)
-        return torch.cat(
-            [self._prefill_packed([p]) if p.start == 0 else self._prefill_chunk(p) for p in prompts]
+        lengths = [p.tokens.numel() for p in prompts]
+        total = sum(lengths)
+        self.ensure(
+            max(p.slot for p in prompts) + 1, max(p.start + n for p, n in zip(prompts, lengths))
         )
+        device = self.device
+        tokens = torch.cat([p.tokens for p in prompts]).to(device)
+        positions = torch.cat(
+            [torch.arange(p.start, p.start + n) for p, n in zip(prompts, lengths)]
+        )
+        positions = positions.to(device)
+        slots = torch.cat([torch.full((n,), p.slot) for p, n in zip(prompts, lengths)]).to(device)
+        ends = torch.tensor(lengths, device=device).cumsum(0) - 1
+        offsets = [0, *ends.add(1).tolist()[:-1]]
+        spans = [slice(o, o + n) for o, n in zip(offsets, lengths)]
+
+        def attend(q: Tensor, index: int, k: Tensor, v: Tensor) -> Tensor:
+            # Per prompt: one packed pass with a block-diagonal mask would cost
+            # (sum of lengths)^2 instead of the sum of squares.
+            out = torch.empty_like(q)
+            for prompt, span in zip(prompts, spans):
+                query = q[span].transpose(0, 1)  # [H, n, D]
+                if prompt.start == 0:
+                    keys, values, mask = k[span].transpose(0, 1), v[span].transpose(0, 1), None
+                else:
+                    end = prompt.start + span.stop - span.start
+                    keys = self.k_cache[index][prompt.slot, :, :, :end].transpose(-1, -2)
+                    values = self.v_cache[index][prompt.slot, :, :end]
+                    mask = torch.arange(end, device=device) <= positions[span, None]
+                out[span] = F.scaled_dot_product_attention(
+                    query, keys, values, attn_mask=mask, is_causal=mask is None, enable_gqa=self.gqa
+                ).transpose(0, 1)
+            return out.view(total, -1)
+
+        rows = _group_rows([(p.lora, span) for p, span in zip(prompts, spans)], device)
+        return self._forward(tokens, positions, slots, attend, rows, ends)
 
     @torch.inference_mode()
     def decode(self, tokens: Tensor, positions: Tensor, lora: LoraRows | None) -> Tensor:
@@ -265,11 +328,11 @@ class LlamaForward:
 
         groups = self.n_heads // self.n_kv
 
-        def attend(q: Tensor, index: int) -> Tensor:
+        def attend(q: Tensor, index: int, k: Tensor, v: Tensor) -> Tensor:
             # Two batched matmuls beat scaled_dot_product_attention for one query token on
             # CPU; the query heads of a KV head share its keys without repeating them.
             q = q.view(batch, self.n_kv, groups, self.head_dim)
-            scores = torch.matmul(q, self.k_cache[index][:batch, :, :kv_len].transpose(-1, -2))
+            scores = torch.matmul(q, self.k_cache[index][:batch, :, :, :kv_len])
             scores.mul_(self.scale)
             if mask is not None:
                 scores.add_(mask)
@@ -277,72 +340,9 @@ class LlamaForward:
             return torch.matmul(weights, self.v_cache[index][:batch, :, :kv_len]).view(batch, -1)
 
         slots = torch.arange(batch, device=self.device)
+        quantized = self.quantize is not None and batch <= QUANTIZED_MAX_ROWS
         return self._forward(
-            tokens, positions, slots, attend, lora, slice(None), quantized=self.int8
-        )
-
-    def _prefill_packed(self, prompts: list[Prefill]) -> Tensor:
-        lengths = [p.tokens.numel() for p in prompts]
-        total = sum(lengths)
-        self.ensure(max(p.slot for p in prompts) + 1, max(lengths))
-        device = self.device
-        tokens = torch.cat([p.tokens for p in prompts]).to(device)
-        positions = torch.cat([torch.arange(n, device=device) for n in lengths])
-        slots = torch.cat(
-            [torch.full((n,), p.slot, device=device) for p, n in zip(prompts, lengths)]
-        )
-        if len(prompts) == 1:
-            mask, causal = None, True
-        else:
-            owner = torch.repeat_interleave(
-                torch.arange(len(prompts), device=device), torch.tensor(lengths, device=device)
-            )
-            mask = (owner[:, None] == owner[None, :]) & (positions[:, None] >= positions[None, :])
-            mask, causal = mask[None, None], False
-
-        def attend(q: Tensor, index: int, k: Tensor, v: Tensor) -> Tensor:
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],  # [1, H, N, D]
-                k.transpose(0, 1)[None],
-                v.transpose(0, 1)[None],
-                attn_mask=mask,
-                is_causal=causal,
-                enable_gqa=self.gqa,
-            )
-            return out[0].transpose(0, 1).reshape(total, -1)
-
-        ends = torch.tensor(lengths, device=device).cumsum(0) - 1
-        offsets = [0, *ends.add(1).tolist()[:-1]]
-        rows = _group_rows(
-            [(p.lora, slice(o, o + n)) for p, o, n in zip(prompts, offsets, lengths)], device
-        )
-        return self._forward(tokens, positions, slots, attend, rows, ends, fresh_kv=True)
-
-    def _prefill_chunk(self, prompt: Prefill) -> Tensor:
-        """A prompt chunk after `start` cached positions of its slot."""
-        length = prompt.tokens.numel()
-        kv_len = prompt.start + length
-        self.ensure(prompt.slot + 1, kv_len)
-        device = self.device
-        positions = torch.arange(prompt.start, kv_len, device=device)
-        keys = torch.arange(kv_len, device=device)
-        mask = (keys[None, :] <= positions[:, None])[None, None]  # [1, 1, T, K]
-        row = slice(prompt.slot, prompt.slot + 1)
-
-        def attend(q: Tensor, index: int) -> Tensor:
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None],
-                self.k_cache[index][row, :, :kv_len],
-                self.v_cache[index][row, :, :kv_len],
-                attn_mask=mask,
-                enable_gqa=self.gqa,
-            )
-            return out[0].transpose(0, 1).reshape(length, -1)
-
-        slots = torch.full((length,), prompt.slot, device=device)
-        rows = LoraRows([(prompt.lora, slice(None))]) if prompt.lora is not None else None
-        return self._forward(
-            prompt.tokens.to(device), positions, slots, attend, rows, slice(length - 1, length)
+            tokens, positions, slots, attend, lora, slice(None), quantized=quantized
         )
 
     def _forward(
@@ -353,13 +353,12 @@ class LlamaForward:
         attend: Any,
         lora: LoraRows | None,
         last: Tensor | slice,
-        fresh_kv: bool = False,
         quantized: bool = False,
     ) -> Tensor:
         """Tokens [N] (flat, one per row of x) at `positions` [N] in cache `slots` [N].
 
-        `quantized` reads the int8 weights (decode steps); prefill reads the dense ones,
-        where the int8 kernel would be slower than a dense matmul.
+        `quantized` reads the quantized weights (small decode steps); prefill reads the
+        dense ones, where the weight-only kernels would be slower than a dense matmul.
         """
         n = tokens.numel()
         cos = self.cos[positions].unsqueeze(1)  # [N, 1, D]
@@ -377,9 +376,9 @@ class LlamaForward:
                 k = F.rms_norm(k, (self.head_dim,), layer.k_norm, self.eps)
             q = _rope(q, cos, sin)
             k = _rope(k, cos, sin)
-            self.k_cache[index][slots, :, positions] = k
+            self.k_cache[index][slots, :, :, positions] = k
             self.v_cache[index][slots, :, positions] = v
-            attn = attend(q, index, k, v) if fresh_kv else attend(q, index)
+            attn = attend(q, index, k, v)
             x = x + self._project(attn, layer.o, index, lora, quantized)[0]
             h = F.rms_norm(x, (hidden,), layer.ln_mlp, self.eps)
             gate, up = self._project(h, layer.gate_up, index, lora, quantized)
@@ -453,30 +452,47 @@ def _add_lora(y: Tensor, x: Tensor, index: int, name: str, lora: LoraRows) -> No
             y[rows] = y[rows] + F.linear(F.linear(x[rows], a), b)
 
 
-def _project(linears: dict[str, Any], names: tuple[str, ...], int8: bool) -> _Projection:
+def _project(linears: dict[str, Any], names: tuple[str, ...], quantize: str | None) -> _Projection:
     parts, start = [], 0
     for name in names:
         end = start + linears[name].weight.shape[0]
         parts.append((name, start, end))
         start = end
-    return _Projection([linears[name] for name in names], parts, int8)
+    return _Projection([linears[name] for name in names], parts, quantize)
 
 
-def _check_quantize(quantize: str | None, model: Any) -> bool:
-    """Whether decode steps read int8 weights; a clear error where they cannot."""
-    if quantize is None:
-        return False
-    if quantize != "int8":
-        raise ValueError(f"Unknown quantize {quantize!r}; the embedded engine offers 'int8'.")
-    weight = model.lm_head.weight
-    if weight.device.type != "cpu" or weight.dtype != torch.bfloat16:
-        dtype = str(weight.dtype).removeprefix("torch.")
+def _check_quantize(quantize: str | None, model: Any) -> str | None:
+    """The quantize mode in force (None: dense); a clear error where it cannot run."""
+    if quantize is None or quantize == "none":
+        return None
+    if quantize not in QUANTIZE_MODES:
         raise ValueError(
-            "quantize='int8' needs bfloat16 weights on the CPU (elsewhere its kernel is slower "
-            f"than a dense matmul); this model is {dtype} on {weight.device.type}: load it "
-            "with dtype='bfloat16' (--dtype bfloat16)."
+            f"Unknown quantize {quantize!r}; the embedded engine offers "
+            f"{', '.join(QUANTIZE_MODES)} or none."
         )
-    return True
+    weight = model.lm_head.weight
+    if weight.device.type == "cpu" and weight.dtype == torch.bfloat16:
+        return quantize
+    if quantize == "auto":
+        return None  # the kernels pay off for bfloat16 on the CPU only
+    dtype = str(weight.dtype).removeprefix("torch.")
+    raise ValueError(
+        f"quantize={quantize!r} needs bfloat16 weights on the CPU (elsewhere its kernel is "
+        f"slower than a dense matmul); this model is {dtype} on {weight.device.type}: load "
+        "it with dtype='bfloat16' (--dtype bfloat16)."
+    )
+
+
+def _pack(weight: Tensor, quantize: str | None) -> _Packed | None:
+    """The quantized copy of `weight` [out, in] that `quantize` asks for, if any."""
+    if quantize == "int8":
+        return _Packed(8, *_quantize_int8(weight))
+    out_features, in_features = weight.shape
+    if quantize not in ("int4", "auto") or out_features % 16 or in_features % INT4_GROUP:
+        return None  # the int4 kernel's shape rules
+    if quantize == "auto" and not _is_4bit(weight):
+        return None
+    return _Packed(4, *_quantize_int4(weight))
 
 
 def _quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -494,6 +510,44 @@ def _quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
     )
     q = torch.round(w / scale.float()[:, None]).clamp_(-127, 127).to(torch.int8).contiguous()
     return q, scale
+
+
+def _int4_grid(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Weights as [out, groups, 32] with each group's lowest value and 4-bit step."""
+    w = weight.float().view(weight.shape[0], -1, INT4_GROUP)
+    low, high = w.amin(dim=-1, keepdim=True), w.amax(dim=-1, keepdim=True)
+    step = ((high - low) / 15).clamp_min(1e-12)
+    return w, low, step
+
+
+def _is_4bit(weight: Tensor) -> bool:
+    """Whether each group of 32 weights sits on 16 evenly spaced levels, up to the rounding
+    of the weights' own dtype: true of weights dequantized from a Q4_1 GGUF file."""
+    w, low, step = _int4_grid(weight)
+    error = (low + step * torch.round((w - low) / step) - w).abs()
+    spread = torch.maximum(low.abs(), (low + 15 * step).abs())
+    return bool((error <= spread * 2.0**-7).all())
+
+
+def _quantize_int4(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Packed 4-bit weights and the kernel's [groups, out, 2] table of (scale, zero), where
+    weight ~ (q - 8) * scale + zero with q in 0..15.
+
+    Scale and zero are rounded to the weights' dtype (the kernel's) before the levels are
+    chosen, so each weight gets the nearest level the kernel can represent.
+    """
+    w, low, step = _int4_grid(weight)
+    scale = step.to(weight.dtype).float()
+    zero = (low + 8 * scale).to(weight.dtype).float()
+    q = torch.round((w - zero) / scale + 8).clamp_(0, 15).to(torch.int32)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(weight.shape), 2)
+    table = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
+    return packed, table
+
+
+def _cached(dims: tuple, keys: bool) -> tuple:
+    """(position, dim) sizes or indices in a cache's layout: keys keep positions last."""
+    return dims[::-1] if keys else dims
 
 
 def _weight(module: Any) -> Tensor | None:
