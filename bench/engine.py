@@ -7,7 +7,8 @@ prefill included. Run:
     python bench/engine.py --model smollm2-135m --threads 2 --batches 1 8 32
 
 Modes: HF `generate` in float32 (its default on CPU: the baseline) and bfloat16; the
-embedded engine in float32, bfloat16 (its default on CPUs with native bf16) and bfloat16
+embedded engine in float32, dense bfloat16, its default (bfloat16 on CPUs with native bf16,
+int4 decode weights for weights that already are 4-bit: `--quantize auto`), and bfloat16
 with int8 decode weights (`--quantize int8`).
 """
 
@@ -124,7 +125,7 @@ def embedded_generate(
 class Mode:
     label: str
     dtype: torch.dtype
-    quantize: str | None = None  # engine modes only
+    quantize: str = "none"  # engine modes only
     hf: bool = False
 
 
@@ -133,6 +134,7 @@ MODES = {
     "hf-bf16": Mode("HF bf16", torch.bfloat16, hf=True),
     "fp32": Mode("engine fp32", torch.float32),
     "bf16": Mode("engine bf16", torch.bfloat16),
+    "auto": Mode("engine default", torch.bfloat16, quantize="auto"),
     "int8": Mode("engine int8", torch.bfloat16, quantize="int8"),
 }
 

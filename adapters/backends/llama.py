@@ -363,26 +363,27 @@ class LlamaForward:
         n = tokens.numel()
         cos = self.cos[positions].unsqueeze(1)  # [N, 1, D]
         sin = self.sin[positions].unsqueeze(1)
+        heads, dim = self.n_heads, self.head_dim
         x = F.embedding(tokens, self.embed)
         hidden = x.shape[-1]
         for index, layer in enumerate(self.layers):
             h = F.rms_norm(x, (hidden,), layer.ln_attn, self.eps)
-            q, k, v = self._project(h, layer.qkv, index, lora, quantized)
-            q = q.view(n, self.n_heads, self.head_dim)
-            k = k.view(n, self.n_kv, self.head_dim)
-            v = v.view(n, self.n_kv, self.head_dim)
+            (qkv,) = self._project(h, layer.qkv, index, lora, quantized, split=False)
+            qk = qkv[:, : (heads + self.n_kv) * dim].view(n, heads + self.n_kv, dim)
+            v = qkv[:, (heads + self.n_kv) * dim :].view(n, self.n_kv, dim)
             if layer.q_norm is not None:
-                q = F.rms_norm(q, (self.head_dim,), layer.q_norm, self.eps)
-                k = F.rms_norm(k, (self.head_dim,), layer.k_norm, self.eps)
-            q = _rope(q, cos, sin)
-            k = _rope(k, cos, sin)
+                q = F.rms_norm(qk[:, :heads], (dim,), layer.q_norm, self.eps)
+                k = F.rms_norm(qk[:, heads:], (dim,), layer.k_norm, self.eps)
+                qk = torch.cat([q, k], dim=1)
+            qk = _rope(qk, cos, sin)  # queries and keys in one go
+            q, k = qk[:, :heads], qk[:, heads:]
             self.k_cache[index][slots, :, :, positions] = k
             self.v_cache[index][slots, :, positions] = v
             attn = attend(q, index, k, v)
-            x = x + self._project(attn, layer.o, index, lora, quantized)[0]
+            x += self._project(attn, layer.o, index, lora, quantized)[0]
             h = F.rms_norm(x, (hidden,), layer.ln_mlp, self.eps)
             gate, up = self._project(h, layer.gate_up, index, lora, quantized)
-            x = x + self._project(F.silu(gate) * up, layer.down, index, lora, quantized)[0]
+            x += self._project(F.silu(gate) * up, layer.down, index, lora, quantized)[0]
         x = F.rms_norm(x[last], (hidden,), self.norm, self.eps)
         return self.lm_head(x, quantized).float()
 
@@ -393,8 +394,10 @@ class LlamaForward:
         index: int,
         lora: LoraRows | None,
         quantized: bool,
+        split: bool = True,
     ) -> list[Tensor]:
-        """The outputs of the projection's modules, each with its own LoRA delta."""
+        """The outputs of the projection's modules, each with its own LoRA delta (or, with
+        `split` False, the one matrix holding them side by side)."""
         y = projection(x, quantized)
         if len(projection.parts) == 1:
             if lora is not None:
@@ -403,7 +406,7 @@ class LlamaForward:
         if lora is not None:
             for name, start, end in projection.parts:
                 _add_lora(y[:, start:end], x, index, name, lora)
-        return [y[:, start:end] for _, start, end in projection.parts]
+        return [y[:, start:end] for _, start, end in projection.parts] if split else [y]
 
     def _rope_tables(self, rotary: Any, max_len: int) -> None:
         # Reuse the model's own inverse frequencies and scaling so every rope type matches.
@@ -413,6 +416,10 @@ class LlamaForward:
         freqs = torch.outer(t, inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos = (emb.cos() * scaling).to(self.dtype)
+        # Rotating half the lanes is x * cos + roll(x, D/2) * sin with the sine's first half
+        # negated; storing it negated saves the negation at every step.
+        half = inv_freq.numel()
+        emb[:, :half] = -emb[:, :half]
         self.sin = (emb.sin() * scaling).to(self.dtype)
 
 
@@ -554,7 +561,6 @@ def _weight(module: Any) -> Tensor | None:
     return None if module is None else module.weight
 
 
-def _rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    half = x.shape[-1] // 2
-    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-    return x * cos + rotated * sin
+def _rope(x: Tensor, cos: Tensor, signed_sin: Tensor) -> Tensor:
+    """Rotary embedding on the last dim, rotate-half layout; `signed_sin`'s first half negated."""
+    return torch.addcmul(x * cos, x.roll(x.shape[-1] // 2, dims=-1), signed_sin)
