@@ -501,6 +501,7 @@ class EmbeddedBackend:
             for key, (a, b) in update.adapter.weights.items():
                 current.weights[key][0].copy_(a)
                 current.weights[key][1].copy_(b)
+            current.version += 1
         else:
             self._adapters[update.name] = update.adapter
 
