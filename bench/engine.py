@@ -8,8 +8,9 @@ prefill included. Run:
 
 Modes: HF `generate` in float32 (its default on CPU: the baseline) and bfloat16; the
 embedded engine in float32, dense bfloat16, its default (bfloat16 on CPUs with native bf16,
-int4 decode weights for weights that already are 4-bit: `--quantize auto`), and bfloat16
-with int8 decode weights (`--quantize int8`).
+int4 decode weights for weights that already are 4-bit: `--quantize auto`), the default
+serving a rank-8 LoRA adapter on every projection (what training rollouts run), and
+bfloat16 with int8 decode weights (`--quantize int8`).
 """
 
 from __future__ import annotations
@@ -103,15 +104,18 @@ def logprob_gaps(
 
 
 def embedded_generate(
-    backend: EmbeddedBackend, batch: list[list[dict[str, str]]], max_tokens: int
+    backend: EmbeddedBackend, batch: list[list[dict[str, str]]], max_tokens: int, model: str = ""
 ) -> Rate:
-    """Tokens/s of the engine serving the batch as concurrent requests."""
+    """Tokens/s of the engine serving the batch as concurrent requests to `model`."""
     params = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
 
     async def serve() -> Rate:
         start, cpu = time.perf_counter(), time.process_time()
         generations = await asyncio.gather(
-            *(backend.generate(GenerateRequest(model="", params=params, messages=m)) for m in batch)
+            *(
+                backend.generate(GenerateRequest(model=model, params=params, messages=m))
+                for m in batch
+            )
         )
         elapsed, cpu_used = time.perf_counter() - start, time.process_time() - cpu
         produced = sum(len(g.completions[0].token_ids) for g in generations)
@@ -121,12 +125,29 @@ def embedded_generate(
     return asyncio.run(serve())
 
 
+LORA = "lora"
+
+
+def random_lora(model: torch.nn.Module, rank: int = 8) -> dict[str, torch.Tensor]:
+    """A peft-style LoRA state dict on every attention and MLP projection, B non-zero."""
+    generator = torch.Generator().manual_seed(0)
+    state = {}
+    for name, module in model.named_modules():
+        if name.endswith("_proj"):
+            out_features, in_features = module.weight.shape
+            state[f"{name}.lora_A.weight"] = torch.randn(rank, in_features, generator=generator)
+            state[f"{name}.lora_B.weight"] = torch.randn(out_features, rank, generator=generator)
+            state[f"{name}.lora_B.weight"] *= 1e-3
+    return state
+
+
 @dataclass
 class Mode:
     label: str
     dtype: torch.dtype
     quantize: str = "none"  # engine modes only
     hf: bool = False
+    lora: bool = False  # requests go to a random rank-8 adapter on every projection
 
 
 MODES = {
@@ -135,6 +156,7 @@ MODES = {
     "fp32": Mode("engine fp32", torch.float32),
     "bf16": Mode("engine bf16", torch.bfloat16),
     "auto": Mode("engine default", torch.bfloat16, quantize="auto"),
+    "lora": Mode("default + LoRA r8", torch.bfloat16, quantize="auto", lora=True),
     "int8": Mode("engine int8", torch.bfloat16, quantize="int8"),
 }
 
@@ -186,7 +208,9 @@ def _serve_mode(name: str, options: dict, pipe) -> None:
                 max_batch_size=max(args.batches),
                 quantize=mode.quantize,
             )
-            embedded_generate(engine, prompts(2), 4)  # warm-up: cache, kernels
+            if mode.lora:
+                engine.add_adapter("lora", random_lora(engine.model), rank=8, alpha=16)
+            embedded_generate(engine, prompts(2), 4, LORA if mode.lora else "")  # warm-up
         pipe.send("ready")
         reference = None
         while (job := pipe.recv()) is not None:
@@ -194,7 +218,8 @@ def _serve_mode(name: str, options: dict, pipe) -> None:
             if kind == "rate" and engine is None:
                 pipe.send(hf_generate(loaded, prompts(size), max_tokens))
             elif kind == "rate":
-                pipe.send(embedded_generate(engine, prompts(size), max_tokens))
+                model = LORA if mode.lora else ""
+                pipe.send(embedded_generate(engine, prompts(size), max_tokens, model))
             else:
                 if reference is None:
                     reference = load_model(args.model, device=args.device, dtype=torch.float32)
@@ -251,7 +276,7 @@ def main() -> None:
     for column in ("mode", "mean", "p99", "max"):
         fidelity.add_column(column, justify="right")
     for name, worker in workers.items():
-        if not MODES[name].hf:
+        if not (MODES[name].hf or MODES[name].lora):  # lora: no reference to compare with
             gaps = worker.gaps(args.max_tokens)
             values = (gaps.mean(), gaps.quantile(0.99), gaps.max())
             fidelity.add_row(MODES[name].label, *(f"{v:.4f}" for v in values))
