@@ -534,9 +534,10 @@ def _pack(weight: Tensor, quantize: str | None) -> _Packed | None:
     out_features, in_features = weight.shape
     if quantize not in ("int4", "auto") or out_features % 16 or in_features % INT4_GROUP:
         return None  # the int4 kernel's shape rules
-    if quantize == "auto" and not _is_4bit(weight):
+    grid = _int4_grid(weight)
+    if quantize == "auto" and not _is_4bit(*grid):
         return None
-    return _Packed(4, *_quantize_int4(weight))
+    return _Packed(4, *_quantize_int4(weight, *grid))
 
 
 def _quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -564,23 +565,22 @@ def _int4_grid(weight: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return w, low, step
 
 
-def _is_4bit(weight: Tensor) -> bool:
-    """Whether each group of 32 weights sits on 16 evenly spaced levels, up to the rounding
-    of the weights' own dtype: true of weights dequantized from a Q4_1 GGUF file."""
-    w, low, step = _int4_grid(weight)
+def _is_4bit(w: Tensor, low: Tensor, step: Tensor) -> bool:
+    """Whether each group of 32 weights (`_int4_grid`) sits on its 16 evenly spaced levels,
+    up to the rounding of the weights' own dtype: true of weights from a Q4_1 GGUF file."""
     error = (low + step * torch.round((w - low) / step) - w).abs()
     spread = torch.maximum(low.abs(), (low + 15 * step).abs())
     return bool((error <= spread * 2.0**-7).all())
 
 
-def _quantize_int4(weight: Tensor) -> tuple[Tensor, Tensor]:
+def _quantize_int4(weight: Tensor, w: Tensor, low: Tensor, step: Tensor) -> tuple[Tensor, Tensor]:
     """Packed 4-bit weights and the kernel's [groups, out, 2] table of (scale, zero), where
     weight ~ (q - 8) * scale + zero with q in 0..15.
 
     Scale and zero are rounded to the weights' dtype (the kernel's) before the levels are
-    chosen, so each weight gets the nearest level the kernel can represent.
+    chosen, so each weight gets the nearest level the kernel can represent. `w`, `low`
+    and `step` are `_int4_grid(weight)`.
     """
-    w, low, step = _int4_grid(weight)
     scale = step.to(weight.dtype).float()
     zero = (low + 8 * scale).to(weight.dtype).float()
     q = torch.round((w - zero) / scale + 8).clamp_(0, 15).to(torch.int32)
