@@ -67,7 +67,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "int4", "int8", "none"],
         default="auto",
         help="embedded engine on CPU in bfloat16: decode batches of up to 16 read weight-only "
-        "copies; auto: int4 for weights that already are 4-bit (SmolLM2's GGUF: lossless), "
+        "copies; auto: int4 for weights that already are 4-bit (SmolLM2's GGUF: exact up to bf16 scales), "
         "int4/int8: every matrix (lossy), none: dense",
     )
 

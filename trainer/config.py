@@ -113,7 +113,7 @@ class BackendConfig(_Section):
         "auto",
         description="Embedded engine on CPU in bfloat16: decode batches of up to 16 rows "
         "read weight-only copies. 'auto' packs weights that already are 4-bit (SmolLM2's "
-        "GGUF) into int4, losing nothing; 'int4'/'int8' pack every matrix (the samples come "
+        "GGUF) into int4, exact up to the bf16 rounding of each group's scale; 'int4'/'int8' pack every matrix (the samples come "
         "from a slightly rounded policy); 'none' stays dense.",
     )
 

@@ -21,7 +21,7 @@ from torch import Tensor
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Weight-only quantization of the decode steps' matmuls (CPU, bfloat16 activations):
 #   "auto": int4 for the matrices whose weights already are 4-bit (a GGUF Q4_1 file such
-#           as SmolLM2's: 16 levels per group of 32), so nothing is lost; others dense.
+#           as SmolLM2's: 16 levels per group of 32), exact up to bf16 scales; others dense.
 #   "int4": every matrix to 4 bits per group of 32 inputs (lossy for 16-bit weights).
 #   "int8": every matrix to 8 bits with one scale per output row (lossy).
 QUANTIZE_MODES = ("auto", "int4", "int8")
