@@ -197,6 +197,7 @@ def _serve_mode(name: str, options: dict, pipe) -> None:
         torch.set_num_threads(args.threads)
         mode = MODES[name]
         engine = loaded = None
+        model = LORA if mode.lora else ""  # the engine's request model name
         if mode.hf:
             loaded = load_model(args.model, device=args.device, dtype=mode.dtype)
             hf_generate(loaded, prompts(1), 2)
@@ -210,7 +211,7 @@ def _serve_mode(name: str, options: dict, pipe) -> None:
             )
             if mode.lora:
                 engine.add_adapter("lora", random_lora(engine.model), rank=8, alpha=16)
-            embedded_generate(engine, prompts(2), 4, LORA if mode.lora else "")  # warm-up
+            embedded_generate(engine, prompts(2), 4, model)  # warm-up
         pipe.send("ready")
         reference = None
         while (job := pipe.recv()) is not None:
@@ -218,7 +219,6 @@ def _serve_mode(name: str, options: dict, pipe) -> None:
             if kind == "rate" and engine is None:
                 pipe.send(hf_generate(loaded, prompts(size), max_tokens))
             elif kind == "rate":
-                model = LORA if mode.lora else ""
                 pipe.send(embedded_generate(engine, prompts(size), max_tokens, model))
             else:
                 if reference is None:
