@@ -71,10 +71,15 @@ class LoadedModel:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
 
-def cache_dir() -> Path:
-    """Where converted and generated models live: `$MASENVS_CACHE/models` or ~/.cache/masenvs/models."""
+def cache_root() -> Path:
+    """masenvs's cache: `$MASENVS_CACHE`, or ~/.cache/masenvs."""
     root = os.environ.get("MASENVS_CACHE") or os.path.join("~", ".cache", "masenvs")
-    return Path(root).expanduser() / "models"
+    return Path(root).expanduser()
+
+
+def cache_dir() -> Path:
+    """Where converted and generated models live: `cache_root()/models`."""
+    return cache_root() / "models"
 
 
 def default_dtype(device: str | torch.device) -> torch.dtype:

@@ -243,7 +243,7 @@ def test_auto_quantize_reads_4bit_weights_in_int4_and_loses_nothing() -> None:
     projections = [
         p for layer in forward.layers for p in (layer.qkv, layer.o, layer.gate_up, layer.down)
     ]
-    assert all(p.packed is not None and p.packed.bits == 4 for p in projections)
+    assert all(p.packed is not None and p.packed.kernel.startswith("int4") for p in projections)
     assert forward.lm_head.packed is None  # random 16-bit weights stay dense
     assert not torch.equal(dense, int4)  # the int4 kernel really ran
     gap = (dense.log_softmax(-1) - int4.log_softmax(-1)).abs().max()
@@ -257,7 +257,11 @@ def test_auto_quantize_leaves_16bit_weights_dense_and_int4_forces_them() -> None
     for forward in (auto, forced):
         decode_after(forward, [torch.randint(0, 300, (5,))])
     assert all(p.packed is None for layer in auto.layers for p in (layer.qkv, layer.down))
-    assert all(p.packed.bits == 4 for layer in forced.layers for p in (layer.qkv, layer.down))
+    assert all(
+        p.packed.kernel.startswith("int4")
+        for layer in forced.layers
+        for p in (layer.qkv, layer.down)
+    )
     # "auto" on float32 weights is simply dense: the kernels pay off in bfloat16 only.
     assert LlamaForward(small_model("llama"), 1, 64, quantize="auto").quantize is None
 

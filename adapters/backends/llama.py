@@ -18,17 +18,23 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from masenvs.adapters.backends import cpu_kernels
+
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Weight-only quantization of the decode steps' matmuls (CPU, bfloat16 activations):
 #   "auto": int4 for the matrices whose weights already are 4-bit (a GGUF Q4_1 file such
-#           as SmolLM2's: 16 levels per group of 32), exact up to bf16 scales; others dense.
+#           as SmolLM2's: 16 levels per group of 32); with the native kernels
+#           (cpu_kernels), also int8 for those already 8-bit (Q8_0: SmolLM2's LM head).
+#           Exact up to the rounding of each group's scale; other matrices stay dense.
 #   "int4": every matrix to 4 bits per group of 32 inputs (lossy for 16-bit weights).
-#   "int8": every matrix to 8 bits with one scale per output row (lossy).
+#   "int8": every matrix to 8 bits, per group of 32 inputs with the native kernels, else
+#           with one scale per output row (lossy).
 QUANTIZE_MODES = ("auto", "int4", "int8")
 INT4_GROUP = 32
 # Decode batches above this many rows read the dense weights: there the weight-only
-# kernels, which dequantize per row block, cost more than the memory they save.
-QUANTIZED_MAX_ROWS = 16
+# kernels, which dequantize per row block, cost more than the memory they save. The
+# native int4 kernel (cpu_kernels) stays ahead of a dense bfloat16 matmul up to 32 rows.
+QUANTIZED_MAX_ROWS = {"int8": 16, "int4": 16, "int4-native": 32, "int8-native": 32}
 _LORA_KEY = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
@@ -66,7 +72,7 @@ class _Projection:
 
     def __call__(self, x: Tensor, quantized: bool) -> Tensor:
         self.refresh()
-        if not quantized or self.packed is None:
+        if not quantized or self.packed is None or x.shape[0] > self.packed.max_rows:
             return F.linear(x, self.weight, self.bias)
         y = self.packed(x)
         return y if self.bias is None else y + self.bias
@@ -76,12 +82,21 @@ class _Projection:
 class _Packed:
     """A weight-only quantized copy of a [out, in] matrix and the kernel that reads it."""
 
-    bits: int  # 8: one scale per output row; 4: scale and zero per INT4_GROUP inputs
-    weight: Tensor
-    scales: Tensor
+    # "int8": torch's, one scale per output row; "int4": torch's, bfloat16 scale and zero
+    # per INT4_GROUP inputs; "int4-native" / "int8-native": cpu_kernels.matmul, a float16
+    # scale (and minimum) per group.
+    kernel: str
+    weight: Tensor | cpu_kernels.LowBitWeights
+    scales: Tensor | None = None
+
+    @property
+    def max_rows(self) -> int:
+        return QUANTIZED_MAX_ROWS[self.kernel]
 
     def __call__(self, x: Tensor) -> Tensor:
-        if self.bits == 8:
+        if self.kernel.endswith("-native"):
+            return cpu_kernels.matmul(x, self.weight)
+        if self.kernel == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales)
 
@@ -377,7 +392,7 @@ class LlamaForward:
             return torch.matmul(weights, self.v_cache[index][:batch, :, :kv_len]).view(batch, -1)
 
         slots = torch.arange(batch, device=self.device)
-        quantized = self.quantize is not None and batch <= QUANTIZED_MAX_ROWS
+        quantized = self.quantize is not None
         return self._forward(
             tokens, positions, slots, attend, lora, slice(None), quantized=quantized
         )
@@ -394,8 +409,9 @@ class LlamaForward:
     ) -> Tensor:
         """Tokens [N] (flat, one per row of x) at `positions` [N] in cache `slots` [N].
 
-        `quantized` reads the quantized weights (small decode steps); prefill reads the
-        dense ones, where the weight-only kernels would be slower than a dense matmul.
+        `quantized` reads the quantized weights (decode steps up to their kernel's
+        `max_rows`); prefill reads the dense ones, where the weight-only kernels would be
+        slower than a dense matmul.
         """
         n = tokens.numel()
         cos = self.cos[positions].unsqueeze(1)  # [N, 1, D]
@@ -529,15 +545,23 @@ def _check_quantize(quantize: str | None, model: Any) -> str | None:
 
 def _pack(weight: Tensor, quantize: str | None) -> _Packed | None:
     """The quantized copy of `weight` [out, in] that `quantize` asks for, if any."""
+    native = cpu_kernels.enabled() and cpu_kernels.supports(*weight.shape)
     if quantize == "int8":
-        return _Packed(8, *_quantize_int8(weight))
-    out_features, in_features = weight.shape
-    if quantize not in ("int4", "auto") or out_features % 16 or in_features % INT4_GROUP:
-        return None  # the int4 kernel's shape rules
+        if native:
+            return _Packed("int8-native", _quantize_int8_native(*_int8_grid(weight)))
+        return _Packed("int8", *_quantize_int8(weight))
+    if not cpu_kernels.supports(*weight.shape):
+        return None  # the int4 kernels' shape rules (torch's are the same)
     grid = _int4_grid(weight)
-    if quantize == "auto" and not _is_4bit(*grid):
-        return None
-    return _Packed(4, *_quantize_int4(weight, *grid))
+    if quantize == "int4" or _is_4bit(*grid):
+        if native:
+            return _Packed("int4-native", _quantize_int4_native(*grid))
+        return _Packed("int4", *_quantize_int4(weight, *grid))
+    if native:  # "auto": 8-bit weights (a GGUF Q8_0 matrix) have a kernel of their own
+        grid8 = _int8_grid(weight)
+        if _is_8bit(*grid8):
+            return _Packed("int8-native", _quantize_int8_native(*grid8))
+    return None
 
 
 def _quantize_int8(weight: Tensor) -> tuple[Tensor, Tensor]:
@@ -587,6 +611,38 @@ def _quantize_int4(weight: Tensor, w: Tensor, low: Tensor, step: Tensor) -> tupl
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.view(weight.shape), 2)
     table = torch.cat([scale, zero], dim=-1).transpose(0, 1).contiguous().to(weight.dtype)
     return packed, table
+
+
+def _int8_grid(weight: Tensor) -> tuple[Tensor, Tensor]:
+    """Weights as [out, groups, 32] and each group's symmetric 8-bit step (absmax / 127),
+    rounded to float16 as the kernel stores it."""
+    w = weight.float().view(weight.shape[0], -1, INT4_GROUP)
+    step = (w.abs().amax(dim=-1, keepdim=True) / 127).clamp_min(2.0**-24).half().float()
+    return w, step
+
+
+def _is_8bit(w: Tensor, step: Tensor) -> bool:
+    """Whether every group of 32 weights sits on its 8-bit levels up to the rounding of
+    the weights' own dtype: true of a GGUF Q8_0 matrix read in bfloat16, not of 16-bit
+    weights (their distance to the levels does not shrink with the weight)."""
+    error = (torch.round(w / step).clamp_(-127, 127) * step - w).abs()
+    return bool((error <= w.abs() * 2.0**-7 + step * 2.0**-6).all())
+
+
+def _quantize_int8_native(w: Tensor, step: Tensor) -> cpu_kernels.LowBitWeights:
+    q = torch.round(w / step).clamp_(-127, 127)
+    return cpu_kernels.pack_int8(q.view(q.shape[0], -1), step[..., 0])
+
+
+def _quantize_int4_native(w: Tensor, low: Tensor, step: Tensor) -> cpu_kernels.LowBitWeights:
+    """The levels of `_int4_grid` packed for cpu_kernels.matmul: weight ~ q * step +
+    low, with step and low rounded to float16 (as a GGUF Q4_1 block stores them) before
+    the levels are chosen."""
+    # Clamped so that a constant group keeps a positive float16 step.
+    step = step.clamp_min(2.0**-24).half().float()
+    low = low.half().float()
+    q = torch.round((w - low) / step).clamp_(0, 15)
+    return cpu_kernels.pack_int4(q.view(q.shape[0], -1), step[..., 0], low[..., 0])
 
 
 def _cached(dims: tuple, keys: bool) -> tuple:

@@ -32,19 +32,28 @@ _RUNTIMES = ("libgomp", "libiomp5", "libomp")
 
 
 @functools.cache
-def _runtime() -> ctypes.CDLL | None:
-    """The OpenMP runtime torch uses, found among this process's mapped libraries."""
+def runtime_path() -> Path | None:
+    """The file of the OpenMP runtime torch uses, found among this process's mapped
+    libraries (native kernels link against it, so the process keeps one thread pool)."""
     maps = Path("/proc/self/maps")
     if not maps.is_file() or "OpenMP" not in torch.__config__.parallel_info():
         return None
     for line in maps.read_text().splitlines():
-        path = line.split()[-1]
-        if any(Path(path).name.startswith(name) for name in _RUNTIMES):
-            try:
-                return ctypes.CDLL(path)
-            except OSError:
-                continue
+        path = Path(line.split()[-1])
+        if any(path.name.startswith(name) for name in _RUNTIMES) and path.is_file():
+            return path
     return None
+
+
+@functools.cache
+def _runtime() -> ctypes.CDLL | None:
+    path = runtime_path()
+    if path is None:
+        return None
+    try:
+        return ctypes.CDLL(str(path))
+    except OSError:
+        return None
 
 
 def set_thread_local_threads(count: int) -> bool:

@@ -1,0 +1,154 @@
+// Weight-only 4- and 8-bit matmuls for small batches on x86-64 CPUs with AVX-512 BF16.
+//
+//   int4_matmul: y[M, N] = x[M, K] @ W^T,  W[n, k] = q[n, k] * s[n, g] + z[n, g],  g = k / 32,
+//                q in 0..15 (a GGUF Q4_1 block stores exactly this)
+//   int8_matmul: the same with q in -127..127 and z = 0 (a GGUF Q8_0 block)
+//
+// x and y bfloat16, s and z float16. Built and loaded at run time by cpu_kernels.py,
+// which also packs the weights:
+//
+//   int4 q: uint16 [N/16, G, 4, 16, 2]; word (t, g, r, j, e) holds in its nibble c the
+//           level q[16t + j, 32g + 2(4r + c) + e]
+//   int8 q: int8 [N/16, G, 16, 16, 2]; byte (t, g, p, j, e) is q[16t + j, 32g + 2p + e]
+//   s, z: float16 [N/16, G, 16]
+//
+// Each fp32 lane of a vector is one output column n. A 4-bit level v becomes the bfloat16
+// 128 + v by OR-ing its bits into 0x4300 (bfloat16 128.0), so one vdpbf16ps multiplies 16
+// columns by two inputs k, k+1 at once; the 128 offset is taken back per group with the
+// group's input sum: sum_k x (q s + z) = s * sum_k x (128 + q) + (z - 128 s) * sum_k x.
+// Products of bfloat16 values are exact in fp32, and the sums are fp32. 8-bit levels go
+// through fp32 into bfloat16, where integers up to 256 are exact.
+#include <immintrin.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#define TILE 16   // output columns per vector
+#define GROUP 32  // inputs per scale
+#define ROWS 8    // batch rows per pass over a tile's weights
+
+static inline __attribute__((always_inline)) void tile(
+    const uint16_t *x, const float *xsum, const uint16_t *q, const uint16_t *s,
+    const uint16_t *z, uint16_t *y, int m0, const int rows, int K, int N, int t) {
+    const int G = K / GROUP;
+    const __m512i low_nibble = _mm512_set1_epi32(0x000F000F);
+    const __m512i bf16_128 = _mm512_set1_epi32(0x43004300);
+    const __m512 c128 = _mm512_set1_ps(128.0f);
+    const uint16_t *qt = q + (size_t)t * G * 128;
+    const uint16_t *xr = x + (size_t)m0 * K;
+    __m512 total[ROWS];
+    for (int m = 0; m < rows; m++) total[m] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m512 acc[ROWS];
+        for (int m = 0; m < rows; m++) acc[m] = _mm512_setzero_ps();
+        for (int r = 0; r < 4; r++) {
+            const __m512i packed = _mm512_loadu_si512(qt + (size_t)g * 128 + r * 32);
+            for (int c = 0; c < 4; c++) {
+                const __m512i shifted = c ? _mm512_srli_epi16(packed, 4 * c) : packed;
+                // (shifted & 0x000F) | 0x4300 in each 16-bit word: bfloat16 128 + level
+                const __m512bh w =
+                    (__m512bh)_mm512_ternarylogic_epi32(shifted, low_nibble, bf16_128, 0xEA);
+                const int k = g * GROUP + 2 * (4 * r + c);
+                for (int m = 0; m < rows; m++) {
+                    int32_t pair;  // x[m, k] and x[m, k + 1]
+                    memcpy(&pair, xr + (size_t)m * K + k, sizeof pair);
+                    acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(pair));
+                }
+            }
+        }
+        const size_t at = ((size_t)t * G + g) * TILE;
+        const __m512 sv = _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(s + at)));
+        const __m512 zv = _mm512_fnmadd_ps(
+            sv, c128, _mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)(z + at))));
+        for (int m = 0; m < rows; m++) {
+            total[m] = _mm512_fmadd_ps(acc[m], sv, total[m]);
+            total[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(m0 + m) * G + g]), zv, total[m]);
+        }
+    }
+    for (int m = 0; m < rows; m++)
+        _mm256_storeu_si256((__m256i *)(y + (size_t)(m0 + m) * N + (size_t)t * TILE),
+                            (__m256i)_mm512_cvtneps_pbh(total[m]));
+}
+
+static float group_sum(const uint16_t *x) {
+    const __m256i *p = (const __m256i *)x;
+    __m512 a = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p)), 16));
+    __m512 b =
+        _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(p + 1)), 16));
+    return _mm512_reduce_add_ps(_mm512_add_ps(a, b));
+}
+
+#define CASE(R) \
+    case R: tile(x, xsum, q, s, z, y, m0, R, K, N, t); break;
+
+// Returns 0, or -1 if the shapes are not supported (N % 16, K % 32) or memory ran out.
+int int4_matmul(const uint16_t *x, const uint16_t *q, const uint16_t *s, const uint16_t *z,
+                uint16_t *y, int M, int K, int N) {
+    if (M <= 0 || K <= 0 || N <= 0 || K % GROUP || N % TILE) return -1;
+    const int G = K / GROUP;
+    float *xsum = malloc(sizeof(float) * (size_t)M * G);
+    if (!xsum) return -1;
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < G; g++) xsum[m * G + g] = group_sum(x + (size_t)m * K + g * GROUP);
+    const int tiles = N / TILE;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < tiles; t++)
+        for (int m0 = 0; m0 < M; m0 += ROWS) {
+            switch (M - m0 < ROWS ? M - m0 : ROWS) {
+                CASE(1) CASE(2) CASE(3) CASE(4) CASE(5) CASE(6) CASE(7) CASE(8)
+            }
+        }
+    free(xsum);
+    return 0;
+}
+
+static inline __attribute__((always_inline)) void tile8(
+    const uint16_t *x, const int8_t *q, const uint16_t *s, uint16_t *y, int m0,
+    const int rows, int K, int N, int t) {
+    const int G = K / GROUP;
+    const int8_t *qt = q + (size_t)t * G * 512;
+    const uint16_t *xr = x + (size_t)m0 * K;
+    __m512 total[ROWS];
+    for (int m = 0; m < rows; m++) total[m] = _mm512_setzero_ps();
+    for (int g = 0; g < G; g++) {
+        __m512 acc[ROWS];
+        for (int m = 0; m < rows; m++) acc[m] = _mm512_setzero_ps();
+        for (int p = 0; p < 16; p++) {
+            const int8_t *qp = qt + (size_t)g * 512 + p * 32;
+            // columns 0-7 (inputs k, k+1 each) from the first 16 bytes, 8-15 from the next
+            const __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)qp)));
+            const __m512 hi =
+                _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qp + 16))));
+            const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
+            const int k = g * GROUP + 2 * p;
+            for (int m = 0; m < rows; m++) {
+                int32_t pair;
+                memcpy(&pair, xr + (size_t)m * K + k, sizeof pair);
+                acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(pair));
+            }
+        }
+        const __m512 sv = _mm512_cvtph_ps(
+            _mm256_loadu_si256((const __m256i *)(s + ((size_t)t * G + g) * TILE)));
+        for (int m = 0; m < rows; m++) total[m] = _mm512_fmadd_ps(acc[m], sv, total[m]);
+    }
+    for (int m = 0; m < rows; m++)
+        _mm256_storeu_si256((__m256i *)(y + (size_t)(m0 + m) * N + (size_t)t * TILE),
+                            (__m256i)_mm512_cvtneps_pbh(total[m]));
+}
+
+#define CASE8(R) \
+    case R: tile8(x, q, s, y, m0, R, K, N, t); break;
+
+int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *s, uint16_t *y, int M,
+                int K, int N) {
+    if (M <= 0 || K <= 0 || N <= 0 || K % GROUP || N % TILE) return -1;
+    const int tiles = N / TILE;
+#pragma omp parallel for schedule(static)
+    for (int t = 0; t < tiles; t++)
+        for (int m0 = 0; m0 < M; m0 += ROWS) {
+            switch (M - m0 < ROWS ? M - m0 : ROWS) {
+                CASE8(1) CASE8(2) CASE8(3) CASE8(4) CASE8(5) CASE8(6) CASE8(7) CASE8(8)
+            }
+        }
+    return 0;
+}
