@@ -1,0 +1,144 @@
+"""The native low-bit kernels (adapters/backends/lowbit_matmul.c) against float32 math."""
+
+from __future__ import annotations
+
+import copy
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from test_models import decode_after, on_4bit_grid, small_model
+from transformers import LlamaConfig, LlamaForCausalLM
+
+from masenvs.adapters.backends import cpu_kernels
+from masenvs.adapters.backends.llama import LlamaForward
+
+# Skipped only where the kernels cannot exist; where they can, failing to build them fails.
+needs_kernels = pytest.mark.skipif(
+    not cpu_kernels.cpu_supports() or shutil.which("gcc") is None,
+    reason="needs an x86-64 Linux CPU with AVX-512 BF16 and gcc",
+)
+
+
+def bf16_rows(rows: int, width: int, seed: int) -> torch.Tensor:
+    return torch.randn(rows, width, generator=torch.Generator().manual_seed(seed)).bfloat16()
+
+
+def assert_close_to(y: torch.Tensor, reference: torch.Tensor) -> None:
+    # bfloat16 output: each value is rounded to 8 significant bits.
+    assert y.dtype == torch.bfloat16 and y.shape == reference.shape
+    error = (y.float() - reference).abs()
+    assert bool((error <= reference.abs() * 2.0**-7 + reference.abs().max() * 1e-3).all())
+
+
+@needs_kernels
+def test_kernels_build_once_and_share_torchs_openmp_runtime(tmp_path: Path, monkeypatch) -> None:
+    assert cpu_kernels.enabled()
+    from masenvs.adapters.backends.omp import runtime_path
+
+    monkeypatch.setenv("MASENVS_CACHE", str(tmp_path))
+    built = cpu_kernels._build(Path(shutil.which("gcc")), runtime_path())
+    stamp = built.stat().st_mtime_ns
+    assert cpu_kernels._build(Path(shutil.which("gcc")), runtime_path()) == built
+    assert built.stat().st_mtime_ns == stamp  # cached, not rebuilt
+    maps = Path("/proc/self/maps").read_text().splitlines()
+    runtimes = {
+        line.split()[-1] for line in maps if Path(line.split()[-1]).name.startswith("libgomp")
+    }
+    assert len(runtimes) == 1, runtimes  # one OpenMP runtime, one thread pool
+
+
+@needs_kernels
+@pytest.mark.parametrize("out_features, in_features", [(16, 32), (48, 96), (960, 576)])
+@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+def test_int4_matmul_matches_float32(out_features: int, in_features: int, rows: int) -> None:
+    generator = torch.Generator().manual_seed(rows)
+    groups = (out_features, in_features // 32)
+    levels = torch.randint(0, 16, (out_features, in_features), generator=generator)
+    scales = (torch.rand(groups, generator=generator) * 0.01 + 1e-3).half().float()
+    minimums = (torch.randn(groups, generator=generator) * 0.05).half().float()
+    weights = levels * scales.repeat_interleave(32, 1) + minimums.repeat_interleave(32, 1)
+    x = bf16_rows(rows, in_features, seed=rows)
+    y = cpu_kernels.matmul(x, cpu_kernels.pack_int4(levels, scales, minimums))
+    assert_close_to(y, x.float() @ weights.T)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [1, 5, 8, 12, 32])
+def test_int8_matmul_matches_float32(rows: int) -> None:
+    out_features, in_features = 64, 128
+    generator = torch.Generator().manual_seed(rows)
+    levels = torch.randint(-127, 128, (out_features, in_features), generator=generator)
+    scales = (torch.rand(out_features, in_features // 32, generator=generator) * 1e-3).half()
+    weights = levels * scales.float().repeat_interleave(32, 1)
+    x = bf16_rows(rows, in_features, seed=rows)
+    y = cpu_kernels.matmul(x, cpu_kernels.pack_int8(levels, scales.float()))
+    assert_close_to(y, x.float() @ weights.T)
+
+
+@needs_kernels
+def test_bad_shapes_and_inputs_are_refused_clearly() -> None:
+    with pytest.raises(ValueError, match="out_features % 16"):
+        cpu_kernels.pack_int4(torch.zeros(20, 32), torch.ones(20, 1), torch.zeros(20, 1))
+    packed = cpu_kernels.pack_int8(torch.zeros(16, 64), torch.ones(16, 2))
+    with pytest.raises(ValueError, match="bfloat16"):
+        cpu_kernels.matmul(torch.zeros(2, 64), packed)  # float32
+    with pytest.raises(ValueError, match=r"\[rows, 64\]"):
+        cpu_kernels.matmul(torch.zeros(2, 32, dtype=torch.bfloat16), packed)
+
+
+def q8_model() -> torch.nn.Module:
+    """A small model whose untied LM head sits on a Q8_0 grid: per group of 32 inputs,
+    integers -127..127 times a float16 scale, then read in bfloat16."""
+    config = LlamaConfig(
+        vocab_size=320,
+        hidden_size=64,
+        intermediate_size=96,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        tie_word_embeddings=False,
+    )
+    torch.manual_seed(1)
+    model = LlamaForCausalLM(config).eval()
+    with torch.no_grad():
+        head = model.lm_head.weight
+        levels = torch.randint(-127, 128, (320, 2, 32))
+        levels[..., 0] = 127  # Q8_0 maps each group's largest magnitude to 127
+        scales = (torch.rand(320, 2, 1) * 0.002 + 0.001).half().float()
+        head.copy_((levels * scales).view(320, 64))
+    return on_4bit_grid(model.to(torch.bfloat16))
+
+
+@needs_kernels
+def test_auto_reads_4bit_and_8bit_weights_natively_and_stays_faithful() -> None:
+    model = q8_model()
+    prompts = [torch.randint(0, 320, (n,)) for n in (9, 4, 13)]
+    exact = decode_after(LlamaForward(copy.deepcopy(model).float(), 3, 64), prompts)
+    dense = decode_after(LlamaForward(model, max_slots=3, max_len=64), prompts)
+    forward = LlamaForward(model, max_slots=3, max_len=64, quantize="auto")
+    native = decode_after(forward, prompts)
+    assert forward.lm_head.packed.kernel == "int8-native"
+    assert {layer.down.packed.kernel for layer in forward.layers} == {"int4-native"}
+    assert not torch.equal(dense, native)  # the kernels really ran
+    # As close to the float32 forward as the dense bfloat16 one (its own rounding).
+    native_gap = (native.log_softmax(-1) - exact.log_softmax(-1)).abs()
+    dense_gap = (dense.log_softmax(-1) - exact.log_softmax(-1)).abs()
+    assert native_gap.max() < 0.05, native_gap.max()
+    assert native_gap.mean() < 1.5 * dense_gap.mean() + 1e-3, (native_gap.mean(), dense_gap.mean())
+
+
+@needs_kernels
+def test_auto_leaves_16bit_weights_dense_and_the_switch_turns_kernels_off(monkeypatch) -> None:
+    model = small_model("llama").to(torch.bfloat16)
+    auto = LlamaForward(model, max_slots=1, max_len=64, quantize="auto")
+    decode_after(auto, [torch.randint(0, 300, (5,))])
+    assert all(p.packed is None for layer in auto.layers for p in (layer.qkv, layer.down))
+
+    monkeypatch.setenv("MASENVS_CPU_KERNELS", "0")
+    assert not cpu_kernels.enabled()
+    forced = LlamaForward(model, max_slots=1, max_len=64, quantize="int4")
+    decode_after(forced, [torch.randint(0, 300, (5,))])
+    assert {layer.qkv.packed.kernel for layer in forced.layers} == {"int4"}  # torch's
