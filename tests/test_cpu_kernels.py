@@ -1,4 +1,4 @@
-"""The native low-bit kernels (adapters/backends/lowbit_matmul.c) against float32 math."""
+"""The native low-bit kernels (adapters/backends/cpu_kernels.c) against float32 math."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ machines measured the 4-bit kernel runs 1.5-2.2x faster than torch's
 to 32 rows (`bench/kernels.py`): one `vdpbf16ps` multiplies 16 output columns by two
 inputs, and one pass over the weights serves 8 rows instead of torch's 4.
 
-The source (`lowbit_matmul.c`) is built with gcc into `cache_root()/kernels`, keyed by its
+The source (`cpu_kernels.c`) is built with gcc into `cache_root()/kernels`, keyed by its
 text and flags, and linked against the OpenMP runtime torch already loaded, so the
 process keeps one thread pool (see `omp`). Where it cannot be built or run (no gcc, a CPU
 without AVX-512 BF16, no OpenMP runtime, not Linux), `enabled()` is False and the engine
@@ -37,7 +37,7 @@ from masenvs.adapters.models import cache_root
 
 GROUP = 32  # inputs per scale and minimum
 TILE = 16  # output columns per vector
-SOURCE = Path(__file__).with_name("lowbit_matmul.c")
+SOURCE = Path(__file__).with_name("cpu_kernels.c")
 CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma")
 CFLAGS = (
     "-O3",
@@ -55,7 +55,7 @@ CFLAGS = (
 
 @dataclass(frozen=True)
 class LowBitWeights:
-    """A [out_features, in_features] matrix packed for `matmul` (see lowbit_matmul.c)."""
+    """A [out_features, in_features] matrix packed for `matmul` (see cpu_kernels.c)."""
 
     bits: int  # 4: weight = level * scale + minimum, level 0..15; 8: level * scale, |level| <= 127
     levels: (
@@ -155,6 +155,58 @@ def _per_tile(values: Tensor, tiles: int, groups: int) -> Tensor:
     return values.reshape(tiles, TILE, groups).transpose(1, 2).to(torch.float16).contiguous()
 
 
+def decode_attention(
+    qk: Tensor,
+    v: Tensor,
+    k_cache: Tensor,
+    v_cache: Tensor,
+    positions: Tensor,
+    n_kv: int,
+    scale: float,
+) -> Tensor:
+    """One decode step's attention, cache writes included (see cpu_kernels.c).
+
+    `qk` [B, heads + n_kv, D]: each row's queries, then its new keys; `v` [B, n_kv, D]
+    (rows may be strided); `k_cache` [slots, n_kv, D, capacity] and `v_cache` [slots, n_kv,
+    capacity, D], slot b for row b; `positions` [B]. Returns [B, heads * D]; all bfloat16.
+    """
+    library = _library()
+    if library is None:
+        raise RuntimeError("The native CPU kernels are not available on this machine.")
+    batch, columns, dim = qk.shape
+    heads = columns - n_kv
+    if (
+        any(t.dtype != torch.bfloat16 for t in (qk, v, k_cache, v_cache))
+        or qk.stride()[1:] != (dim, 1)
+        or v.stride()[1:] != (dim, 1)
+        or not (k_cache.is_contiguous() and v_cache.is_contiguous())
+        or k_cache.shape[0] < batch
+        or heads % n_kv
+    ):
+        raise ValueError("decode_attention: unsupported dtypes, layouts or shapes")
+    positions = positions.to(torch.int64).contiguous()
+    out = torch.empty(batch, heads * dim, dtype=torch.bfloat16)
+    status = library.decode_attention(
+        qk.data_ptr(),
+        qk.stride(0),
+        v.data_ptr(),
+        v.stride(0),
+        k_cache.data_ptr(),
+        v_cache.data_ptr(),
+        positions.data_ptr(),
+        out.data_ptr(),
+        batch,
+        n_kv,
+        heads // n_kv,
+        dim,
+        k_cache.shape[-1],
+        scale,
+    )
+    if status != 0:
+        raise RuntimeError("decode_attention failed: a position beyond the cache, or out of memory")
+    return out
+
+
 def cpu_supports() -> bool:
     """Whether this CPU has the instructions the kernels use (x86-64 Linux only)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -193,24 +245,27 @@ def _library() -> ctypes.CDLL | None:
     pointer, integer = ctypes.c_void_p, ctypes.c_int
     library.int4_matmul.argtypes = [pointer] * 5 + [integer] * 3
     library.int8_matmul.argtypes = [pointer] * 4 + [integer] * 3
-    library.int4_matmul.restype = library.int8_matmul.restype = integer
+    library.decode_attention.argtypes = [pointer, integer, pointer, integer] + [pointer] * 4
+    library.decode_attention.argtypes += [integer] * 5 + [ctypes.c_float]
+    for function in (library.int4_matmul, library.int8_matmul, library.decode_attention):
+        function.restype = integer
     return library
 
 
 def _build(compiler: Path, runtime: Path) -> Path:
-    """Compile lowbit_matmul.c into the cache (once per source, flags and runtime)."""
+    """Compile cpu_kernels.c into the cache (once per source, flags and runtime)."""
     source = SOURCE.read_bytes()
     key = hashlib.sha256(
         b"\0".join(
             [source, " ".join(CFLAGS).encode(), str(runtime).encode(), str(compiler).encode()]
         )
     )
-    target = cache_root() / "kernels" / f"lowbit_matmul-{key.hexdigest()[:16]}.so"
+    target = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "lowbit_matmul.o", Path(tmp) / "lowbit_matmul.so"
+        obj, lib = Path(tmp) / "cpu_kernels.o", Path(tmp) / "cpu_kernels.so"
         # Link the runtime torch loaded, not the compiler's own libgomp: one thread pool.
         for command in (
             [str(compiler), *CFLAGS, "-c", str(SOURCE), "-o", str(obj)],

@@ -19,6 +19,7 @@
 // Products of bfloat16 values are exact in fp32, and the sums are fp32. 8-bit levels go
 // through fp32 into bfloat16, where integers up to 256 are exact.
 #include <immintrin.h>
+#include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -151,4 +152,116 @@ int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *s, uint16_t 
             }
         }
     return 0;
+}
+
+// ---- decode attention ------------------------------------------------------------------
+//
+// One new token per row b (row b owns cache slot b): write its key and value at position
+// positions[b], then attend over positions 0..positions[b] of the slot. Grouped-query
+// attention: query head h * groups + i reads KV head h. bfloat16 in and out, fp32 inside.
+//
+//   qk:  [B, (n_kv * groups + n_kv) * D] rows of qk_stride elements: the B rows' queries
+//        (after rotary embedding), then their new keys
+//   v:   [B, n_kv * D] rows of v_stride elements: the new values
+//   k_cache: [slots, n_kv, D, capacity] (keys transposed); v_cache: [slots, n_kv, capacity, D]
+//   out: [B, n_kv * groups * D]
+
+static inline __m512 bf16_to_ps(__m256i h) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+static inline __m512 load_bf16(const uint16_t *p, __mmask16 mask) {
+    return bf16_to_ps(_mm256_maskz_loadu_epi16(mask, p));
+}
+
+static inline float bf16_scalar(uint16_t h) {
+    uint32_t bits = (uint32_t)h << 16;
+    float v;
+    memcpy(&v, &bits, sizeof v);
+    return v;
+}
+
+// e^x for x <= 0 (Cephes' expf polynomial on x - n ln2, scaled by 2^n): ~1 ulp.
+static inline __m512 exp_ps(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
+}
+
+int decode_attention(const uint16_t *qk, int qk_stride, const uint16_t *v, int v_stride,
+                     uint16_t *k_cache, uint16_t *v_cache, const int64_t *positions,
+                     uint16_t *out, int B, int n_kv, int groups, int D, int capacity,
+                     float scale) {
+    if (B <= 0 || n_kv <= 0 || groups <= 0 || D <= 0 || D % 16) return -1;
+    for (int b = 0; b < B; b++)
+        if (positions[b] < 0 || positions[b] >= capacity) return -1;
+    const int heads = n_kv * groups;
+    int failed = 0;
+#pragma omp parallel
+    {
+        float *scores = malloc(sizeof(float) * (size_t)(capacity + 16));
+        if (!scores) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int task = 0; task < B * n_kv; task++) {
+            if (!scores) continue;
+            const int b = task / n_kv, h = task % n_kv;
+            const int64_t pos = positions[b];
+            const int len = (int)pos + 1;
+            uint16_t *keys = k_cache + ((size_t)b * n_kv + h) * D * capacity;
+            uint16_t *values = v_cache + ((size_t)b * n_kv + h) * capacity * D;
+            const uint16_t *row = qk + (size_t)b * qk_stride;
+            const uint16_t *new_key = row + (size_t)(heads + h) * D;
+            for (int d = 0; d < D; d++) keys[(size_t)d * capacity + pos] = new_key[d];
+            memcpy(values + (size_t)pos * D, v + (size_t)b * v_stride + (size_t)h * D, 2 * (size_t)D);
+            for (int i = 0; i < groups; i++) {
+                const uint16_t *query = row + (size_t)(h * groups + i) * D;
+                // scores[p] = scale * q . k_p, 16 positions at a time
+                __m512 peak = _mm512_set1_ps(-INFINITY);
+                for (int p0 = 0; p0 < len; p0 += 16) {
+                    const __mmask16 mask = len - p0 >= 16 ? 0xFFFF : (__mmask16)((1u << (len - p0)) - 1);
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int d = 0; d < D; d++)
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(bf16_scalar(query[d])),
+                                              load_bf16(keys + (size_t)d * capacity + p0, mask), acc);
+                    acc = _mm512_mul_ps(acc, _mm512_set1_ps(scale));
+                    _mm512_mask_storeu_ps(scores + p0, mask, acc);
+                    peak = _mm512_mask_max_ps(peak, mask, peak, acc);
+                }
+                const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(peak));
+                __m512 sums = _mm512_setzero_ps();
+                for (int p0 = 0; p0 < len; p0 += 16) {
+                    const __mmask16 mask = len - p0 >= 16 ? 0xFFFF : (__mmask16)((1u << (len - p0)) - 1);
+                    __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(mask, scores + p0), top));
+                    e = _mm512_maskz_mov_ps(mask, e);
+                    _mm512_mask_storeu_ps(scores + p0, mask, e);
+                    sums = _mm512_add_ps(sums, e);
+                }
+                const float norm = 1.0f / _mm512_reduce_add_ps(sums);
+                uint16_t *dst = out + (size_t)b * heads * D + (size_t)(h * groups + i) * D;
+                for (int d0 = 0; d0 < D; d0 += 16) {
+                    __m512 acc = _mm512_setzero_ps();
+                    for (int p = 0; p < len; p++)
+                        acc = _mm512_fmadd_ps(_mm512_set1_ps(scores[p]),
+                                              load_bf16(values + (size_t)p * D + d0, 0xFFFF), acc);
+                    acc = _mm512_mul_ps(acc, _mm512_set1_ps(norm));
+                    _mm256_storeu_si256((__m256i *)(dst + d0), (__m256i)_mm512_cvtneps_pbh(acc));
+                }
+            }
+        }
+        free(scores);
+    }
+    return failed ? -1 : 0;
 }
