@@ -142,3 +142,59 @@ def test_auto_leaves_16bit_weights_dense_and_the_switch_turns_kernels_off(monkey
     forced = LlamaForward(model, max_slots=1, max_len=64, quantize="int4")
     decode_after(forced, [torch.randint(0, 300, (5,))])
     assert {layer.qkv.packed.kernel for layer in forced.layers} == {"int4"}  # torch's
+
+
+def attention_reference(qk, v, k_cache, v_cache, positions, n_kv, scale):
+    """Float32 attention of each row over its slot's positions 0..positions[b], after
+    writing the row's key and value there, as the engine's torch path computes it."""
+    batch, columns, dim = qk.shape
+    heads, groups = columns - n_kv, (columns - n_kv) // n_kv
+    keys, values = k_cache.float().clone(), v_cache.float().clone()
+    rows = torch.arange(batch)
+    keys[rows, :, :, positions] = qk[:, heads:].float()
+    values[rows, :, positions] = v.float()
+    out = torch.empty(batch, heads, dim)
+    for b in range(batch):
+        end = int(positions[b]) + 1
+        for head in range(heads):
+            kv = head // groups
+            weights = (qk[b, head].float() @ keys[b, kv, :, :end] * scale).softmax(-1)
+            out[b, head] = weights @ values[b, kv, :end]
+    return out.view(batch, -1), keys, values
+
+
+@needs_kernels
+@pytest.mark.parametrize(
+    "batch, n_kv, groups, dim, longest",
+    [(1, 3, 3, 64, 1), (8, 3, 3, 64, 100), (5, 2, 2, 16, 17), (3, 1, 4, 128, 40), (32, 4, 1, 32, 33)],
+)
+def test_decode_attention_matches_float32(batch, n_kv, groups, dim, longest) -> None:
+    generator = torch.Generator().manual_seed(batch * 100 + longest)
+    heads, capacity = n_kv * groups, 64 * (longest // 64 + 1)
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator).bfloat16()
+
+    k_cache, v_cache = randn(batch + 2, n_kv, dim, capacity), randn(batch + 2, n_kv, capacity, dim)
+    qkv = randn(batch, (heads + 2 * n_kv) * dim)  # as the q/k/v projection returns them
+    qk = qkv[:, : (heads + n_kv) * dim].reshape(batch, heads + n_kv, dim).clone()
+    v = qkv[:, (heads + n_kv) * dim :].view(batch, n_kv, dim)  # strided rows
+    positions = torch.randint(0, longest, (batch,), generator=generator)
+    positions[0] = longest - 1
+    scale = dim**-0.5
+    expected, keys, values = attention_reference(qk, v, k_cache, v_cache, positions, n_kv, scale)
+    out = cpu_kernels.decode_attention(qk, v, k_cache, v_cache, positions, n_kv, scale)
+    assert torch.equal(k_cache.float(), keys) and torch.equal(v_cache.float(), values)
+    assert_close_to(out, expected)
+
+
+@needs_kernels
+def test_decode_attention_refuses_positions_beyond_the_cache() -> None:
+    qk = torch.zeros(1, 4, 16, dtype=torch.bfloat16)
+    v = torch.zeros(1, 2, 16, dtype=torch.bfloat16)
+    k_cache = torch.zeros(1, 2, 16, 32, dtype=torch.bfloat16)
+    v_cache = torch.zeros(1, 2, 32, 16, dtype=torch.bfloat16)
+    with pytest.raises(RuntimeError, match="beyond the cache"):
+        cpu_kernels.decode_attention(qk, v, k_cache, v_cache, torch.tensor([32]), 2, 0.25)
+    with pytest.raises(ValueError, match="unsupported"):
+        cpu_kernels.decode_attention(qk.float(), v, k_cache, v_cache, torch.tensor([0]), 2, 0.25)
