@@ -88,9 +88,10 @@ def test_bad_shapes_and_inputs_are_refused_clearly() -> None:
         cpu_kernels.matmul(torch.zeros(2, 32, dtype=torch.bfloat16), packed)
 
 
-def q8_model() -> torch.nn.Module:
-    """A small model whose untied LM head sits on a Q8_0 grid: per group of 32 inputs,
-    integers -127..127 times a float16 scale, then read in bfloat16."""
+def quantized_model() -> torch.nn.Module:
+    """A small float32 model stored as a GGUF Q4_1/Q8_0 file would give it: projections on
+    a 4-bit grid (`on_4bit_grid`), the untied LM head on an 8-bit one (per group of 32
+    inputs, integers -127..127 times a float16 scale)."""
     config = LlamaConfig(
         vocab_size=320,
         hidden_size=64,
@@ -109,25 +110,27 @@ def q8_model() -> torch.nn.Module:
         levels[..., 0] = 127  # Q8_0 maps each group's largest magnitude to 127
         scales = (torch.rand(320, 2, 1) * 0.002 + 0.001).half().float()
         head.copy_((levels * scales).view(320, 64))
-    return on_4bit_grid(model.to(torch.bfloat16))
+    return on_4bit_grid(model)
 
 
 @needs_kernels
 def test_auto_reads_4bit_and_8bit_weights_natively_and_stays_faithful() -> None:
-    model = q8_model()
+    exact_model = quantized_model()
+    model = copy.deepcopy(exact_model).to(torch.bfloat16)  # what the engine loads
     prompts = [torch.randint(0, 320, (n,)) for n in (9, 4, 13)]
-    exact = decode_after(LlamaForward(copy.deepcopy(model).float(), 3, 64), prompts)
+    exact = decode_after(LlamaForward(exact_model, 3, 64), prompts)
     dense = decode_after(LlamaForward(model, max_slots=3, max_len=64), prompts)
     forward = LlamaForward(model, max_slots=3, max_len=64, quantize="auto")
     native = decode_after(forward, prompts)
     assert forward.lm_head.packed.kernel == "int8-native"
     assert {layer.down.packed.kernel for layer in forward.layers} == {"int4-native"}
     assert not torch.equal(dense, native)  # the kernels really ran
-    # As close to the float32 forward as the dense bfloat16 one (its own rounding).
+    # At least as close to the float32 model as the dense bfloat16 weights are: the
+    # kernels read the grid itself, not its bfloat16 rounding.
     native_gap = (native.log_softmax(-1) - exact.log_softmax(-1)).abs()
     dense_gap = (dense.log_softmax(-1) - exact.log_softmax(-1)).abs()
     assert native_gap.max() < 0.05, native_gap.max()
-    assert native_gap.mean() < 1.5 * dense_gap.mean() + 1e-3, (native_gap.mean(), dense_gap.mean())
+    assert native_gap.mean() <= 1.1 * dense_gap.mean(), (native_gap.mean(), dense_gap.mean())
 
 
 @needs_kernels
@@ -166,7 +169,13 @@ def attention_reference(qk, v, k_cache, v_cache, positions, n_kv, scale):
 @needs_kernels
 @pytest.mark.parametrize(
     "batch, n_kv, groups, dim, longest",
-    [(1, 3, 3, 64, 1), (8, 3, 3, 64, 100), (5, 2, 2, 16, 17), (3, 1, 4, 128, 40), (32, 4, 1, 32, 33)],
+    [
+        (1, 3, 3, 64, 1),
+        (8, 3, 3, 64, 100),
+        (5, 2, 2, 16, 17),
+        (3, 1, 4, 128, 40),
+        (32, 4, 1, 32, 33),
+    ],
 )
 def test_decode_attention_matches_float32(batch, n_kv, groups, dim, longest) -> None:
     generator = torch.Generator().manual_seed(batch * 100 + longest)

@@ -228,6 +228,7 @@ def on_4bit_grid(model: torch.nn.Module) -> torch.nn.Module:
                 out_features, in_features = module.weight.shape
                 groups = (out_features, in_features // 32, 1)
                 step, low = torch.rand(groups) * 0.01 + 0.002, torch.randn(groups) * 0.02 - 0.06
+                step, low = step.half().float(), low.half().float()  # Q4_1 stores float16
                 levels = torch.randint(0, 16, (out_features, in_features // 32, 32))
                 levels[..., 0], levels[..., 1] = 0, 15  # the quantizer maps min to 0, max to 15
                 module.weight.copy_((low + step * levels).view(out_features, in_features))

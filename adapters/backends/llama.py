@@ -31,10 +31,11 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 #           with one scale per output row (lossy).
 QUANTIZE_MODES = ("auto", "int4", "int8")
 INT4_GROUP = 32
-# Decode batches above this many rows read the dense weights: there the weight-only
-# kernels, which dequantize per row block, cost more than the memory they save. The
-# native int4 kernel (cpu_kernels) stays ahead of a dense bfloat16 matmul up to 32 rows.
-QUANTIZED_MAX_ROWS = {"int8": 16, "int4": 16, "int4-native": 32, "int8-native": 32}
+# Matmuls over more rows than this (larger decode batches, most prefills) read the dense
+# weights: there the weight-only kernels, which dequantize per block of rows, cost more
+# than the memory they save. torch's cross over at ~16 rows, the native ones (cpu_kernels)
+# at ~128 (bench/kernels.py).
+QUANTIZED_MAX_ROWS = {"int8": 16, "int4": 16, "int4-native": 64, "int8-native": 64}
 _LORA_KEY = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
 )
@@ -371,7 +372,8 @@ class LlamaForward:
             return out.view(total, -1)
 
         rows = _group_rows([(p.lora, span) for p, span in zip(prompts, spans)], device)
-        return self._forward(tokens, positions, attend, rows, ends)
+        quantized = self.quantize is not None  # where few tokens: see QUANTIZED_MAX_ROWS
+        return self._forward(tokens, positions, attend, rows, ends, quantized=quantized)
 
     @torch.inference_mode()
     def decode(self, tokens: Tensor, positions: Tensor, lora: LoraRows | None) -> Tensor:
@@ -432,9 +434,8 @@ class LlamaForward:
         stores each token's key and value in its cache slot and returns the attention
         output [N, heads * D].
 
-        `quantized` reads the quantized weights (decode steps up to their kernel's
-        `max_rows`); prefill reads the dense ones, where the weight-only kernels would be
-        slower than a dense matmul.
+        `quantized` lets matmuls over at most their kernel's `max_rows` rows read the
+        quantized weights; larger ones read the dense weights.
         """
         n = tokens.numel()
         cos = self.cos[positions].unsqueeze(1)  # [N, 1, D]
@@ -660,19 +661,42 @@ def _is_8bit(w: Tensor, step: Tensor) -> bool:
 
 
 def _quantize_int8_native(w: Tensor, step: Tensor) -> cpu_kernels.LowBitWeights:
+    """The levels of `_int8_grid` packed for cpu_kernels.matmul: weight ~ q * step, step
+    refit to all 32 weights of its group (see `_refit`) and rounded to float16."""
+    q = torch.round(w / step).clamp_(-127, 127)
+    step = _refit(w, q, step, None)[0].clamp_min(2.0**-24).half().float()
     q = torch.round(w / step).clamp_(-127, 127)
     return cpu_kernels.pack_int8(q.view(q.shape[0], -1), step[..., 0])
 
 
 def _quantize_int4_native(w: Tensor, low: Tensor, step: Tensor) -> cpu_kernels.LowBitWeights:
-    """The levels of `_int4_grid` packed for cpu_kernels.matmul: weight ~ q * step +
-    low, with step and low rounded to float16 (as a GGUF Q4_1 block stores them) before
-    the levels are chosen."""
+    """The levels of `_int4_grid` packed for cpu_kernels.matmul: weight ~ q * step + low,
+    step and low refit to all 32 weights of their group (see `_refit`) and rounded to
+    float16 (as a GGUF Q4_1 block stores them) before the levels are chosen."""
+    q = torch.round((w - low) / step).clamp_(0, 15)
+    step, low = _refit(w, q, step, low)
     # Clamped so that a constant group keeps a positive float16 step.
     step = step.clamp_min(2.0**-24).half().float()
     low = low.half().float()
     q = torch.round((w - low) / step).clamp_(0, 15)
     return cpu_kernels.pack_int4(q.view(q.shape[0], -1), step[..., 0], low[..., 0])
+
+
+def _refit(w: Tensor, q: Tensor, step: Tensor, low: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    """Least-squares step (and offset, unless `low` is None) of each group [.., 32] given
+    its levels `q`. A grid read off the group's extremes inherits their rounding (bfloat16
+    for the weights the engine holds), an error shared by all 32 weights; the fit averages
+    it over the group, so it lands much nearer the file's own float16 values."""
+    if low is None:
+        norm = (q * q).sum(-1, keepdim=True)
+        fitted = (q * w).sum(-1, keepdim=True) / norm.clamp_min(1.0)
+        return torch.where(norm > 0, fitted, step), None
+    n = w.shape[-1]
+    sum_q, sum_w = q.sum(-1, keepdim=True), w.sum(-1, keepdim=True)
+    det = n * (q * q).sum(-1, keepdim=True) - sum_q**2
+    fitted = (n * (q * w).sum(-1, keepdim=True) - sum_q * sum_w) / det.clamp_min(1.0)
+    step = torch.where(det > 0, fitted, step)
+    return step, torch.where(det > 0, (sum_w - step * sum_q) / n, low)
 
 
 def _cached(dims: tuple, keys: bool) -> tuple:
