@@ -66,8 +66,9 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--quantize",
         choices=["auto", "int4", "int8", "none"],
         default="auto",
-        help="embedded engine on CPU in bfloat16: decode batches of up to 16 read weight-only "
-        "copies; auto: int4 for weights that already are 4-bit (SmolLM2's GGUF: exact up to bf16 scales), "
+        help="embedded engine on CPU in bfloat16: decode steps and short prefills read "
+        "weight-only copies; auto: 4 or 8 bits for weights that already are (SmolLM2's GGUF "
+        "Q4_1 layers and Q8_0 head, up to the float16 rounding of the file's scales), "
         "int4/int8: every matrix (lossy), none: dense",
     )
 

@@ -111,10 +111,12 @@ class BackendConfig(_Section):
     )
     quantize: Literal["auto", "int4", "int8", "none"] = Field(
         "auto",
-        description="Embedded engine on CPU in bfloat16: decode batches of up to 16 rows "
-        "read weight-only copies. 'auto' packs weights that already are 4-bit (SmolLM2's "
-        "GGUF) into int4, exact up to the bf16 rounding of each group's scale; 'int4'/'int8' pack every matrix (the samples come "
-        "from a slightly rounded policy); 'none' stays dense.",
+        description="Embedded engine on CPU in bfloat16: decode steps and short prefills "
+        "read weight-only copies. 'auto' packs weights that already are 4- or 8-bit "
+        "(SmolLM2's GGUF: Q4_1 layers, Q8_0 head; the 8-bit kind needs the native CPU "
+        "kernels) as they are, up to the float16 rounding of each group's scale; "
+        "'int4'/'int8' pack every matrix (the samples come from a slightly rounded policy); "
+        "'none' stays dense.",
     )
 
 
