@@ -207,3 +207,64 @@ def test_decode_attention_refuses_positions_beyond_the_cache() -> None:
         cpu_kernels.decode_attention(qk, v, k_cache, v_cache, torch.tensor([32]), 2, 0.25)
     with pytest.raises(ValueError, match="unsupported"):
         cpu_kernels.decode_attention(qk.float(), v, k_cache, v_cache, torch.tensor([0]), 2, 0.25)
+
+
+@needs_kernels
+@pytest.mark.parametrize("rows", [slice(None), slice(2, 5), torch.tensor([0, 3, 4])])
+def test_lora_add_matches_float32(rows) -> None:
+    generator = torch.Generator().manual_seed(7)
+    y, x = bf16_rows(6, 40, seed=1), bf16_rows(6, 72, seed=2)  # widths off the 16-lane grid
+    a = torch.randn(12, 72, generator=generator)
+    b_t = torch.randn(12, 40, generator=generator) * 0.1
+    expected = y.float().clone()
+    expected[rows] += x[rows].float() @ a.T @ b_t
+    updated = y.clone()
+    cpu_kernels.lora_add(updated, x, rows, a, b_t)
+    selected = torch.zeros(6, dtype=torch.bool)
+    selected[rows] = True
+    assert torch.equal(updated[~selected], y[~selected])  # other rows untouched
+    assert_close_to(updated[selected], expected[selected])
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu_kernels.lora_add(updated, x, torch.tensor([6]), a, b_t)
+
+
+def random_adapter(model: torch.nn.Module, name: str, seed: int):
+    from masenvs.adapters.backends.llama import lora_from_state_dict
+
+    generator = torch.Generator().manual_seed(seed)
+    state = {}
+    for module_name, module in model.named_modules():
+        if module_name.endswith(("q_proj", "v_proj", "gate_proj", "down_proj")):
+            out_features, in_features = module.weight.shape
+            state[f"{module_name}.lora_A.weight"] = torch.randn(4, in_features, generator=generator)
+            state[f"{module_name}.lora_B.weight"] = torch.randn(
+                out_features, 4, generator=generator
+            )
+    return lora_from_state_dict(name, state, rank=4, scale=0.05)
+
+
+@needs_kernels
+def test_native_lora_rows_match_the_torch_path(monkeypatch) -> None:
+    from masenvs.adapters.backends.llama import LoraRows, Prefill
+
+    model = small_model("llama").to(torch.bfloat16)
+    first, second = random_adapter(model, "a", 1), random_adapter(model, "b", 2)
+    prompts = [torch.randint(0, 300, (n,)) for n in (6, 9, 4, 7)]
+    # rows 0 and 2 with adapter a, row 3 with b, row 1 the base model
+    lora = LoraRows([(first, torch.tensor([0, 2])), (second, slice(3, 4))])
+
+    def logits(forward: LlamaForward, rows: LoraRows | None = lora) -> torch.Tensor:
+        forward.prefill([Prefill(slot, p[:-1]) for slot, p in enumerate(prompts)])
+        tokens = torch.stack([p[-1] for p in prompts])
+        positions = torch.tensor([len(p) - 1 for p in prompts])
+        return forward.decode(tokens, positions, rows).log_softmax(-1)
+
+    native = LlamaForward(model, max_slots=4, max_len=64)
+    assert native.native_attention
+    with_kernels = logits(native)
+    monkeypatch.setenv("MASENVS_CPU_KERNELS", "0")
+    with_torch = logits(LlamaForward(model, max_slots=4, max_len=64))
+    without_lora = logits(LlamaForward(model, max_slots=4, max_len=64), None)
+    assert (with_kernels - with_torch).abs().max() < 0.02
+    assert (with_torch - without_lora).abs().max() > 0.1  # the adapters matter here
+    assert (with_kernels[1] - without_lora[1]).abs().max() < 0.02  # row 1: base model

@@ -265,3 +265,47 @@ int decode_attention(const uint16_t *qk, int qk_stride, const uint16_t *v, int v
     }
     return failed ? -1 : 0;
 }
+
+// ---- LoRA ------------------------------------------------------------------------------
+//
+// y[m] += (x[m] A^T) B for the selected rows m, in place: x [M, K] and y [M, N] bfloat16,
+// A [R, K] and B [R, N] float32 (B is the adapter's scaled B, transposed). Rows: `count`
+// rows from `start`, or rows[0..count) when `rows` is not NULL. Each y value is rounded
+// to bfloat16 once, after the fp32 delta is added.
+
+static inline float dot_bf16_f32(const uint16_t *x, const float *a, int K) {
+    __m512 acc = _mm512_setzero_ps();
+    int k = 0;
+    for (; k + 16 <= K; k += 16)
+        acc = _mm512_fmadd_ps(load_bf16(x + k, 0xFFFF), _mm512_loadu_ps(a + k), acc);
+    if (k < K) {
+        const __mmask16 mask = (__mmask16)((1u << (K - k)) - 1);
+        acc = _mm512_fmadd_ps(load_bf16(x + k, mask), _mm512_maskz_loadu_ps(mask, a + k), acc);
+    }
+    return _mm512_reduce_add_ps(acc);
+}
+
+int lora_add(uint16_t *y, const uint16_t *x, const int64_t *rows, int start, int count,
+             const float *a, const float *b, int M, int K, int N, int R) {
+    if (count < 0 || K <= 0 || N <= 0 || R <= 0 || R > 1024) return -1;
+    for (int i = 0; i < count; i++) {
+        const int64_t m = rows ? rows[i] : (int64_t)start + i;
+        if (m < 0 || m >= M) return -1;
+    }
+#pragma omp parallel for schedule(static) if (count > 1)
+    for (int i = 0; i < count; i++) {
+        const int64_t m = rows ? rows[i] : (int64_t)start + i;
+        const uint16_t *xm = x + (size_t)m * K;
+        uint16_t *ym = y + (size_t)m * N;
+        float t[1024];
+        for (int r = 0; r < R; r++) t[r] = dot_bf16_f32(xm, a + (size_t)r * K, K);
+        for (int n0 = 0; n0 < N; n0 += 16) {
+            const __mmask16 mask = N - n0 >= 16 ? 0xFFFF : (__mmask16)((1u << (N - n0)) - 1);
+            __m512 acc = load_bf16(ym + n0, mask);
+            for (int r = 0; r < R; r++)
+                acc = _mm512_fmadd_ps(_mm512_set1_ps(t[r]), _mm512_maskz_loadu_ps(mask, b + (size_t)r * N + n0), acc);
+            _mm256_mask_storeu_epi16(ym + n0, mask, (__m256i)_mm512_cvtneps_pbh(acc));
+        }
+    }
+    return 0;
+}

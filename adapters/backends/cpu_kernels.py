@@ -207,6 +207,37 @@ def decode_attention(
     return out
 
 
+def lora_add(y: Tensor, x: Tensor, rows: slice | Tensor, a: Tensor, b_t: Tensor) -> None:
+    """y[rows] += (x[rows] a^T) b_t in place, rounding y once: y [M, N] and x [M, K]
+    bfloat16 and contiguous, `a` [R, K] and `b_t` [R, N] float32 (the adapter's scaled B,
+    transposed), `rows` a slice of rows or a tensor of row indices."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("The native CPU kernels are not available on this machine.")
+    (m, n), (r, k) = y.shape, a.shape
+    if (
+        y.dtype != torch.bfloat16
+        or x.dtype != torch.bfloat16
+        or a.dtype != torch.float32
+        or b_t.dtype != torch.float32
+        or x.shape != (m, k)
+        or b_t.shape != (r, n)
+        or not all(t.is_contiguous() for t in (y, x, a, b_t))
+    ):
+        raise ValueError("lora_add: unsupported dtypes, layouts or shapes")
+    if isinstance(rows, slice):
+        start, stop, _ = rows.indices(m)
+        index, start, count = None, start, max(0, stop - start)
+    else:
+        rows = rows.to(torch.int64).contiguous()
+        index, start, count = rows.data_ptr(), 0, rows.numel()
+    status = library.lora_add(
+        y.data_ptr(), x.data_ptr(), index, start, count, a.data_ptr(), b_t.data_ptr(), m, k, n, r
+    )
+    if status != 0:
+        raise RuntimeError(f"lora_add failed: a row outside 0..{m - 1}, or rank {r} above 1024")
+
+
 def cpu_supports() -> bool:
     """Whether this CPU has the instructions the kernels use (x86-64 Linux only)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -247,7 +278,15 @@ def _library() -> ctypes.CDLL | None:
     library.int8_matmul.argtypes = [pointer] * 4 + [integer] * 3
     library.decode_attention.argtypes = [pointer, integer, pointer, integer] + [pointer] * 4
     library.decode_attention.argtypes += [integer] * 5 + [ctypes.c_float]
-    for function in (library.int4_matmul, library.int8_matmul, library.decode_attention):
+    library.lora_add.argtypes = [pointer, pointer, pointer, integer, integer, pointer, pointer]
+    library.lora_add.argtypes += [integer] * 4
+    functions = (
+        library.int4_matmul,
+        library.int8_matmul,
+        library.decode_attention,
+        library.lora_add,
+    )
+    for function in functions:
         function.restype = integer
     return library
 

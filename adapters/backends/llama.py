@@ -137,10 +137,10 @@ class LoraAdapter:
         self, index: int, parts: list[tuple[str, int, int]]
     ) -> tuple[Tensor, Tensor] | None:
         """For the modules of one projection (`parts`, as in `_Projection`) of layer `index`:
-        their A matrices stacked [R, in] and their B matrices placed block-diagonally
-        [out, R], in float32; None if the adapter has none of them. Two small matmuls then
-        give the whole projection's delta: tiny bfloat16 matmuls cost ~30 us each on a CPU,
-        float32 ones a few."""
+        their A matrices stacked [R, in] and their B matrices placed block-diagonally and
+        transposed [R, out], in float32; None if the adapter has none of them. Two small
+        matmuls (or one native call) then give the whole projection's delta: tiny bfloat16
+        matmuls cost ~30 us each on a CPU, float32 ones a few."""
         if self._stacked_version != self.version:
             self._stacked.clear()
             self._stacked_version = self.version
@@ -153,12 +153,12 @@ class LoraAdapter:
                 self._stacked[key] = None
             else:
                 a = torch.cat([a.float() for (a, _), _, _ in found])
-                b = a.new_zeros(parts[-1][2], a.shape[0])
-                column = 0
+                b_t = a.new_zeros(a.shape[0], parts[-1][2])
+                row = 0
                 for (_, b_part), start, end in found:
-                    b[start:end, column : column + b_part.shape[1]] = b_part.float()
-                    column += b_part.shape[1]
-                self._stacked[key] = (a, b)
+                    b_t[row : row + b_part.shape[1], start:end] = b_part.float().T
+                    row += b_part.shape[1]
+                self._stacked[key] = (a.contiguous(), b_t)
         return self._stacked[key]
 
 
@@ -264,8 +264,9 @@ class LlamaForward:
             )
         self.device = self.embed.device
         self.dtype = self.embed.dtype
-        # Decode steps attend (and write the cache) in one native call where it can run:
-        # 8-14x faster than the batched matmuls below (bench/kernels.py).
+        # Where the native kernels run, decode steps attend (and write the cache) in one
+        # call per layer, 8-14x faster than the batched matmuls below, and LoRA deltas are
+        # added in one call per adapter and projection.
         self.native_attention = (
             self.device.type == "cpu"
             and self.dtype == torch.bfloat16
@@ -484,7 +485,7 @@ class LlamaForward:
         `split` False, the one matrix holding them side by side)."""
         y = projection(x, quantized)
         if lora is not None:
-            _add_lora(y, x, index, projection.parts, lora)
+            _add_lora(y, x, index, projection.parts, lora, self.native_attention)
         if len(projection.parts) == 1 or not split:
             return [y]
         return [y[:, start:end] for _, start, end in projection.parts]
@@ -528,15 +529,25 @@ def _group_rows(
 
 
 def _add_lora(
-    y: Tensor, x: Tensor, index: int, parts: list[tuple[str, int, int]], lora: LoraRows
+    y: Tensor,
+    x: Tensor,
+    index: int,
+    parts: list[tuple[str, int, int]],
+    lora: LoraRows,
+    native: bool,
 ) -> None:
-    """y[rows] += x[rows] A^T (scale B)^T for each adapter's rows, in place."""
+    """y[rows] += x[rows] A^T (scale B)^T for each adapter's rows, in place; with `native`
+    (bfloat16 on a CPU with the native kernels) in one call per adapter."""
+    native = native and y.is_contiguous() and x.is_contiguous()
     for adapter, rows in lora.groups:
         ab = adapter.stacked(index, parts)
         if ab is None:
             continue
-        a, b = ab
-        delta = F.linear(F.linear(x[rows].float(), a), b).to(y.dtype)
+        a, b_t = ab
+        if native:
+            cpu_kernels.lora_add(y, x, rows, a, b_t)
+            continue
+        delta = torch.matmul(F.linear(x[rows].float(), a), b_t).to(y.dtype)
         if isinstance(rows, slice):
             y[rows] += delta
         else:
