@@ -309,3 +309,58 @@ int lora_add(uint16_t *y, const uint16_t *x, const int64_t *rows, int start, int
     }
     return 0;
 }
+
+// ---- RMSNorm and SwiGLU ----------------------------------------------------------------
+
+// out[m] = weight * x[m] / sqrt(mean(x[m]^2) + eps), after x[m] += delta[m] when delta is
+// not NULL (x updated in place, rounded to bfloat16 as torch's add would). All bfloat16,
+// x, delta and out [M, H] contiguous; fp32 inside, out rounded once.
+int add_rms_norm(uint16_t *x, const uint16_t *delta, const uint16_t *weight, uint16_t *out,
+                 int M, int H, float eps) {
+    if (M <= 0 || H <= 0 || H % 16) return -1;
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int m = 0; m < M; m++) {
+        uint16_t *row = x + (size_t)m * H;
+        __m512 squares = _mm512_setzero_ps();
+        for (int i = 0; i < H; i += 16) {
+            __m512 v = load_bf16(row + i, 0xFFFF);
+            if (delta) {
+                v = _mm512_add_ps(v, load_bf16(delta + (size_t)m * H + i, 0xFFFF));
+                const __m256i rounded = (__m256i)_mm512_cvtneps_pbh(v);
+                _mm256_storeu_si256((__m256i *)(row + i), rounded);
+                v = bf16_to_ps(rounded);
+            }
+            squares = _mm512_fmadd_ps(v, v, squares);
+        }
+        const __m512 inverse =
+            _mm512_set1_ps(1.0f / sqrtf(_mm512_reduce_add_ps(squares) / (float)H + eps));
+        for (int i = 0; i < H; i += 16) {
+            const __m512 v = _mm512_mul_ps(load_bf16(row + i, 0xFFFF), inverse);
+            const __m512 y = _mm512_mul_ps(v, load_bf16(weight + i, 0xFFFF));
+            _mm256_storeu_si256((__m256i *)(out + (size_t)m * H + i), (__m256i)_mm512_cvtneps_pbh(y));
+        }
+    }
+    return 0;
+}
+
+// out[m, i] = silu(gate_up[m, i]) * gate_up[m, I + i]: gate_up [M, 2I], out [M, I], bfloat16.
+int silu_mul(const uint16_t *gate_up, uint16_t *out, int M, int I) {
+    if (M <= 0 || I <= 0 || I % 16) return -1;
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int m = 0; m < M; m++) {
+        const uint16_t *gate = gate_up + (size_t)m * 2 * I, *up = gate + I;
+        for (int i = 0; i < I; i += 16) {
+            const __m512 g = load_bf16(gate + i, 0xFFFF);
+            // silu(g) = g / (1 + e^-g); e^-|g| keeps exp_ps in its x <= 0 range
+            const __m512 e = exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(g)));
+            const __m512 one = _mm512_set1_ps(1.0f);
+            // sigmoid(g) = 1 / (1 + e^-g) for g >= 0, e^g / (1 + e^g) for g < 0
+            const __m512 sigmoid = _mm512_mask_div_ps(
+                _mm512_div_ps(one, _mm512_add_ps(one, e)),
+                _mm512_cmp_ps_mask(g, _mm512_setzero_ps(), _CMP_LT_OQ), e, _mm512_add_ps(one, e));
+            const __m512 y = _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), load_bf16(up + i, 0xFFFF));
+            _mm256_storeu_si256((__m256i *)(out + (size_t)m * I + i), (__m256i)_mm512_cvtneps_pbh(y));
+        }
+    }
+    return 0;
+}

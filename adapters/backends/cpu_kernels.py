@@ -238,6 +238,40 @@ def lora_add(y: Tensor, x: Tensor, rows: slice | Tensor, a: Tensor, b_t: Tensor)
         raise RuntimeError(f"lora_add failed: a row outside 0..{m - 1}, or rank {r} above 1024")
 
 
+def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> Tensor:
+    """RMSNorm of x's rows times `weight`, after `x += delta` in place when `delta` is
+    given (a residual add fused with the next norm); bfloat16 [M, H], H % 16 == 0."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("The native CPU kernels are not available on this machine.")
+    m, h = x.shape
+    tensors = (x, weight) if delta is None else (x, weight, delta)
+    if (
+        any(t.dtype != torch.bfloat16 or not t.is_contiguous() for t in tensors)
+        or weight.shape != (h,)
+        or (delta is not None and delta.shape != x.shape)
+    ):
+        raise ValueError("add_rms_norm: unsupported dtypes, layouts or shapes")
+    out = torch.empty_like(x)
+    pointer = None if delta is None else delta.data_ptr()
+    if library.add_rms_norm(x.data_ptr(), pointer, weight.data_ptr(), out.data_ptr(), m, h, eps):
+        raise ValueError(f"add_rms_norm needs a width divisible by 16, got {h}")
+    return out
+
+
+def silu_mul(gate_up: Tensor) -> Tensor:
+    """silu(gate) * up for gate_up = [gate | up] [M, 2I] bfloat16 -> [M, I]."""
+    library = _library()
+    if library is None:
+        raise RuntimeError("The native CPU kernels are not available on this machine.")
+    m, width = gate_up.shape
+    if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous() or width % 32:
+        raise ValueError("silu_mul: unsupported dtype, layout or width")
+    out = torch.empty(m, width // 2, dtype=torch.bfloat16)
+    library.silu_mul(gate_up.data_ptr(), out.data_ptr(), m, width // 2)
+    return out
+
+
 def cpu_supports() -> bool:
     """Whether this CPU has the instructions the kernels use (x86-64 Linux only)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
@@ -280,11 +314,15 @@ def _library() -> ctypes.CDLL | None:
     library.decode_attention.argtypes += [integer] * 5 + [ctypes.c_float]
     library.lora_add.argtypes = [pointer, pointer, pointer, integer, integer, pointer, pointer]
     library.lora_add.argtypes += [integer] * 4
+    library.add_rms_norm.argtypes = [pointer] * 4 + [integer] * 2 + [ctypes.c_float]
+    library.silu_mul.argtypes = [pointer] * 2 + [integer] * 2
     functions = (
         library.int4_matmul,
         library.int8_matmul,
         library.decode_attention,
         library.lora_add,
+        library.add_rms_norm,
+        library.silu_mul,
     )
     for function in functions:
         function.restype = integer

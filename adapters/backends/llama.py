@@ -264,13 +264,15 @@ class LlamaForward:
             )
         self.device = self.embed.device
         self.dtype = self.embed.dtype
-        # Where the native kernels run, decode steps attend (and write the cache) in one
-        # call per layer, 8-14x faster than the batched matmuls below, and LoRA deltas are
-        # added in one call per adapter and projection.
-        self.native_attention = (
+        # Where the native kernels run (cpu_kernels), decode steps attend (and write the
+        # cache) in one call per layer, 8-14x faster than the batched matmuls below; LoRA
+        # deltas, RMSNorm (fused with the residual add before it) and SwiGLU are one call
+        # each too.
+        self.native = (
             self.device.type == "cpu"
             and self.dtype == torch.bfloat16
             and self.head_dim % 16 == 0
+            and config.hidden_size % 16 == 0
             and cpu_kernels.enabled()
         )
         self.gqa = self.n_kv != self.n_heads
@@ -384,7 +386,7 @@ class LlamaForward:
         self.ensure(batch, kv_len)
         slots = torch.arange(batch, device=self.device)
         quantized = self.quantize is not None
-        if self.native_attention:
+        if self.native:
 
             def attend(qk: Tensor, v: Tensor, index: int) -> Tensor:
                 return cpu_kernels.decode_attention(
@@ -443,9 +445,8 @@ class LlamaForward:
         sin = self.sin[positions].unsqueeze(1)
         heads, dim = self.n_heads, self.head_dim
         x = F.embedding(tokens, self.embed)
-        hidden = x.shape[-1]
         for index, layer in enumerate(self.layers):
-            h = F.rms_norm(x, (hidden,), layer.ln_attn, self.eps)
+            h = self._norm(x, layer.ln_attn)
             (qkv,) = self._project(h, layer.qkv, index, lora, quantized, split=False)
             qk = qkv[:, : (heads + self.n_kv) * dim].view(n, heads + self.n_kv, dim)
             v = qkv[:, (heads + self.n_kv) * dim :].view(n, self.n_kv, dim)
@@ -455,12 +456,25 @@ class LlamaForward:
                 qk = torch.cat([q, k], dim=1)
             qk = _rope(qk, cos, sin)  # queries and keys in one go
             attn = attend(qk, v, index)
-            x += self._project(attn, layer.o, index, lora, quantized)[0]
-            h = F.rms_norm(x, (hidden,), layer.ln_mlp, self.eps)
-            gate, up = self._project(h, layer.gate_up, index, lora, quantized)
-            x += self._project(F.silu(gate) * up, layer.down, index, lora, quantized)[0]
-        x = F.rms_norm(x[last], (hidden,), self.norm, self.eps)
-        return self.lm_head(x, quantized).float()
+            h = self._norm(x, layer.ln_mlp, self._project(attn, layer.o, index, lora, quantized)[0])
+            (gate_up,) = self._project(h, layer.gate_up, index, lora, quantized, split=False)
+            x += self._project(self._swiglu(gate_up), layer.down, index, lora, quantized)[0]
+        return self.lm_head(self._norm(x[last], self.norm), quantized).float()
+
+    def _norm(self, x: Tensor, weight: Tensor, residual: Tensor | None = None) -> Tensor:
+        """RMSNorm(x) * weight, after `x += residual` (in place) if one is given."""
+        if self.native and x.is_contiguous() and (residual is None or residual.is_contiguous()):
+            return cpu_kernels.add_rms_norm(x, residual, weight, self.eps)
+        if residual is not None:
+            x += residual
+        return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
+
+    def _swiglu(self, gate_up: Tensor) -> Tensor:
+        """silu(gate) * up of the fused gate/up projection's output [N, 2I]."""
+        if self.native and gate_up.shape[1] % 32 == 0:
+            return cpu_kernels.silu_mul(gate_up.contiguous())
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
     def _store(
         self, qk: Tensor, v: Tensor, index: int, slots: Tensor, positions: Tensor
@@ -485,7 +499,7 @@ class LlamaForward:
         `split` False, the one matrix holding them side by side)."""
         y = projection(x, quantized)
         if lora is not None:
-            _add_lora(y, x, index, projection.parts, lora, self.native_attention)
+            _add_lora(y, x, index, projection.parts, lora, self.native)
         if len(projection.parts) == 1 or not split:
             return [y]
         return [y[:, start:end] for _, start, end in projection.parts]
@@ -681,16 +695,21 @@ def _quantize_int8_native(w: Tensor, step: Tensor) -> cpu_kernels.LowBitWeights:
 
 
 def _quantize_int4_native(w: Tensor, low: Tensor, step: Tensor) -> cpu_kernels.LowBitWeights:
-    """The levels of `_int4_grid` packed for cpu_kernels.matmul: weight ~ q * step + low,
-    step and low refit to all 32 weights of their group (see `_refit`) and rounded to
-    float16 (as a GGUF Q4_1 block stores them) before the levels are chosen."""
+    """The levels of `_int4_grid` packed for cpu_kernels.matmul (see `_int4_levels`)."""
+    q, step, low = _int4_levels(w, low, step)
+    return cpu_kernels.pack_int4(q.view(q.shape[0], -1), step[..., 0], low[..., 0])
+
+
+def _int4_levels(w: Tensor, low: Tensor, step: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """Levels q of each group [.., 32] with weight ~ q * step + low: step and low refit to
+    all 32 weights of their group (see `_refit`) and rounded to float16 (as a GGUF Q4_1
+    block stores them) before the levels are chosen."""
     q = torch.round((w - low) / step).clamp_(0, 15)
     step, low = _refit(w, q, step, low)
     # Clamped so that a constant group keeps a positive float16 step.
     step = step.clamp_min(2.0**-24).half().float()
     low = low.half().float()
-    q = torch.round((w - low) / step).clamp_(0, 15)
-    return cpu_kernels.pack_int4(q.view(q.shape[0], -1), step[..., 0], low[..., 0])
+    return torch.round((w - low) / step).clamp_(0, 15), step, low
 
 
 def _refit(w: Tensor, q: Tensor, step: Tensor, low: Tensor | None) -> tuple[Tensor, Tensor | None]:
