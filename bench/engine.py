@@ -7,10 +7,11 @@ prefill included. Run:
     python bench/engine.py --model smollm2-135m --threads 2 --batches 1 8 32
 
 Modes: HF `generate` in float32 (its default on CPU: the baseline) and bfloat16; the
-embedded engine in float32, dense bfloat16, its default (bfloat16 on CPUs with native bf16,
-int4 decode weights for weights that already are 4-bit: `--quantize auto`), the default
-serving a rank-8 LoRA adapter on every projection (what training rollouts run), and
-bfloat16 with int8 decode weights (`--quantize int8`).
+embedded engine in float32, dense bfloat16, its default (bfloat16 on CPUs with native bf16;
+4- and 8-bit weights read as the GGUF file stores them: `--quantize auto`), the default
+serving a rank-8 LoRA adapter on every projection (what training rollouts run), the default
+with the native CPU kernels off (`MASENVS_CPU_KERNELS=0`: what CPUs without AVX-512 BF16
+or gcc get), and bfloat16 with int8 weights (`--quantize int8`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import multiprocessing
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -148,6 +150,7 @@ class Mode:
     quantize: str = "none"  # engine modes only
     hf: bool = False
     lora: bool = False  # requests go to a random rank-8 adapter on every projection
+    native: bool = True  # False: MASENVS_CPU_KERNELS=0, the torch code paths only
 
 
 MODES = {
@@ -157,6 +160,7 @@ MODES = {
     "bf16": Mode("engine bf16", torch.bfloat16),
     "auto": Mode("engine default", torch.bfloat16, quantize="auto"),
     "lora": Mode("default + LoRA r8", torch.bfloat16, quantize="auto", lora=True),
+    "torch": Mode("default, torch kernels", torch.bfloat16, quantize="auto", native=False),
     "int8": Mode("engine int8", torch.bfloat16, quantize="int8"),
 }
 
@@ -196,6 +200,8 @@ def _serve_mode(name: str, options: dict, pipe) -> None:
         args = argparse.Namespace(**options)
         torch.set_num_threads(args.threads)
         mode = MODES[name]
+        if not mode.native:  # this worker process only
+            os.environ["MASENVS_CPU_KERNELS"] = "0"
         engine = loaded = None
         model = LORA if mode.lora else ""  # the engine's request model name
         if mode.hf:
