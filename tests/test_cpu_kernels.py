@@ -9,7 +9,6 @@ from pathlib import Path
 import pytest
 import torch
 from test_models import decode_after, on_4bit_grid, small_model
-from transformers import LlamaConfig, LlamaForCausalLM
 
 from masenvs.adapters.backends import cpu_kernels
 from masenvs.adapters.backends.llama import LlamaForward
@@ -92,18 +91,7 @@ def quantized_model() -> torch.nn.Module:
     """A small float32 model stored as a GGUF Q4_1/Q8_0 file would give it: projections on
     a 4-bit grid (`on_4bit_grid`), the untied LM head on an 8-bit one (per group of 32
     inputs, integers -127..127 times a float16 scale)."""
-    config = LlamaConfig(
-        vocab_size=320,
-        hidden_size=64,
-        intermediate_size=96,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(1)
-    model = LlamaForCausalLM(config).eval()
+    model = small_model("qwen2", vocab_size=320)  # an untied head, 320 % 16 == 0
     with torch.no_grad():
         head = model.lm_head.weight
         levels = torch.randint(-127, 128, (320, 2, 32))

@@ -79,9 +79,9 @@ def test_missing_smollm2_package_names_the_fix(tmp_path: Path, monkeypatch) -> N
     assert not any((tmp_path / "models").glob("smollm2-135m*/config.json"))  # nothing half-written
 
 
-def small_model(kind: str) -> torch.nn.Module:
+def small_model(kind: str, vocab_size: int = 300) -> torch.nn.Module:
     common = dict(
-        vocab_size=300,
+        vocab_size=vocab_size,
         hidden_size=64,
         intermediate_size=96,
         num_hidden_layers=2,
