@@ -1,18 +1,19 @@
-"""Native CPU kernels, compiled on first use with the machine's C compiler.
+"""Native CPU kernels for the embedded engine, compiled on first use with gcc.
 
-`matmul` multiplies bfloat16 activations by weights stored in 4 or 8 bits with a float16
-scale (and, for 4 bits, a minimum) per group of 32 inputs: exactly a GGUF Q4_1 or Q8_0
-block. The embedded engine's decode steps read them on CPUs with AVX-512 BF16. On the
-machines measured the 4-bit kernel runs 1.5-2.2x faster than torch's
-`_weight_int4pack_mm_for_cpu` at 1-16 rows and stays ahead of a dense bfloat16 matmul up
-to 32 rows (`bench/kernels.py`): one `vdpbf16ps` multiplies 16 output columns by two
-inputs, and one pass over the weights serves 8 rows instead of torch's 4.
+- `matmul`: bfloat16 activations times weights stored in 4 or 8 bits with a float16 scale
+  (and, for 4 bits, a minimum) per group of 32 inputs, exactly a GGUF Q4_1 or Q8_0 block.
+  One `vdpbf16ps` multiplies 16 output columns by two inputs and one pass over the weights
+  serves 8 rows (torch's int4 kernel: 4): 1.5-2.2x torch's `_weight_int4pack_mm_for_cpu`,
+  and ahead of a dense bfloat16 matmul up to ~64-128 rows (`bench/kernels.py`).
+- `decode_attention`: a decode step's cache writes and attention for one layer.
+- `lora_add`, `add_rms_norm`, `silu_mul`: a LoRA delta, RMSNorm fused with the residual
+  add before it, SwiGLU; one call each instead of several torch ops.
 
-The source (`cpu_kernels.c`) is built with gcc into `cache_root()/kernels`, keyed by its
-text and flags, and linked against the OpenMP runtime torch already loaded, so the
+The source (`cpu_kernels.c`, AVX-512 BF16) is built into `cache_root()/kernels`, keyed by
+its text and flags, and linked against the OpenMP runtime torch already loaded, so the
 process keeps one thread pool (see `omp`). Where it cannot be built or run (no gcc, a CPU
 without AVX-512 BF16, no OpenMP runtime, not Linux), `enabled()` is False and the engine
-uses torch's kernels. `MASENVS_CPU_KERNELS=0` turns the native kernels off.
+uses its torch code paths. `MASENVS_CPU_KERNELS=0` turns the native kernels off.
 """
 
 from __future__ import annotations
@@ -57,10 +58,10 @@ CFLAGS = (
 class LowBitWeights:
     """A [out_features, in_features] matrix packed for `matmul` (see cpu_kernels.c)."""
 
-    bits: int  # 4: weight = level * scale + minimum, level 0..15; 8: level * scale, |level| <= 127
-    levels: (
-        Tensor  # 4 bits: int16 [out/16, groups, 4, 16, 2]; 8 bits: int8 [out/16, groups, 16, 16, 2]
-    )
+    # 4: weight = level * scale + minimum, level 0..15; 8: level * scale, |level| <= 127
+    bits: int
+    # 4 bits: int16 [out/16, groups, 4, 16, 2]; 8 bits: int8 [out/16, groups, 16, 16, 2]
+    levels: Tensor
     scales: Tensor  # float16 [out/16, groups, 16]
     minimums: Tensor | None  # float16 [out/16, groups, 16]; None for 8 bits
     out_features: int
@@ -111,9 +112,7 @@ def pack_int8(levels: Tensor, scales: Tensor) -> LowBitWeights:
 
 def matmul(x: Tensor, weights: LowBitWeights) -> Tensor:
     """x [rows, in] bfloat16 @ weights^T -> [rows, out] bfloat16."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("The native low-bit kernels are not available on this machine.")
+    library = _loaded()
     if x.dtype != torch.bfloat16 or x.dim() != 2 or x.shape[1] != weights.in_features:
         raise ValueError(
             f"matmul takes bfloat16 [rows, {weights.in_features}], got {x.dtype} {list(x.shape)}"
@@ -170,9 +169,7 @@ def decode_attention(
     (rows may be strided); `k_cache` [slots, n_kv, D, capacity] and `v_cache` [slots, n_kv,
     capacity, D], slot b for row b; `positions` [B]. Returns [B, heads * D]; all bfloat16.
     """
-    library = _library()
-    if library is None:
-        raise RuntimeError("The native CPU kernels are not available on this machine.")
+    library = _loaded()
     batch, columns, dim = qk.shape
     heads = columns - n_kv
     if (
@@ -211,9 +208,7 @@ def lora_add(y: Tensor, x: Tensor, rows: slice | Tensor, a: Tensor, b_t: Tensor)
     """y[rows] += (x[rows] a^T) b_t in place, rounding y once: y [M, N] and x [M, K]
     bfloat16 and contiguous, `a` [R, K] and `b_t` [R, N] float32 (the adapter's scaled B,
     transposed), `rows` a slice of rows or a tensor of row indices."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("The native CPU kernels are not available on this machine.")
+    library = _loaded()
     (m, n), (r, k) = y.shape, a.shape
     if (
         y.dtype != torch.bfloat16
@@ -241,9 +236,7 @@ def lora_add(y: Tensor, x: Tensor, rows: slice | Tensor, a: Tensor, b_t: Tensor)
 def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) -> Tensor:
     """RMSNorm of x's rows times `weight`, after `x += delta` in place when `delta` is
     given (a residual add fused with the next norm); bfloat16 [M, H], H % 16 == 0."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("The native CPU kernels are not available on this machine.")
+    library = _loaded()
     m, h = x.shape
     tensors = (x, weight) if delta is None else (x, weight, delta)
     if (
@@ -261,9 +254,7 @@ def add_rms_norm(x: Tensor, delta: Tensor | None, weight: Tensor, eps: float) ->
 
 def silu_mul(gate_up: Tensor) -> Tensor:
     """silu(gate) * up for gate_up = [gate | up] [M, 2I] bfloat16 -> [M, I]."""
-    library = _library()
-    if library is None:
-        raise RuntimeError("The native CPU kernels are not available on this machine.")
+    library = _loaded()
     m, width = gate_up.shape
     if gate_up.dtype != torch.bfloat16 or not gate_up.is_contiguous() or width % 32:
         raise ValueError("silu_mul: unsupported dtype, layout or width")
@@ -285,6 +276,13 @@ def cpu_supports() -> bool:
         [],
     )
     return all(flag in flags for flag in CPU_FLAGS)
+
+
+def _loaded() -> ctypes.CDLL:
+    library = _library()
+    if library is None:
+        raise RuntimeError("The native CPU kernels are not available on this machine.")
+    return library
 
 
 @functools.cache
