@@ -1,4 +1,6 @@
-// Weight-only 4- and 8-bit matmuls for small batches on x86-64 CPUs with AVX-512 BF16.
+// The embedded engine's native CPU kernels (x86-64 with AVX-512 BF16), called through
+// ctypes by cpu_kernels.py: weight-only 4- and 8-bit matmuls, then decode attention, LoRA,
+// RMSNorm and SwiGLU further down.
 //
 //   int4_matmul: y[M, N] = x[M, K] @ W^T,  W[n, k] = q[n, k] * s[n, g] + z[n, g],  g = k / 32,
 //                q in 0..15 (a GGUF Q4_1 block stores exactly this)
