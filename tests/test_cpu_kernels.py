@@ -291,3 +291,18 @@ def test_add_rms_norm_and_silu_mul_match_float32(rows: int) -> None:
     assert_close_to(cpu_kernels.silu_mul(gate_up), expected)
     with pytest.raises(ValueError, match="unsupported"):
         cpu_kernels.add_rms_norm(x.float(), None, weight, 1e-5)
+
+
+@needs_kernels
+def test_a_missing_compiler_is_said_and_the_torch_paths_take_over(monkeypatch) -> None:
+    monkeypatch.setattr(cpu_kernels.shutil, "which", lambda name: None)
+    monkeypatch.delenv("CC", raising=False)
+    cpu_kernels._library.cache_clear()
+    try:
+        with pytest.warns(UserWarning, match="no gcc found"):
+            assert not cpu_kernels.enabled()
+        forward = LlamaForward(small_model("llama").to(torch.bfloat16), 1, 64, quantize="int4")
+        decode_after(forward, [torch.randint(0, 300, (5,))])
+        assert not forward.native and forward.layers[0].qkv.packed.kernel == "int4"
+    finally:
+        cpu_kernels._library.cache_clear()
