@@ -30,6 +30,24 @@
 #define GROUP 32  // inputs per scale
 #define ROWS 8    // batch rows per pass over a tile's weights
 
+// acc[m] += w . (x[m, k], x[m, k + 1]) for each of the rows: one vdpbf16ps per row, 16
+// output columns (the fp32 lanes) at once.
+static inline __attribute__((always_inline)) void dot_pairs(
+    __m512 *acc, __m512bh w, const uint16_t *xr, int K, int k, const int rows) {
+    for (int m = 0; m < rows; m++) {
+        int32_t pair;
+        memcpy(&pair, xr + (size_t)m * K + k, sizeof pair);
+        acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(pair));
+    }
+}
+
+static inline __attribute__((always_inline)) void store_rows(
+    uint16_t *y, const __m512 *total, int m0, const int rows, int N, int t) {
+    for (int m = 0; m < rows; m++)
+        _mm256_storeu_si256((__m256i *)(y + (size_t)(m0 + m) * N + (size_t)t * TILE),
+                            (__m256i)_mm512_cvtneps_pbh(total[m]));
+}
+
 static inline __attribute__((always_inline)) void tile(
     const uint16_t *x, const float *xsum, const uint16_t *q, const uint16_t *s,
     const uint16_t *z, uint16_t *y, int m0, const int rows, int K, int N, int t) {
@@ -51,12 +69,7 @@ static inline __attribute__((always_inline)) void tile(
                 // (shifted & 0x000F) | 0x4300 in each 16-bit word: bfloat16 128 + level
                 const __m512bh w =
                     (__m512bh)_mm512_ternarylogic_epi32(shifted, low_nibble, bf16_128, 0xEA);
-                const int k = g * GROUP + 2 * (4 * r + c);
-                for (int m = 0; m < rows; m++) {
-                    int32_t pair;  // x[m, k] and x[m, k + 1]
-                    memcpy(&pair, xr + (size_t)m * K + k, sizeof pair);
-                    acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(pair));
-                }
+                dot_pairs(acc, w, xr, K, g * GROUP + 2 * (4 * r + c), rows);
             }
         }
         const size_t at = ((size_t)t * G + g) * TILE;
@@ -68,9 +81,7 @@ static inline __attribute__((always_inline)) void tile(
             total[m] = _mm512_fmadd_ps(_mm512_set1_ps(xsum[(m0 + m) * G + g]), zv, total[m]);
         }
     }
-    for (int m = 0; m < rows; m++)
-        _mm256_storeu_si256((__m256i *)(y + (size_t)(m0 + m) * N + (size_t)t * TILE),
-                            (__m256i)_mm512_cvtneps_pbh(total[m]));
+    store_rows(y, total, m0, rows, N, t);
 }
 
 static float group_sum(const uint16_t *x) {
@@ -123,20 +134,13 @@ static inline __attribute__((always_inline)) void tile8(
             const __m512 hi =
                 _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(qp + 16))));
             const __m512bh w = _mm512_cvtne2ps_pbh(hi, lo);
-            const int k = g * GROUP + 2 * p;
-            for (int m = 0; m < rows; m++) {
-                int32_t pair;
-                memcpy(&pair, xr + (size_t)m * K + k, sizeof pair);
-                acc[m] = _mm512_dpbf16_ps(acc[m], w, (__m512bh)_mm512_set1_epi32(pair));
-            }
+            dot_pairs(acc, w, xr, K, g * GROUP + 2 * p, rows);
         }
         const __m512 sv = _mm512_cvtph_ps(
             _mm256_loadu_si256((const __m256i *)(s + ((size_t)t * G + g) * TILE)));
         for (int m = 0; m < rows; m++) total[m] = _mm512_fmadd_ps(acc[m], sv, total[m]);
     }
-    for (int m = 0; m < rows; m++)
-        _mm256_storeu_si256((__m256i *)(y + (size_t)(m0 + m) * N + (size_t)t * TILE),
-                            (__m256i)_mm512_cvtneps_pbh(total[m]));
+    store_rows(y, total, m0, rows, N, t);
 }
 
 #define CASE8(R) \
