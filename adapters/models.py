@@ -98,19 +98,25 @@ def engine_dtype(device: str | torch.device) -> torch.dtype:
 
 def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
     """Whether this CPU has bf16 dot-product instructions (x86 AVX512-BF16 or AMX-BF16,
-    Arm BF16), read from `cpuinfo` (default /proc/cpuinfo; False where it does not exist)."""
+    Arm BF16), read from `cpuinfo` (see `cpu_flags`)."""
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags (x86 `flags`, Arm `Features`) from `cpuinfo`, by default
+    /proc/cpuinfo; empty where it does not exist."""
     text = cpuinfo
     if text is None:
         try:
             text = Path("/proc/cpuinfo").read_text()
         except OSError:
-            return False
+            return set()
     flags = set()
     for line in text.splitlines():
         key, _, value = line.partition(":")
         if key.strip() in ("flags", "Features"):
             flags.update(value.split())
-    return bool(flags & {"avx512_bf16", "amx_bf16", "bf16"})
+    return flags
 
 
 def load_model(

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from masenvs.adapters.backends.omp import runtime_path
-from masenvs.adapters.models import cache_root
+from masenvs.adapters.models import cache_root, cpu_flags
 
 GROUP = 32  # inputs per scale and minimum
 TILE = 16  # output columns per vector
@@ -267,15 +267,7 @@ def cpu_supports() -> bool:
     """Whether this CPU has the instructions the kernels use (x86-64 Linux only)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    try:
-        text = Path("/proc/cpuinfo").read_text()
-    except OSError:
-        return False
-    flags = next(
-        (line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")),
-        [],
-    )
-    return all(flag in flags for flag in CPU_FLAGS)
+    return set(CPU_FLAGS) <= cpu_flags()
 
 
 def _loaded() -> ctypes.CDLL:
@@ -287,10 +279,12 @@ def _loaded() -> ctypes.CDLL:
 
 @functools.cache
 def _library() -> ctypes.CDLL | None:
-    runtime = runtime_path()
-    compiler = os.environ.get("CC") or shutil.which("gcc")
-    if not cpu_supports() or runtime is None or runtime.name.startswith(("libomp", "libiomp")):
+    if not cpu_supports():
         return None
+    runtime = runtime_path()
+    if runtime is None or not runtime.name.startswith("libgomp"):
+        return None  # the kernels are built with gcc's OpenMP; torch must use the same
+    compiler = os.environ.get("CC") or shutil.which("gcc")
     if compiler is None:
         warnings.warn(
             "masenvs: no gcc found, so the embedded engine's native CPU kernels (2-3x faster "
@@ -303,7 +297,7 @@ def _library() -> ctypes.CDLL | None:
         library = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         warnings.warn(
-            f"masenvs: the native low-bit kernels could not be built ({exc}); using torch's.",
+            f"masenvs: the native CPU kernels could not be built ({exc}); using torch's paths.",
             stacklevel=2,
         )
         return None

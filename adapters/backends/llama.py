@@ -384,7 +384,6 @@ class LlamaForward:
         batch = tokens.numel()
         kv_len = int(positions.max()) + 1
         self.ensure(batch, kv_len)
-        slots = torch.arange(batch, device=self.device)
         quantized = self.quantize is not None
         if self.native:
 
@@ -409,6 +408,7 @@ class LlamaForward:
             mask = torch.zeros(hidden.shape, dtype=self.dtype, device=self.device)
             mask = mask.masked_fill_(hidden, float("-inf"))[:, None, None, :]  # [B, 1, 1, K]
         groups = self.n_heads // self.n_kv
+        slots = torch.arange(batch, device=self.device)
 
         def attend(qk: Tensor, v: Tensor, index: int) -> Tensor:
             # Two batched matmuls beat scaled_dot_product_attention for one query token on
@@ -601,13 +601,14 @@ def _check_quantize(quantize: str | None, model: Any) -> str | None:
 
 def _pack(weight: Tensor, quantize: str | None) -> _Packed | None:
     """The quantized copy of `weight` [out, in] that `quantize` asks for, if any."""
-    native = cpu_kernels.enabled() and cpu_kernels.supports(*weight.shape)
+    fits = cpu_kernels.supports(*weight.shape)  # torch's int4 kernel has the same rules
+    native = fits and cpu_kernels.enabled()
     if quantize == "int8":
         if native:
             return _Packed("int8-native", _quantize_int8_native(*_int8_grid(weight)))
         return _Packed("int8", *_quantize_int8(weight))
-    if not cpu_kernels.supports(*weight.shape):
-        return None  # the int4 kernels' shape rules (torch's are the same)
+    if not fits:
+        return None
     grid = _int4_grid(weight)
     if quantize == "int4" or _is_4bit(*grid):
         if native:
