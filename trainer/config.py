@@ -89,6 +89,13 @@ class RolloutConfig(_Section):
         ge=1,
         description="Tasks (or workflow runs) in flight at once; the backend batches their calls.",
     )
+    turn_order: Literal["sequential", "simultaneous"] = Field(
+        "sequential",
+        description="'sequential' (the paper's): within a round agents act in the env's turn "
+        "order and a later agent sees what earlier agents did this round; tree sampling "
+        "branches each agent in that order. 'simultaneous': every agent acts on the same "
+        "observation and sees the others' actions only next round.",
+    )
 
 
 class BackendConfig(_Section):
@@ -99,7 +106,25 @@ class BackendConfig(_Section):
         description="'embedded': the in-process PyTorch engine (CPU or GPU, nothing to start); "
         "'vllm': a running `vllm serve --enable-lora` at vllm_url.",
     )
-    vllm_url: str | None = Field(None, description="Root URL of the vLLM server (kind 'vllm').")
+    vllm_url: str | None = Field(
+        None,
+        description="Root URL of a running vLLM server (kind 'vllm'); None: the trainer starts "
+        "one (see vllm_python) and stops it at the end.",
+    )
+    vllm_python: str | None = Field(
+        None,
+        description="Python of the environment vLLM is installed in, used when the trainer "
+        "starts vLLM; None: $MASENVS_VLLM_PYTHON, then $MASENVS_VLLM_BIN, then the env that "
+        "scripts/vllm_cpu_env.sh builds, then `vllm` on PATH.",
+    )
+    vllm_args: list[str] = Field(
+        default_factory=list,
+        description="Extra command-line arguments for a vLLM server the trainer starts, e.g. "
+        "['--gpu-memory-utilization', '0.5'].",
+    )
+    request_timeout: float = Field(
+        600.0, gt=0.0, description="Seconds any one request to a vLLM server may take."
+    )
     max_batch_size: int = Field(
         32, ge=1, description="Embedded engine: sequences decoded together at most."
     )
@@ -201,6 +226,18 @@ class OptimConfig(_Section):
         "tree node do): their completions attend to one copy. Exact; needs sdpa or eager "
         "attention without sliding windows, else it is skipped.",
     )
+    gradient_checkpointing: bool = Field(
+        False,
+        description="Recompute activations in the backward pass instead of keeping them: less "
+        "memory for long completions, about a third more compute.",
+    )
+    logprob_chunk_tokens: int = Field(
+        1024,
+        ge=1,
+        description="Completion tokens scored per chunk: log-probs are computed from the "
+        "hidden states chunk by chunk, so fp32 logits over the vocabulary never exist for a "
+        "whole micro-batch at once.",
+    )
     max_tokens_per_microbatch: int = Field(
         4096,
         ge=16,
@@ -218,6 +255,12 @@ class PolicyConfig(_Section):
         "agent on one base model; 'separate': one base model + adapter per agent.",
     )
     shared_name: str = Field("shared", description="Adapter name used in 'shared' mode.")
+    finetune: Literal["lora", "full"] = Field(
+        "lora",
+        description="'lora': train LoRA adapters (the lora section); 'full': train every "
+        "parameter of the base model (the paper's headline runs) and sync whole weights to "
+        "the backend after each step.",
+    )
     models: dict[str, str] = Field(
         default_factory=dict,
         description="'separate' mode: base model per agent; agents not listed use model.name.",
@@ -242,6 +285,29 @@ class LoRAParams(_Section):
         "all-linear",
         description="Modules that get adapters: 'all-linear' (every attention and MLP "
         "projection, not the LM head) or a list of module names such as ['q_proj', 'v_proj'].",
+    )
+
+
+class AgentConfig(_Section):
+    """Per-agent settings under `agents.<name>`; unset fields fall back to the run's."""
+
+    temperature: float | None = Field(
+        None, gt=0.0, description="Sampling temperature of this agent (rollout.temperature)."
+    )
+    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus mass (rollout.top_p).")
+    max_tokens: int | None = Field(
+        None, ge=1, description="Completion token limit of this agent (rollout.max_tokens)."
+    )
+    chat_template_kwargs: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Extra variables for the chat template of this agent's prompts, e.g. "
+        "{enable_thinking: false} for Qwen3; the embedded engine and vLLM both honour them.",
+    )
+    lr: float | None = Field(
+        None, gt=0.0, description="Peak learning rate of this agent's policy (optim.lr)."
+    )
+    freeze: bool = Field(
+        False, description="Serve this agent but never train it (its samples are dropped)."
     )
 
 
@@ -303,6 +369,11 @@ class TrainConfig(_Section):
     logging: LoggingConfig = Field(default_factory=LoggingConfig)
     validation: ValidationConfig = Field(default_factory=ValidationConfig)
     backend: BackendConfig = Field(default_factory=BackendConfig)
+    agents: dict[str, AgentConfig] = Field(
+        default_factory=dict,
+        description="Per-agent overrides by agent (role) name: sampling, chat template "
+        "variables, learning rate, freezing.",
+    )
     workflow: WorkflowSpec | None = Field(
         None,
         description="Train a framework program (LangGraph, AutoGen, LlamaIndex) instead of "
