@@ -49,25 +49,29 @@ async def run_episode(
     store: TraceStore | None = None,
     options: dict[str, Any] | None = None,
 ) -> EpisodeResult:
-    """One episode: every round, each live agent answers its prompt; the env scores them."""
+    """One episode: at each turn the acting agent answers its prompt and the env plays it, so
+    a later agent's prompt shows what earlier agents did this round (sequential turns)."""
     rollout_id = rollout_id or new_rollout_id()
     started = time.perf_counter()
     _, infos = env.reset(seed=seed, options=options)
     totals: dict[str, float] = defaultdict(float)
-    tokens, error, actions_log = 0, None, []
+    tokens, error = 0, None
+    actions_log: list[dict[str, str]] = []  # one dict per round, agents in turn order
     while env.agents:
+        agent, round_ = env.acting, env.round
         try:
-            replies = await policy.act_all(rollout_id, infos)
+            reply = (await policy.act(rollout_id, agent, infos[agent]["messages"]))[0]
         except Exception as exc:  # an unreachable backend ends this episode, not the run
             error = f"{type(exc).__name__}: {exc}"
             break
-        actions = {agent: r[0].text for agent, r in replies.items()}
-        tokens += sum(r[0].completion_tokens for r in replies.values())
-        actions_log.append(actions)
+        tokens += reply.completion_tokens
+        if len(actions_log) <= round_:
+            actions_log.append({})
+        actions_log[round_][agent] = reply.text
         # Env steps may run sandboxed programs: keep them off the event loop.
-        _, rewards, _, _, infos = await asyncio.to_thread(env.step, actions)
-        for agent, reward in rewards.items():
-            totals[agent] += reward
+        _, rewards, _, _, infos = await asyncio.to_thread(env.step, {agent: reply.text})
+        for name, reward in rewards.items():
+            totals[name] += reward
     result = EpisodeResult(
         rollout_id=rollout_id,
         env=env.name,
@@ -161,6 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--max-tokens", type=int, default=256)
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--single-agent", action="store_true")
+    parser.add_argument(
+        "--turn-order",
+        choices=["sequential", "simultaneous"],
+        help="sequential (default): a later agent sees this round's earlier actions",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--traces", type=Path, help="trace directory (default runs/rollout-*)")
     return parser
@@ -175,6 +184,8 @@ def main(argv: list[str]) -> int:
     env_config = parse_overrides(args.set)
     if args.single_agent:
         env_config["single_agent"] = True
+    if args.turn_order:
+        env_config["turn_order"] = args.turn_order
     try:
         make(args.env, **env_config)  # fail on a bad env or config before loading a model
     except (KeyError, ValueError, TypeError) as exc:

@@ -1,6 +1,6 @@
 """masenvs: multi-agent LLM environments, trace capture and AT-GRPO training."""
 
-from masenvs.env import EnvConfig, MASEnv, RewardParts, RewardWeights, Snapshot
+from masenvs.env import EnvConfig, MASEnv, RewardParts, RewardWeights, Snapshot, play_round
 from masenvs.registry import env_class, list_envs, make, register
 
 __all__ = [
@@ -12,6 +12,7 @@ __all__ = [
     "env_class",
     "list_envs",
     "make",
+    "play_round",
     "register",
 ]
 __version__ = "0.1.0"

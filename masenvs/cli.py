@@ -79,18 +79,17 @@ def cmd_play(args: argparse.Namespace, console: Console, stream: TextIO = sys.st
     observations, infos = env.reset(seed=args.seed)
     console.print(Panel(Text(env.render_text()), title=f"{env.name}, seed {args.seed}"))
     while env.agents:
-        actions = {}
-        for agent in env.agents:
-            for message in infos[agent]["messages"]:
-                # Text(): prompts are shown verbatim, never read as rich markup.
-                console.print(Panel(Text(message["content"]), title=f"{agent} · {message['role']}"))
-            action = read_action(agent, stream, console)
-            if action is None:
-                console.print("[yellow]input ended; episode stopped[/yellow]")
-                return 0
-            actions[agent] = action
-        observations, rewards, terms, truncs, infos = env.step(actions)
-        table = Table(title=f"round {env.round}")
+        # One agent at a time, in the env's turn order: its prompt shows this round so far.
+        agent, round_ = env.acting, env.round
+        for message in infos[agent]["messages"]:
+            # Text(): prompts are shown verbatim, never read as rich markup.
+            console.print(Panel(Text(message["content"]), title=f"{agent} · {message['role']}"))
+        action = read_action(agent, stream, console)
+        if action is None:
+            console.print("[yellow]input ended; episode stopped[/yellow]")
+            return 0
+        observations, rewards, terms, truncs, infos = env.step({agent: action})
+        table = Table(title=f"round {round_ + 1}, {agent}'s turn")
         for column in ("agent", "reward", "process", "agent part", "team"):
             table.add_column(column)
         for agent, reward in rewards.items():

@@ -1,8 +1,12 @@
 """The environment contract every masenvs task follows.
 
-A `MASEnv` is a PettingZoo `ParallelEnv` whose agents are roles. One `step` is one round:
-every live agent acts at once and sees the other agents' outputs of the previous round.
-Subclasses supply the task: `generate_task`, `prompt`, `play_round`, `render_text`.
+A `MASEnv` is a PettingZoo `ParallelEnv` whose agents are roles. A round (the paper's turn)
+is one `step` per agent, in the env's turn order (`roles`): `env.acting` names the agent whose
+action the next step plays, and the actions of the others are ignored, as in PettingZoo's own
+turn-based parallel envs. With `turn_order="sequential"` (the default, as in Stronger-MAS) a
+later agent's observation shows what earlier agents did this round; with "simultaneous" every
+agent sees the round as it stood when the round began.
+Subclasses supply the task: `generate_task`, `prompt`, `play_turn`, `render_text`.
 """
 
 from __future__ import annotations
@@ -11,7 +15,7 @@ import copy
 import dataclasses
 import string
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import numpy as np
 from gymnasium import spaces
@@ -55,7 +59,7 @@ class RewardParts:
 
     process: float = 0.0  # shaping for progress made by this agent's own action
     agent: float = 0.0  # this agent's own outcome: its answer right or wrong, invalid move
-    team: float = 0.0  # the team's outcome this round, shared by every agent
+    team: float = 0.0  # the team's outcome, shared by every agent at the step that decides it
 
     def total(self, weights: RewardWeights) -> float:
         return (
@@ -84,6 +88,13 @@ class EnvConfig(BaseModel):
     max_action_chars: int = Field(
         65536, ge=1, description="Longer actions are cut to this many characters before parsing."
     )
+    turn_order: Literal["sequential", "simultaneous"] = Field(
+        "sequential",
+        description="'sequential' (Stronger-MAS): agents act one after another in the env's "
+        "role order and a later agent sees what earlier agents did this round. "
+        "'simultaneous': every agent answers the round as it stood when the round began and "
+        "sees the others' actions only next round.",
+    )
 
 
 @dataclass
@@ -94,10 +105,12 @@ class Snapshot:
     state: Any
     task: Any
     round: int
+    turn: int  # index in `agents` of the agent due to act
     agents: list[str]
     last_actions: dict[str, str]
     last_feedback: dict[str, str]
     rng_state: dict[str, Any]
+    round_prompts: dict[str, list[Message]]
 
 
 @dataclass
@@ -112,7 +125,7 @@ class MASEnv(ParallelEnv):
     """Base class of all masenvs environments."""
 
     name: ClassVar[str] = "base"
-    roles: ClassVar[tuple[str, ...]] = ()  # roles in multi-agent mode, in the paper's order
+    roles: ClassVar[tuple[str, ...]] = ()  # roles in multi-agent mode, in the paper's turn order
     solo_role: ClassVar[str] = ""  # the one role in single-agent mode
     config_class: ClassVar[type[EnvConfig]] = EnvConfig
     grid_render: ClassVar[bool] = False  # grid tasks also render "rgb_array"
@@ -142,8 +155,11 @@ class MASEnv(ParallelEnv):
         self.task: Any = None
         self.state: Any = None
         self.round = 0
-        self.last_actions: dict[str, str] = {}  # previous round's raw actions, by agent
-        self.last_feedback: dict[str, str] = {}  # previous round's feedback, by agent
+        self.turn = 0  # index in `agents` of the agent due to act
+        self.last_actions: dict[str, str] = {}  # each agent's latest raw action
+        self.last_feedback: dict[str, str] = {}  # each agent's latest feedback
+        # Simultaneous turns: the prompts as the round began, shown all round long.
+        self._round_prompts: dict[str, list[Message]] = {}
         self._rng = np.random.default_rng()
 
     @classmethod
@@ -167,12 +183,13 @@ class MASEnv(ParallelEnv):
         """The chat messages `agent` sees now."""
         raise NotImplementedError(f"{type(self).__name__} must define prompt")
 
-    def play_round(self, actions: dict[str, str]) -> dict[str, RewardParts]:
-        """Apply one round of actions to `self.state`; return each agent's reward parts.
+    def play_turn(self, agent: str, action: str) -> RewardParts:
+        """Apply `agent`'s action to `self.state`; return its reward parts.
 
-        Must also fill `self.last_feedback[agent]` with what the agent should see next round.
+        `team` is the team outcome this action decides (0 when it commits nothing); every
+        agent receives it. Must also set `self.last_feedback[agent]`, what `agent` sees next.
         """
-        raise NotImplementedError(f"{type(self).__name__} must define play_round")
+        raise NotImplementedError(f"{type(self).__name__} must define play_turn")
 
     def render_text(self) -> str:
         return f"{self.name} round {self.round}"
@@ -203,32 +220,50 @@ class MASEnv(ParallelEnv):
         self.task = self.load_task(task) if task is not None else self.generate_task(self._rng)
         self.state = self.initial_state(self.task)
         self.round = 0
+        self.turn = 0
         self.agents = list(self.possible_agents)
         self.last_actions = {}
         self.last_feedback = {}
+        self._begin_round()
         observations = {agent: self.observe(agent) for agent in self.agents}
         infos = {agent: self._info(agent, None) for agent in self.agents}
         return observations, infos
 
+    @property
+    def acting(self) -> str | None:
+        """The agent whose action the next `step` plays (None once the episode is over)."""
+        return self.agents[self.turn] if self.agents else None
+
     def step(self, actions: dict[str, Any]) -> tuple[dict, dict, dict, dict, dict]:
+        """Play the acting agent's action (others' are ignored); every live agent gets the
+        team reward this action decides, the acting agent its own parts too."""
         if not self.agents:
             raise RuntimeError("step() called on a finished episode: call reset() first")
-        cleaned = {agent: self._clean_action(actions.get(agent)) for agent in self.agents}
-        parts = self.play_round(cleaned)
-        self.last_actions = cleaned
-        self.round += 1
+        agent = self.agents[self.turn]
+        action = self._clean_action(actions.get(agent))
+        own = self.play_turn(agent, action)
+        self.last_actions[agent] = action
+        parts = {a: RewardParts(team=own.team) for a in self.agents}
+        parts[agent] = own
 
+        self.turn += 1
+        if self.turn == len(self.agents):  # the round is complete
+            self.round += 1
+            self.turn = 0
         done = bool(self.state.success or self.state.failed)
-        truncated = not done and self.round >= self.config.max_rounds
-        acting = list(self.agents)
+        truncated = not done and self.turn == 0 and self.round >= self.config.max_rounds
+        live = list(self.agents)
         weights = self.config.reward_weights
-        rewards = {agent: float(parts[agent].total(weights)) for agent in acting}
-        terminations = dict.fromkeys(acting, done)
-        truncations = dict.fromkeys(acting, truncated)
-        observations = {agent: self.observe(agent) for agent in acting}
-        infos = {agent: self._info(agent, parts[agent]) for agent in acting}
+        rewards = {a: float(parts[a].total(weights)) for a in live}
+        terminations = dict.fromkeys(live, done)
+        truncations = dict.fromkeys(live, truncated)
         if done or truncated:
             self.agents = []
+            self._round_prompts = {}  # the final observation shows the final state
+        elif self.turn == 0:
+            self._begin_round()
+        observations = {a: self.observe(a) for a in live}
+        infos = {a: self._info(a, parts[a]) for a in live}
         if self.render_mode == "ansi":
             print(self.render_text())
         return observations, rewards, terminations, truncations, infos
@@ -252,10 +287,12 @@ class MASEnv(ParallelEnv):
             state=copy.deepcopy(self.state),
             task=self.task,  # tasks are never mutated, so sharing them is safe
             round=self.round,
+            turn=self.turn,
             agents=list(self.agents),
             last_actions=dict(self.last_actions),
             last_feedback=dict(self.last_feedback),
             rng_state=copy.deepcopy(self._rng.bit_generator.state),
+            round_prompts=dict(self._round_prompts),  # never mutated, only replaced
         )
 
     def restore(self, snapshot: Snapshot) -> None:
@@ -264,15 +301,27 @@ class MASEnv(ParallelEnv):
         self.state = copy.deepcopy(snapshot.state)
         self.task = snapshot.task
         self.round = snapshot.round
+        self.turn = snapshot.turn
         self.agents = list(snapshot.agents)
         self.last_actions = dict(snapshot.last_actions)
         self.last_feedback = dict(snapshot.last_feedback)
         self._rng.bit_generator.state = copy.deepcopy(snapshot.rng_state)
+        self._round_prompts = dict(snapshot.round_prompts)
 
     # --- helpers ----------------------------------------------------------------------------
 
+    def messages(self, agent: str) -> list[Message]:
+        """What `agent` sees now: its live prompt, or in simultaneous mode the round's start."""
+        if self.config.turn_order == "simultaneous" and agent in self._round_prompts:
+            return self._round_prompts[agent]
+        return self.prompt(agent)
+
     def observe(self, agent: str) -> str:
-        return messages_to_text(self.prompt(agent))
+        return messages_to_text(self.messages(agent))
+
+    def _begin_round(self) -> None:
+        if self.config.turn_order == "simultaneous":
+            self._round_prompts = {agent: self.prompt(agent) for agent in self.agents}
 
     def _clean_action(self, action: Any) -> str:
         if action is None:
@@ -287,7 +336,7 @@ class MASEnv(ParallelEnv):
 
     def _info(self, agent: str, parts: RewardParts | None) -> dict[str, Any]:
         info: dict[str, Any] = {
-            "messages": self.prompt(agent),
+            "messages": self.messages(agent),
             "round": self.round,
             "success": bool(self.state.success),
             "task": self.task_info(),
@@ -311,3 +360,29 @@ class RoundLog:
     action: str
     feedback: str = ""
     extra: dict[str, Any] = field(default_factory=dict)
+
+
+def play_round(
+    env: MASEnv, actions: dict[str, str]
+) -> tuple[dict, dict[str, float], dict, dict, dict]:
+    """Play the rest of the current round with fixed actions, each at its agent's turn.
+
+    Returns the last step's results with rewards and `reward_parts` summed over the round's
+    steps: a scripted round in one call (tests, benchmarks, replays of logged actions).
+    """
+    if not env.agents:
+        raise RuntimeError("play_round() called on a finished episode: call reset() first")
+    start = env.round
+    totals = {agent: RewardParts() for agent in env.agents}
+    while True:
+        obs, _, terms, truncs, infos = env.step(actions)
+        for agent, info in infos.items():
+            for level, value in info["reward_parts"].items():
+                setattr(totals[agent], level, getattr(totals[agent], level) + value)
+        if not env.agents or env.round != start:
+            break
+    weights = env.config.reward_weights
+    rewards = {agent: float(totals[agent].total(weights)) for agent in infos}
+    for agent, info in infos.items():
+        info["reward_parts"] = dataclasses.asdict(totals[agent])
+    return obs, rewards, terms, truncs, infos

@@ -80,9 +80,9 @@ class RolloutConfig(_Section):
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
     max_tokens: int = Field(512, ge=1, description="Completion token limit per LLM call.")
     select_by: Literal["team", "agent"] = Field(
-        "team",
-        description="Which reward picks the branch that continues: the team reward (default) or "
-        "the acting agent's own reward.",
+        "agent",
+        description="Which reward picks the candidate that continues: the acting agent's own "
+        "mixed reward (default, as in the paper) or the team reward (ties: own reward).",
     )
     concurrency: int = Field(
         8,

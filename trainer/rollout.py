@@ -1,12 +1,13 @@
-"""Tree-structured sampling (AT-GRPO, Stronger-MAS §3): K candidates per agent per round.
+"""Tree-structured sampling (AT-GRPO, Stronger-MAS §3): K candidates per agent per turn.
 
-At every round of a task each live agent samples K candidates from the same observation (one
-request with `n=K`). Agents are scored one after another in role order: agent i's candidate
-k is played on a branch restored from the round's snapshot, with the agents before i on
-their committed actions and the agents after i on their first candidate, so the K rewards of
-a group differ only through agent i's own answer. The best candidate is committed, and once
-every agent has committed, the episode continues from that joint action. Every candidate
-becomes a training sample in group (task, round, agent).
+Agents act one after another in the env's turn order; each env step is one agent's turn.
+At every turn the acting agent samples K candidates from the same state (one request with
+`n=K`). Candidate k is played once on its own branch, restored from the turn's snapshot,
+and scored by the reward the env gives that agent for it. The best candidate (by the agent's
+own mixed reward, the paper's default, or by the team reward) is committed: its branch *is*
+the committed state, so nothing is replayed and no tool program runs twice. The next agent
+then samples from that state, which shows what the agents before it did this round. Every
+candidate becomes a training sample in group (task, round, agent).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from masenvs.adapters.policy import ChatPolicy, Reply
-from masenvs.env import MASEnv
+from masenvs.env import MASEnv, Snapshot
 from masenvs.trainer.samples import Sample, tree_group
 
 
@@ -38,13 +39,18 @@ class TaskRollout:
 
 @dataclass
 class Scored:
+    """One candidate played on its branch: the step's results, kept for committing."""
+
     reply: Reply
-    reward: float  # the agent's combined reward for the round
+    reward: float  # the acting agent's mixed reward for its turn
     team: float
+    rewards: dict[str, float]  # every live agent's reward from this step
+    infos: dict[str, dict[str, Any]]
 
 
 def choose(scored: list[Scored], select_by: Literal["team", "agent"]) -> int:
-    """Index of the candidate to commit: best team reward (ties: own reward), or own reward."""
+    """Index of the candidate to commit: best own mixed reward, or best team reward (ties:
+    own reward). The first of equal candidates wins, so ties are deterministic."""
     if select_by == "team":
         key = lambda i: (scored[i].team, scored[i].reward)  # noqa: E731
     else:
@@ -59,7 +65,7 @@ async def tree_rollout(
     *,
     branches: int,
     policy_of: Callable[[str], str],
-    select_by: Literal["team", "agent"] = "team",
+    select_by: Literal["team", "agent"] = "agent",
     rollout_id: str,
     reset_options: dict[str, Any] | None = None,
 ) -> TaskRollout:
@@ -71,44 +77,30 @@ async def tree_rollout(
     totals: dict[str, float] = defaultdict(float)
 
     while env.agents:
+        agent, round_ = env.acting, env.round
         snapshot = env.snapshot()
         try:
-            candidates = await policy.act_all(rollout_id, infos, n=branches)
+            replies = await policy.act(rollout_id, agent, infos[agent]["messages"], n=branches)
         except Exception as exc:  # a failed call drops this task from the batch, not the run
             result.error = f"{type(exc).__name__}: {exc}"
             return result
-        committed = {agent: replies[0].text for agent, replies in candidates.items()}
-
-        for agent in list(env.agents):
-            scored = await asyncio.gather(
-                *(
-                    asyncio.to_thread(_score, branch, snapshot, committed, agent, reply)
-                    for branch, reply in zip(branch_envs, candidates[agent])
-                )
+        scored = await asyncio.gather(
+            *(
+                asyncio.to_thread(_play, branch, snapshot, agent, reply)
+                for branch, reply in zip(branch_envs, replies)
             )
-            for s in scored:
-                result.completion_tokens += len(s.reply.token_ids)
-                if s.reply.token_ids and s.reply.prompt_token_ids:
-                    result.samples.append(
-                        Sample(
-                            prompt_token_ids=s.reply.prompt_token_ids,
-                            completion_token_ids=s.reply.token_ids,
-                            behavior_logprobs=s.reply.logprobs
-                            if len(s.reply.logprobs) == len(s.reply.token_ids)
-                            else [],
-                            agent=agent,
-                            policy=policy_of(agent),
-                            group=tree_group(task_id, env.round, agent),
-                            reward=s.reward,
-                            meta={"call_id": s.reply.call_id, "seed": seed},
-                        )
-                    )
-            committed[agent] = scored[choose(scored, select_by)].reply.text
+        )
+        for s in scored:
+            result.completion_tokens += len(s.reply.token_ids)
+            if s.reply.token_ids and s.reply.prompt_token_ids:
+                result.samples.append(_sample(s, agent, policy_of, task_id, round_, seed))
 
-        env.restore(snapshot)
-        _, rewards, _, _, infos = await asyncio.to_thread(env.step, committed)
-        for agent, reward in rewards.items():
-            totals[agent] += reward
+        # The winning branch already holds the committed state: swap it in, replay nothing.
+        best = choose(scored, select_by)
+        env, branch_envs[best] = branch_envs[best], env
+        infos = scored[best].infos
+        for name, reward in scored[best].rewards.items():
+            totals[name] += reward
 
     result.success = bool(env.state.success)
     result.rounds = env.round
@@ -116,12 +108,32 @@ async def tree_rollout(
     return result
 
 
-def _score(
-    branch: MASEnv, snapshot: Any, committed: dict[str, str], agent: str, reply: Reply
-) -> Scored:
+def _play(branch: MASEnv, snapshot: Snapshot, agent: str, reply: Reply) -> Scored:
     branch.restore(snapshot)
-    _, rewards, _, _, infos = branch.step({**committed, agent: reply.text})
-    return Scored(reply, rewards[agent], infos[agent]["reward_parts"]["team"])
+    _, rewards, _, _, infos = branch.step({agent: reply.text})
+    return Scored(reply, rewards[agent], infos[agent]["reward_parts"]["team"], rewards, infos)
+
+
+def _sample(
+    s: Scored,
+    agent: str,
+    policy_of: Callable[[str], str],
+    task_id: str,
+    round_: int,
+    seed: int,
+) -> Sample:
+    reply = s.reply
+    logprobs = reply.logprobs if len(reply.logprobs) == len(reply.token_ids) else []
+    return Sample(
+        prompt_token_ids=reply.prompt_token_ids,
+        completion_token_ids=reply.token_ids,
+        behavior_logprobs=logprobs,
+        agent=agent,
+        policy=policy_of(agent),
+        group=tree_group(task_id, round_, agent),
+        reward=s.reward,
+        meta={"call_id": reply.call_id, "seed": seed},
+    )
 
 
 async def collect_tree_batch(
@@ -131,7 +143,7 @@ async def collect_tree_batch(
     *,
     branches: int,
     policy_of: Callable[[str], str],
-    select_by: Literal["team", "agent"] = "team",
+    select_by: Literal["team", "agent"] = "agent",
     rollout_prefix: str = "train",
     concurrency: int = 8,
 ) -> list[TaskRollout]:

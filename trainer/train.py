@@ -54,6 +54,12 @@ def seed_everything(seed: int) -> None:
 
 def env_options(cfg: TrainConfig) -> dict[str, Any]:
     options = dict(cfg.env.options)
+    if options.get("turn_order", cfg.rollout.turn_order) != cfg.rollout.turn_order:
+        raise ValueError(
+            f"env.options.turn_order={options['turn_order']!r} contradicts rollout.turn_order="
+            f"{cfg.rollout.turn_order!r}: set rollout.turn_order only"
+        )
+    options["turn_order"] = cfg.rollout.turn_order
     if cfg.rollout.max_rounds is not None:
         options["max_rounds"] = cfg.rollout.max_rounds
     return options

@@ -1,8 +1,9 @@
 """Code: write a program that passes hidden tests.
 
-Roles (Stronger-MAS): `coder` writes the solution; `tester` writes test cases (input and
-expected output). The coder sees where its program disagrees with the tester's tests and the
-public examples (input, expected, actual) and decides which side is wrong. Hidden tests
+Roles (Stronger-MAS), in turn order: `coder` writes the solution; `tester` then sees that
+program and writes test cases (input and expected output). The coder sees, next round, where
+its program disagrees with the tester's tests and the public examples (input, expected,
+actual) and decides which side is wrong. Hidden tests
 decide the coder's reward (pass rate) and the team's success (all pass, which ends the
 episode). The tester is rewarded for tests that agree with a correct program (see
 `tester_reward`). Single-agent mode: `coder` alone, with the public examples as feedback.
@@ -244,19 +245,19 @@ class CodeEnv(MASEnv):
                 f"Give up to {cfg.max_tester_tests} test cases. " + _TEST_FORMAT[task.call_based],
             ]
         lines += ["", f"Round {self.round + 1} of {cfg.max_rounds}."]
-        if self.round > 0:
-            if agent == "coder" and state.code is not None:
+        if agent == "coder" and state.code is not None:
+            lines += [
+                "Your last program:",
+                f"```python\n{clip_text(state.code.strip(), cfg.shown_chars)}\n```",
+            ]
+        if agent == "tester":
+            if self.round > 0:
+                lines.append(f"Your last tests: {len(state.tests)} readable.")
+            if state.code is not None:  # the coder's latest, this round's when it has acted
                 lines += [
-                    "Your last program:",
+                    "The coder's latest program:",
                     f"```python\n{clip_text(state.code.strip(), cfg.shown_chars)}\n```",
                 ]
-            if agent == "tester":
-                lines.append(f"Your last tests: {len(state.tests)} readable.")
-                if state.code is not None:
-                    lines += [
-                        "The coder's last program:",
-                        f"```python\n{clip_text(state.code.strip(), cfg.shown_chars)}\n```",
-                    ]
         feedback = self.last_feedback.get(agent)
         if feedback:
             lines += ["", feedback]
@@ -267,53 +268,59 @@ class CodeEnv(MASEnv):
 
     # --- one round ----------------------------------------------------------------------------
 
-    def play_round(self, actions: dict[str, str]) -> dict[str, RewardParts]:
-        cfg, task, state = self.config, self.task, self.state
-        parts = {agent: RewardParts() for agent in actions}
-        fn = task.fn_name
-        code = last_code_block(actions["coder"])
-        new_tests, unreadable = [], 0
-        if "tester" in actions:
-            new_tests, unreadable = parse_tests(
-                actions["tester"], task.call_based, cfg.max_tester_tests
-            )
-            if new_tests:
-                state.tests = tuple(new_tests)
-        visible = [*state.tests, *task.public_tests]
+    def play_turn(self, agent: str, action: str) -> RewardParts:
+        if agent == "coder":
+            return self._coder_turn(action)
+        return self._tester_turn(action)
 
-        # One parallel batch: hidden tests, the visible tests, and the tester's tests against
-        # a known-correct program when there is one already.
+    def _coder_turn(self, action: str) -> RewardParts:
+        """The coder's program is the team's: hidden tests decide its reward and the team's."""
+        cfg, task, state = self.config, self.task, self.state
+        code = last_code_block(action)
+        visible = [*state.tests, *task.public_tests]
+        on_visible: SuiteResult | None = None
+        if code is not None:
+            suites = [Suite(code, self.hidden_tests(), task.fn_name)]
+            if visible:
+                suites.append(Suite(code, tuple(visible), task.fn_name))
+            hidden, *shown = self.judge.run_many(suites)
+            on_visible = shown[0] if shown else None
+            state.code, state.pass_rate = code, hidden.pass_rate
+            if hidden.all_passed:
+                state.verified_code = code
+            state.success = hidden.all_passed
+        self.last_feedback["coder"] = self._coder_feedback(code, on_visible, visible)
+        return RewardParts(
+            agent=coder_reward(state.pass_rate if code is not None else None, cfg),
+            team=team_outcome(state.pass_rate, cfg),
+        )
+
+    def _tester_turn(self, action: str) -> RewardParts:
+        """The tester's tests are checked against a known-correct program (validity) and run
+        on the coder's program, whose failures the coder sees next round."""
+        cfg, task, state = self.config, self.task, self.state
+        fn = task.fn_name
+        new_tests, unreadable = parse_tests(action, task.call_based, cfg.max_tester_tests)
+        if new_tests:
+            state.tests = tuple(new_tests)
+        visible = [*state.tests, *task.public_tests]
         oracle = task.reference_solution or state.verified_code
         suites: dict[str, Suite] = {}
-        if code is not None:
-            suites["hidden"] = Suite(code, self.hidden_tests(), fn)
-            if visible:
-                suites["visible"] = Suite(code, tuple(visible), fn)
         if new_tests and oracle is not None:
             suites["validity"] = Suite(oracle, tuple(new_tests), fn)
+        if new_tests and state.code is not None:
+            suites["visible"] = Suite(state.code, tuple(visible), fn)
         results = dict(zip(suites, self.judge.run_many(list(suites.values()))))
-
-        if code is not None:
-            state.code, state.pass_rate = code, results["hidden"].pass_rate
-            if results["hidden"].all_passed:
-                state.verified_code = code
-                if new_tests and "validity" not in suites:  # this program is the oracle now
-                    results["validity"] = self.judge.run(code, new_tests, fn)
-        parts["coder"].agent = coder_reward(state.pass_rate if code is not None else None, cfg)
-        self.last_feedback["coder"] = self._coder_feedback(code, results.get("visible"), visible)
-
-        if "tester" in actions:
-            validity = results["validity"].pass_rate if "validity" in results else None
-            state.validity = validity if new_tests else None
-            parts["tester"].agent = tester_reward(len(new_tests), validity, cfg)
-            self.last_feedback["tester"] = self._tester_feedback(
-                new_tests, unreadable, results.get("visible"), results.get("validity")
+        validity = results["validity"].pass_rate if "validity" in results else None
+        state.validity = validity if new_tests else None
+        if "visible" in results:  # the coder's next prompt shows where the new tests disagree
+            self.last_feedback["coder"] = self._coder_feedback(
+                state.code, results["visible"], visible
             )
-
-        for p in parts.values():
-            p.team = team_outcome(state.pass_rate, cfg)
-        state.success = state.code is not None and state.pass_rate == 1.0
-        return parts
+        self.last_feedback["tester"] = self._tester_feedback(
+            new_tests, unreadable, results.get("visible"), results.get("validity")
+        )
+        return RewardParts(agent=tester_reward(len(new_tests), validity, cfg))
 
     def _coder_feedback(
         self, code: str | None, result: SuiteResult | None, visible: list[TestCase]

@@ -1,9 +1,10 @@
 """Math: answer a question with one exact final answer.
 
-Roles (Stronger-MAS): `reasoner` reasons step by step and ends with `\\boxed{answer}`;
-`tool` writes Python that prints the answer (run in the sandbox). Each sees the other's
-previous answer (and the tool's program output). The episode ends when both answers verify
-as equal, or after `max_rounds`. Success: the reasoner's final answer is correct (checked
+Roles (Stronger-MAS), in turn order: `tool` writes Python that prints the answer (run in the
+sandbox); `reasoner` reasons step by step and ends with `\\boxed{answer}`. Each sees the
+other's latest answer: the reasoner the tool's program, output and answer of the same round,
+the tool the reasoner's answer of the round before. The episode ends when both answers
+verify as equal, or after `max_rounds`. Success: the reasoner's final answer is correct (checked
 by math-verify against the task's answer). Single-agent mode: `reasoner` alone, which may
 also run code; its episode ends when it gives the same answer twice in a row.
 """
@@ -102,7 +103,7 @@ class MathState(EpisodeState):
 
 class MathEnv(MASEnv):
     name = "math"
-    roles = ("reasoner", "tool")
+    roles = ("tool", "reasoner")
     solo_role = "reasoner"
     config_class = MathConfig
 
@@ -137,22 +138,20 @@ class MathEnv(MASEnv):
             "",
             f"Round {self.round + 1} of {cfg.max_rounds}.",
         ]
-        if self.round > 0:
-            own = state.answers.get(agent)
+        if agent in state.answers:  # the agent has answered before
+            own = state.answers[agent]
             lines.append(f"Your last answer: {own if own is not None else '(none found)'}")
-            if agent == "tool" and state.tool_runs:
+            if (agent == "tool" or cfg.single_agent) and state.tool_runs:
                 lines += _program_lines(state.tool_runs[-1], "Your program", cfg.shown_chars)
-            other = "tool" if agent == "reasoner" else "reasoner"
-            if not cfg.single_agent:
-                lines += ["", f"The {other} agent's last answer:"]
-                if other == "tool" and state.tool_runs:
-                    lines += _program_lines(state.tool_runs[-1], "Its program", cfg.shown_chars)
-                else:
-                    lines.append(clip_text(self.last_actions.get(other, ""), cfg.shown_chars))
-                answer = state.answers.get(other)
-                lines.append(f"Its answer: {answer if answer is not None else '(none found)'}")
-            elif state.tool_runs:
-                lines += _program_lines(state.tool_runs[-1], "Your program", cfg.shown_chars)
+        other = "tool" if agent == "reasoner" else "reasoner"
+        if not cfg.single_agent and other in state.answers:  # its latest, maybe this round's
+            lines += ["", f"The {other} agent's latest answer:"]
+            if other == "tool" and state.tool_runs:
+                lines += _program_lines(state.tool_runs[-1], "Its program", cfg.shown_chars)
+            else:
+                lines.append(clip_text(self.last_actions.get(other, ""), cfg.shown_chars))
+            answer = state.answers[other]
+            lines.append(f"Its answer: {answer if answer is not None else '(none found)'}")
         feedback = self.last_feedback.get(agent)
         if feedback:
             lines += ["", feedback]
@@ -163,48 +162,49 @@ class MathEnv(MASEnv):
 
     # --- one round ----------------------------------------------------------------------------
 
-    def play_round(self, actions: dict[str, str]) -> dict[str, RewardParts]:
-        cfg, state, gold = self.config, self.state, self.task.answer
-        judge = default_judge()
-        parts = {agent: RewardParts() for agent in actions}
-        previous = state.answers.get("reasoner")
+    def play_turn(self, agent: str, action: str) -> RewardParts:
+        if agent == "tool":
+            return self._tool_turn(action)
+        return self._reasoner_turn(action)
 
-        text = actions["reasoner"]
+    def _tool_turn(self, action: str) -> RewardParts:
+        cfg, state = self.config, self.state
+        run = run_tool(action, cfg.tool_timeout)
+        state.tool_runs.append(run)
+        answer = printed_answer(run.output) if run.ok else None
+        correct = answer is not None and default_judge().equal(
+            self.task.answer, answer, cfg.verify_timeout
+        )
+        state.answers["tool"], state.correct["tool"] = answer, correct
+        self.last_feedback["tool"] = (
+            ""
+            if answer is not None
+            else (run.describe(500) + "\nNo answer: print the final answer on the last line.")
+        )
+        return RewardParts(agent=answer_reward(answer, correct, cfg))
+
+    def _reasoner_turn(self, text: str) -> RewardParts:
+        """The reasoner's answer is the team's: it decides the team reward and the episode."""
+        cfg, state, judge = self.config, self.state, default_judge()
+        previous = state.answers.get("reasoner")
         if cfg.single_agent and last_code_block(text) is not None:
             state.tool_runs.append(run_tool(text, cfg.tool_timeout))
         answer = last_boxed(text)
-        correct = answer is not None and judge.equal(gold, answer, cfg.verify_timeout)
+        correct = answer is not None and judge.equal(self.task.answer, answer, cfg.verify_timeout)
         state.answers["reasoner"], state.correct["reasoner"] = answer, correct
-        parts["reasoner"].agent = answer_reward(answer, correct, cfg)
         self.last_feedback["reasoner"] = (
             "" if answer is not None else "No \\boxed{} answer found: end with \\boxed{answer}."
         )
-
-        if "tool" in actions:
-            run = run_tool(actions["tool"], cfg.tool_timeout)
-            state.tool_runs.append(run)
-            tool_answer = printed_answer(run.output) if run.ok else None
-            tool_correct = tool_answer is not None and judge.equal(
-                gold, tool_answer, cfg.verify_timeout
-            )
-            state.answers["tool"], state.correct["tool"] = tool_answer, tool_correct
-            parts["tool"].agent = answer_reward(tool_answer, tool_correct, cfg)
-            self.last_feedback["tool"] = (
-                ""
-                if tool_answer is not None
-                else (run.describe(500) + "\nNo answer: print the final answer on the last line.")
-            )
-            state.agreed = judge.agree(answer, tool_answer, cfg.verify_timeout)
-        else:
-            state.agreed = judge.agree(previous, answer, cfg.verify_timeout)
-
-        for p in parts.values():
-            p.team = team_reward(correct, cfg)
+        # Multi-agent: the two roles agree; single-agent: the same answer twice in a row.
+        other = previous if cfg.single_agent else state.answers.get("tool")
+        state.agreed = judge.agree(answer, other, cfg.verify_timeout)
         if state.agreed:  # the team settled on an answer: the episode ends with its verdict
             state.success, state.failed = correct, not correct
         elif self.round + 1 >= cfg.max_rounds:
             state.success = correct
-        return parts
+        return RewardParts(
+            agent=answer_reward(answer, correct, cfg), team=team_reward(correct, cfg)
+        )
 
     def _info(self, agent: str, parts: RewardParts | None) -> dict[str, Any]:
         info = super()._info(agent, parts)

@@ -1,8 +1,8 @@
 """Plan-path: lead an agent through a grid with obstacles to the goal.
 
-Roles (Stronger-MAS): `tool` writes Python that computes the moves (run in the sandbox; its
-output reaches `plan` next round); `plan` gives the moves the team commits. Single-agent mode:
-`plan` alone, which may also write code.
+Roles (Stronger-MAS), in turn order: `tool` writes Python that computes the moves (run in the
+sandbox); `plan` then sees the tool's program and its output of the same round and gives the
+moves the team commits. Single-agent mode: `plan` alone, which may also write code.
 """
 
 from __future__ import annotations
@@ -222,58 +222,52 @@ class PlanPathEnv(MASEnv):
 
     # --- one round ----------------------------------------------------------------------------
 
-    def play_round(self, actions: dict[str, str]) -> dict[str, RewardParts]:
-        cfg, task = self.config, self.task
-        parts = {agent: RewardParts() for agent in actions}
-        start, steps_before = self.state.pos, self.state.steps
+    def play_turn(self, agent: str, action: str) -> RewardParts:
+        if agent == "tool":
+            return self._tool_turn(action)
+        return self._plan_turn(action)
 
-        if "tool" in actions:  # multi-agent: the tool's printed moves are scored on a copy
-            run = run_tool(actions["tool"], cfg.tool_timeout)
-            self.state.tool_runs.append(run)
-            moves = parse_moves(run.output, marker="Moves:") if run.ok else None
-            if moves is None:
-                parts["tool"].agent = cfg.format_penalty
-                self.last_feedback["tool"] = run.describe() + "\nNo moves found in the output."
-            else:
-                sim = score_moves(task, start, moves, cfg)
-                parts["tool"].process = sim.shaping
-                parts["tool"].agent = outcome_reward(sim, steps_before, task, cfg)
-                self.last_feedback["tool"] = (
-                    run.describe()
-                    + f"\nYour moves {''.join(moves)} lead to {sim.end}"
-                    + (" — the goal." if sim.reached else ", not the goal.")
-                )
+    def _tool_turn(self, action: str) -> RewardParts:
+        """The tool's printed moves are scored on a copy: the tool never moves the team."""
+        cfg, task, state = self.config, self.task, self.state
+        run = run_tool(action, cfg.tool_timeout)
+        state.tool_runs.append(run)
+        moves = parse_moves(run.output, marker="Moves:") if run.ok else None
+        if moves is None:
+            self.last_feedback["tool"] = run.describe() + "\nNo moves found in the output."
+            return RewardParts(agent=cfg.format_penalty)
+        sim = score_moves(task, state.pos, moves, cfg)
+        self.last_feedback["tool"] = (
+            run.describe()
+            + f"\nYour moves {''.join(moves)} lead to {sim.end}"
+            + (" — the goal." if sim.reached else ", not the goal.")
+        )
+        return RewardParts(process=sim.shaping, agent=outcome_reward(sim, state.steps, task, cfg))
 
-        plan_text = actions["plan"]
-        if cfg.single_agent:
-            run = run_tool(plan_text, cfg.tool_timeout) if "```" in plan_text else None
-            if run is not None:
-                self.state.tool_runs.append(run)
+    def _plan_turn(self, plan_text: str) -> RewardParts:
+        """The plan's moves are the team's: their outcome is the team reward, counted once."""
+        cfg, task, state = self.config, self.task, self.state
+        run = None
+        if cfg.single_agent and "```" in plan_text:
+            run = run_tool(plan_text, cfg.tool_timeout)
+            state.tool_runs.append(run)
         moves = parse_moves(plan_text)
         if moves is None:
-            parts["plan"].agent = cfg.format_penalty
-            self.last_feedback["plan"] = "No moves found: end with `#### [moves]`."
+            feedback = "No moves found: end with `#### [moves]`."
+            parts = RewardParts(agent=cfg.format_penalty)
         else:
+            start, steps_before = state.pos, state.steps
             out = score_moves(task, start, moves, cfg)
-            self.state.pos, self.state.steps = out.end, steps_before + out.valid_moves
-            parts["plan"].process = out.shaping
-            parts["plan"].agent = outcome_reward(out, steps_before, task, cfg)
-            self.state.success = out.reached
+            state.pos, state.steps = out.end, steps_before + out.valid_moves
+            state.success = out.reached
             invalid = len(moves) - out.valid_moves if not out.reached else 0
-            self.last_feedback["plan"] = f"Moves {''.join(moves)} took you to {out.end}" + (
+            feedback = f"Moves {''.join(moves)} took you to {out.end}" + (
                 " — the goal." if out.reached else f"; {invalid} move(s) were invalid."
             )
-        if cfg.single_agent and self.state.tool_runs and "```" in plan_text:
-            self.last_feedback["plan"] += "\n" + self.state.tool_runs[-1].describe()
-
-        team = outcome_reward(
-            MoveOutcome(self.state.pos, self.state.steps - steps_before, 0.0, self.state.success),
-            steps_before,
-            task,
-            cfg,
-        )
-        for p in parts.values():
-            p.team = team
+            parts = RewardParts(
+                process=out.shaping, team=outcome_reward(out, steps_before, task, cfg)
+            )
+        self.last_feedback["plan"] = feedback + (f"\n{run.describe()}" if run is not None else "")
         return parts
 
     # --- pictures -----------------------------------------------------------------------------

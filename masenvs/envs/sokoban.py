@@ -1,8 +1,9 @@
 """Sokoban: push every box onto a goal in a walled room.
 
-Roles (Stronger-MAS): `tool` writes Python that searches for the moves (run in the sandbox; its
-output reaches `plan` next round); `plan` gives the moves the team commits. Single-agent mode:
-`plan` alone, which may also write code. Levels come from reverse play, so each is solvable.
+Roles (Stronger-MAS), in turn order: `tool` writes Python that searches for the moves (run in
+the sandbox); `plan` then sees the tool's program and its output of the same round and gives
+the moves the team commits. Single-agent mode: `plan` alone, which may also write code.
+Levels come from reverse play, so each is solvable.
 """
 
 from __future__ import annotations
@@ -478,44 +479,47 @@ class SokobanEnv(MASEnv):
 
     # --- one round ----------------------------------------------------------------------------
 
-    def play_round(self, actions: dict[str, str]) -> dict[str, RewardParts]:
+    def play_turn(self, agent: str, action: str) -> RewardParts:
+        if agent == "tool":
+            return self._tool_turn(action)
+        return self._plan_turn(action)
+
+    def _tool_turn(self, action: str) -> RewardParts:
+        """The tool's printed moves are scored on a copy: the tool never moves the team."""
         cfg, task, state = self.config, self.task, self.state
-        parts = {agent: RewardParts() for agent in actions}
+        run = run_tool(action, cfg.tool_timeout)
+        state.tool_runs.append(run)
+        moves = parse_moves(run.output, marker="Moves:") if run.ok else None
+        if moves is None:
+            self.last_feedback["tool"] = run.describe() + "\nNo moves found in the output."
+            return RewardParts(agent=cfg.format_penalty)
+        sim = score_moves(task, state.player, state.boxes, moves, cfg)
+        self.last_feedback["tool"] = run.describe() + "\n" + _describe(moves, sim)
+        return RewardParts(
+            process=sim.shaping, agent=outcome_reward(sim.solved, sim.deadlocked, cfg)
+        )
 
-        if "tool" in actions:  # multi-agent: the tool's printed moves are scored on a copy
-            run = run_tool(actions["tool"], cfg.tool_timeout)
-            state.tool_runs.append(run)
-            moves = parse_moves(run.output, marker="Moves:") if run.ok else None
-            if moves is None:
-                parts["tool"].agent = cfg.format_penalty
-                self.last_feedback["tool"] = run.describe() + "\nNo moves found in the output."
-            else:
-                sim = score_moves(task, state.player, state.boxes, moves, cfg)
-                parts["tool"].process = sim.shaping
-                parts["tool"].agent = outcome_reward(sim.solved, sim.deadlocked, cfg)
-                self.last_feedback["tool"] = run.describe() + "\n" + _describe(moves, sim)
-
-        plan_text = actions["plan"]
+    def _plan_turn(self, plan_text: str) -> RewardParts:
+        """The plan's moves are the team's: their outcome is the team reward, counted once."""
+        cfg, task, state = self.config, self.task, self.state
+        run = None
         if cfg.single_agent and "```" in plan_text:
-            state.tool_runs.append(run_tool(plan_text, cfg.tool_timeout))
+            run = run_tool(plan_text, cfg.tool_timeout)
+            state.tool_runs.append(run)
         moves = parse_moves(plan_text)
         if moves is None:
-            parts["plan"].agent = cfg.format_penalty
-            self.last_feedback["plan"] = "No moves found: end with `#### [moves]`."
+            feedback = "No moves found: end with `#### [moves]`."
+            parts = RewardParts(agent=cfg.format_penalty)
         else:
             out = score_moves(task, state.player, state.boxes, moves, cfg)
             state.player, state.boxes = out.player, out.boxes
             state.moves, state.pushes = state.moves + out.valid_moves, state.pushes + out.pushes
             state.success, state.failed = out.solved, out.deadlocked
-            parts["plan"].process = out.shaping
-            parts["plan"].agent = outcome_reward(out.solved, out.deadlocked, cfg)
-            self.last_feedback["plan"] = _describe(moves, out)
-        if cfg.single_agent and "```" in plan_text:
-            self.last_feedback["plan"] += "\n" + state.tool_runs[-1].describe()
-
-        team = outcome_reward(state.success, state.failed, cfg)
-        for p in parts.values():
-            p.team = team
+            feedback = _describe(moves, out)
+            parts = RewardParts(
+                process=out.shaping, team=outcome_reward(out.solved, out.deadlocked, cfg)
+            )
+        self.last_feedback["plan"] = feedback + (f"\n{run.describe()}" if run is not None else "")
         return parts
 
     # --- pictures -----------------------------------------------------------------------------

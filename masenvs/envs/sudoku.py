@@ -1,8 +1,9 @@
 """Sudoku: fill a 4x4 or 9x9 grid so every row, column and box holds each digit once.
 
-Roles (Stronger-MAS): `tool` writes Python that solves the puzzle (run in the sandbox; its
-output reaches `plan` next round); `plan` gives the cells the team commits. Single-agent mode:
-`plan` alone, which may also write code. Fills accumulate on the board from round to round.
+Roles (Stronger-MAS), in turn order: `tool` writes Python that solves the puzzle (run in the
+sandbox); `plan` then sees the tool's program and its output of the same round and gives the
+cells the team commits. Single-agent mode: `plan` alone, which may also write code. Fills
+accumulate on the board from round to round.
 """
 
 from __future__ import annotations
@@ -494,41 +495,43 @@ class SudokuEnv(MASEnv):
 
     # --- one round ----------------------------------------------------------------------------
 
-    def play_round(self, actions: dict[str, str]) -> dict[str, RewardParts]:
-        cfg, task, n = self.config, self.task, self.task.size
-        parts = {agent: RewardParts() for agent in actions}
-        board = self.state.board
+    def play_turn(self, agent: str, action: str) -> RewardParts:
+        if agent == "tool":
+            return self._tool_turn(action)
+        return self._plan_turn(action)
 
-        if "tool" in actions:  # multi-agent: the tool's printed grid is scored on a copy
-            run = run_tool(actions["tool"], cfg.tool_timeout)
-            self.state.tool_runs.append(run)
-            answer = parse_answer(run.output, n, marker="Solution:") if run.ok else None
-            if answer is None:
-                parts["tool"].agent = cfg.format_penalty
-                self.last_feedback["tool"] = run.describe() + "\nNo grid found in the output."
-            else:
-                sim = score_fills(task, board, answer.fills, cfg)
-                parts["tool"].process, parts["tool"].agent = sim.shaping, sim.outcome
-                self.last_feedback["tool"] = run.describe() + "\n" + _describe(sim, answer)
-
-        plan_text = actions["plan"]
-        if cfg.single_agent and "```" in plan_text:
-            self.state.tool_runs.append(run_tool(plan_text, cfg.tool_timeout))
-        answer = parse_answer(plan_text, n)
+    def _tool_turn(self, action: str) -> RewardParts:
+        """The tool's printed grid is scored on a copy: the tool never writes the board."""
+        cfg, task = self.config, self.task
+        run = run_tool(action, cfg.tool_timeout)
+        self.state.tool_runs.append(run)
+        answer = parse_answer(run.output, task.size, marker="Solution:") if run.ok else None
         if answer is None:
-            parts["plan"].agent = cfg.format_penalty
-            self.last_feedback["plan"] = "No grid or fills found: end with `####` and the grid."
-        else:
-            out = score_fills(task, board, answer.fills, cfg)
-            self.state.board, self.state.success = out.board, out.solved
-            parts["plan"].process, parts["plan"].agent = out.shaping, out.outcome
-            self.last_feedback["plan"] = _describe(out, answer)
-        if cfg.single_agent and "```" in plan_text:
-            self.last_feedback["plan"] += "\n" + self.state.tool_runs[-1].describe()
+            self.last_feedback["tool"] = run.describe() + "\nNo grid found in the output."
+            return RewardParts(agent=cfg.format_penalty)
+        sim = score_fills(task, self.state.board, answer.fills, cfg)
+        self.last_feedback["tool"] = run.describe() + "\n" + _describe(sim, answer)
+        return RewardParts(process=sim.shaping, agent=sim.outcome)
 
-        team = cfg.solved_bonus if self.state.success else 0.0
-        for p in parts.values():
-            p.team = team
+    def _plan_turn(self, plan_text: str) -> RewardParts:
+        """The plan's cells are the team's: the solved bonus is the team reward, counted once;
+        the plan's own part keeps the penalties of its answer (conflicts, clue changes)."""
+        cfg, task, state = self.config, self.task, self.state
+        run = None
+        if cfg.single_agent and "```" in plan_text:
+            run = run_tool(plan_text, cfg.tool_timeout)
+            state.tool_runs.append(run)
+        answer = parse_answer(plan_text, task.size)
+        if answer is None:
+            feedback = "No grid or fills found: end with `####` and the grid."
+            parts = RewardParts(agent=cfg.format_penalty)
+        else:
+            out = score_fills(task, state.board, answer.fills, cfg)
+            state.board, state.success = out.board, out.solved
+            team = cfg.solved_bonus if out.solved else 0.0
+            feedback = _describe(out, answer)
+            parts = RewardParts(process=out.shaping, agent=out.outcome - team, team=team)
+        self.last_feedback["plan"] = feedback + (f"\n{run.describe()}" if run is not None else "")
         return parts
 
     # --- pictures -----------------------------------------------------------------------------
