@@ -13,6 +13,7 @@ from pettingzoo.test import parallel_api_test
 
 import masenvs
 from masenvs.envs.code import parse_tests
+from masenvs.parsing import last_code_block
 from masenvs.tasks.code_judge import CodeJudge, Suite, outputs_match, values_match
 from masenvs.tasks.code_problems import PROBLEMS
 from masenvs.tasks.records import CodeTask, TestCase
@@ -156,10 +157,18 @@ def test_no_code_gets_the_format_penalty() -> None:
     assert rewards["coder"] == -1.0 and "python block" in env.observe("coder")
 
 
+def test_tester_sees_the_coders_program_of_the_same_round() -> None:
+    env = env_with(DOUBLE)
+    _, _, _, _, infos = env.step({"coder": WRONG_ABOVE_9})
+    assert env.acting == "tester" and env.round == 0
+    prompt = infos["tester"]["messages"][-1]["content"]
+    assert "Round 1 of 4" in prompt and last_code_block(WRONG_ABOVE_9).strip() in prompt
+
+
 def test_tester_reward_is_the_share_of_tests_the_reference_passes() -> None:
     env = env_with(DOUBLE)
     tester = written_tests([("5", "10"), ("7", "14"), ("0", "1")])  # the last one is wrong
-    _, rewards, _, _, infos = env.step({"coder": WRONG_ABOVE_9, "tester": tester})
+    _, rewards, _, _, infos = masenvs.play_round(env, {"coder": WRONG_ABOVE_9, "tester": tester})
     parts = infos["tester"]["reward_parts"]
     assert parts["agent"] == pytest.approx(2 / 3) and parts["team"] == pytest.approx(0.75)
     assert rewards["tester"] == pytest.approx(2 / 3 + 0.75)
@@ -177,28 +186,28 @@ def test_tester_call_based_tests_and_unreadable_ones() -> None:
         "**Test Input:**\n```\nnot json\n```\n**Test Output:**\n```\n[0, 1]\n```\n"
     )
     code = f"```python\n{task.reference_solution}```"
-    _, _, _, _, infos = env.step({"coder": code, "tester": tester})
+    _, _, _, _, infos = masenvs.play_round(env, {"coder": code, "tester": tester})
     assert infos["tester"]["tester_validity"] == 1.0  # two readable tests, both right
     assert "2 test(s) read, 1 unreadable" in env.observe("tester")
-    assert infos["coder"]["success"]
+    assert infos["coder"]["success"] and not env.agents  # the round ended, then the episode
 
 
 def test_without_a_reference_a_verified_program_checks_the_tests() -> None:
     no_reference = {k: v for k, v in DOUBLE.items() if k != "reference_solution"}
     tester = written_tests([("5", "10"), ("6", "13")])
     env = env_with(no_reference)
-    _, _, _, _, infos = env.step({"coder": WRONG_ABOVE_9, "tester": tester})
+    _, _, _, _, infos = masenvs.play_round(env, {"coder": WRONG_ABOVE_9, "tester": tester})
     assert infos["tester"]["tester_validity"] is None  # nothing known-correct yet
     assert infos["tester"]["reward_parts"]["agent"] == 0.0
     env = env_with(no_reference)
-    _, _, _, _, infos = env.step({"coder": RIGHT, "tester": tester})
+    _, _, _, _, infos = masenvs.play_round(env, {"coder": RIGHT, "tester": tester})
     assert infos["tester"]["tester_validity"] == 0.5
     assert infos["tester"]["reward_parts"]["agent"] == 0.5
 
 
 def test_tester_without_tests_gets_the_format_penalty() -> None:
     env = env_with(DOUBLE)
-    _, rewards, *_ = env.step({"coder": RIGHT, "tester": "Input 5 gives 10."})
+    _, rewards, *_ = masenvs.play_round(env, {"coder": RIGHT, "tester": "Input 5 gives 10."})
     assert rewards["tester"] == -1.0 + 1.0
 
 

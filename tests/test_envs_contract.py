@@ -15,12 +15,43 @@ from masenvs.wrappers import GymnasiumEnv
 
 ENVS = masenvs.list_envs()
 MODES = [pytest.param(False, id="multi"), pytest.param(True, id="single")]
+TURN_ORDERS = ["sequential", "simultaneous"]
 
 
+@pytest.mark.parametrize("turn_order", TURN_ORDERS)
 @pytest.mark.parametrize("single_agent", MODES)
 @pytest.mark.parametrize("name", ENVS)
-def test_parallel_api(name: str, single_agent: bool) -> None:
-    parallel_api_test(masenvs.make(name, single_agent=single_agent), num_cycles=6)
+def test_parallel_api(name: str, single_agent: bool, turn_order: str) -> None:
+    env = masenvs.make(name, single_agent=single_agent, turn_order=turn_order)
+    parallel_api_test(env, num_cycles=12)
+
+
+@pytest.mark.parametrize("turn_order", TURN_ORDERS)
+@pytest.mark.parametrize("name", ENVS)
+def test_agents_take_turns_in_role_order(name: str, turn_order: str) -> None:
+    env = masenvs.make(name, max_rounds=2, turn_order=turn_order)
+    env.reset(seed=0)
+    order = list(masenvs.env_class(name).roles)
+    assert env.agents == order
+    seen = []
+    while env.agents:
+        seen.append((env.round, env.acting))
+        _, rewards, _, _, infos = env.step(dict.fromkeys(env.agents, ""))
+        assert set(rewards) == set(order)  # every live agent gets a reward every step
+    assert seen == [(r, agent) for r in range(2) for agent in order]
+
+
+@pytest.mark.parametrize("name", ENVS)
+def test_actions_of_agents_not_due_are_ignored(name: str) -> None:
+    env = masenvs.make(name)
+    env.reset(seed=0)
+    first, second = env.possible_agents
+    snap = env.snapshot()
+    alone = env.step({first: "garbage"})
+    env.restore(snap)
+    both = env.step({first: "garbage", second: "#### [R]\n\\boxed{1}"})
+    assert alone[1] == both[1] and alone[0] == both[0]
+    assert env.acting == second and env.round == 0
 
 
 @pytest.mark.parametrize("name", ENVS)
@@ -83,9 +114,9 @@ def test_rewards_combine_parts_with_configured_weights(name: str) -> None:
 def test_episode_ends_after_max_rounds(name: str) -> None:
     env = masenvs.make(name, max_rounds=2)
     env.reset(seed=3)
-    env.step(dict.fromkeys(env.agents, ""))
-    assert env.agents
-    _, _, terms, truncs, infos = env.step(dict.fromkeys(env.agents, ""))
+    masenvs.play_round(env, dict.fromkeys(env.agents, ""))
+    assert env.agents and env.round == 1
+    _, _, terms, truncs, infos = masenvs.play_round(env, dict.fromkeys(env.agents, ""))
     assert not env.agents and all(truncs.values()) and not any(terms.values())
     assert not any(i["success"] for i in infos.values())
     with pytest.raises(RuntimeError, match="reset"):

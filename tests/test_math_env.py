@@ -136,8 +136,8 @@ def duo(**config) -> masenvs.MASEnv:
 
 def test_agreement_on_the_right_answer_ends_with_success() -> None:
     env = duo()
-    _, rewards, terms, truncs, infos = env.step(
-        {"reasoner": "\\boxed{\\frac{1}{2}}", "tool": tool_program("1/2")}
+    _, rewards, terms, truncs, infos = masenvs.play_round(
+        env, {"reasoner": "\\boxed{\\frac{1}{2}}", "tool": tool_program("1/2")}
     )
     assert rewards == {"reasoner": 2.0, "tool": 2.0}
     assert all(terms.values()) and not any(truncs.values())
@@ -149,15 +149,28 @@ def test_agreement_on_the_right_answer_ends_with_success() -> None:
 
 def test_agreement_on_a_wrong_answer_ends_without_success() -> None:
     env = duo()
-    _, rewards, terms, _, infos = env.step({"reasoner": "\\boxed{3}", "tool": tool_program("3")})
+    _, rewards, terms, _, infos = masenvs.play_round(
+        env, {"reasoner": "\\boxed{3}", "tool": tool_program("3")}
+    )
     assert rewards == {"reasoner": 0.0, "tool": 0.0}
     assert all(terms.values()) and not infos["reasoner"]["success"] and env.state.failed
 
 
+def test_reasoner_sees_the_tools_program_and_answer_in_the_same_round() -> None:
+    env = duo()
+    assert env.acting == "tool"
+    _, rewards, _, _, infos = env.step({"tool": tool_program("1/4")})
+    assert rewards == {"tool": 0.0, "reasoner": 0.0} and env.acting == "reasoner"
+    prompt = infos["reasoner"]["messages"][-1]["content"]
+    assert "Round 1 of 4" in prompt and "print('1/4')" in prompt and "Its answer: 1/4" in prompt
+    _, rewards, terms, _, _ = env.step({"reasoner": "Not 1/4: \\boxed{1/2}"})
+    assert rewards == {"tool": 1.0, "reasoner": 2.0} and not any(terms.values())
+
+
 def test_disagreement_continues_and_each_sees_the_other() -> None:
     env = duo()
-    _, rewards, terms, _, infos = env.step(
-        {"reasoner": "\\boxed{0.5}", "tool": tool_program("0.25")}
+    _, rewards, terms, _, infos = masenvs.play_round(
+        env, {"reasoner": "\\boxed{0.5}", "tool": tool_program("0.25")}
     )
     # reasoner right (1) + team (1); tool wrong (0) + team (1)
     assert rewards == {"reasoner": 2.0, "tool": 1.0}
@@ -169,19 +182,27 @@ def test_disagreement_continues_and_each_sees_the_other() -> None:
 
 def test_tool_without_code_or_with_a_crash_gets_the_format_penalty() -> None:
     env = duo()
-    _, rewards, *_ = env.step({"reasoner": "\\boxed{0.5}", "tool": "I would print 1/2."})
+    _, rewards, *_ = masenvs.play_round(
+        env, {"reasoner": "\\boxed{0.5}", "tool": "I would print 1/2."}
+    )
     assert rewards["tool"] == -1.0 + 1.0  # own penalty + the team's correct answer
-    _, rewards, *_ = env.step({"reasoner": "\\boxed{7}", "tool": "```python\n1/0\n```"})
+    _, rewards, *_ = masenvs.play_round(
+        env, {"reasoner": "\\boxed{7}", "tool": "```python\n1/0\n```"}
+    )
     assert rewards == {"reasoner": 0.0, "tool": -1.0}
     assert "ZeroDivisionError" in env.observe("tool")
 
 
 def test_last_round_success_is_the_reasoners_answer() -> None:
     env = duo(max_rounds=1)
-    _, _, terms, truncs, infos = env.step({"reasoner": "\\boxed{1/2}", "tool": tool_program("9")})
+    _, _, terms, truncs, infos = masenvs.play_round(
+        env, {"reasoner": "\\boxed{1/2}", "tool": tool_program("9")}
+    )
     assert all(terms.values()) and infos["reasoner"]["success"]
     env = duo(max_rounds=1)
-    _, _, terms, truncs, infos = env.step({"reasoner": "\\boxed{9}", "tool": tool_program("1/2")})
+    _, _, terms, truncs, infos = masenvs.play_round(
+        env, {"reasoner": "\\boxed{9}", "tool": tool_program("1/2")}
+    )
     assert all(truncs.values()) and not any(terms.values()) and not infos["tool"]["success"]
 
 
@@ -199,7 +220,9 @@ def test_last_round_success_is_the_reasoners_answer() -> None:
 def test_hostile_tool_programs_time_out(program: str) -> None:
     env = duo(tool_timeout=1.0)
     start = time.monotonic()
-    _, rewards, *_ = env.step({"reasoner": "\\boxed{0.5}", "tool": f"```python\n{program}\n```"})
+    _, rewards, *_ = masenvs.play_round(
+        env, {"reasoner": "\\boxed{0.5}", "tool": f"```python\n{program}\n```"}
+    )
     assert time.monotonic() - start < 15
     assert env.state.tool_runs[-1].verdict == "timeout"
     assert rewards["tool"] == -1.0 + 1.0
@@ -209,7 +232,7 @@ def test_step_works_from_worker_threads() -> None:
     def episode(seed: int) -> float:
         env = masenvs.make("math", single_agent=True)
         env.reset(seed=seed)
-        _, rewards, *_ = env.step({"reasoner": f"\\boxed{{{env.task.answer}}}"})
+        _, rewards, *_ = masenvs.play_round(env, {"reasoner": f"\\boxed{{{env.task.answer}}}"})
         return rewards["reasoner"]
 
     with ThreadPoolExecutor(3) as pool:

@@ -36,7 +36,7 @@ def test_generated_tasks_are_solvable_and_optimal_length_is_bfs() -> None:
         assert len(moves) == task.optimal_length
         _, rewards, terms, _, infos = env.step({"plan": f"#### {moves}"})
         assert terms["plan"] and infos["plan"]["success"]
-        assert infos["plan"]["reward_parts"]["agent"] == pytest.approx(1.5)  # goal + optimal
+        assert infos["plan"]["reward_parts"]["team"] == pytest.approx(1.5)  # goal + optimal
 
 
 def test_optimal_path_reward_by_hand() -> None:
@@ -46,9 +46,10 @@ def test_optimal_path_reward_by_hand() -> None:
     parts = infos["plan"]["reward_parts"]
     # Shaping per move: 0.99 * (-d'/4) - (-d/4) with d = 3, 2, 1 -> 0.255 + 0.2525 + 0.25.
     assert parts["process"] == pytest.approx(0.255 + 0.2525 + 0.25 - 3 * 0.01)
-    assert parts["agent"] == pytest.approx(1.5)
+    # The plan's moves are the team's: goal and optimal bonus count once, as the team part.
+    assert parts["agent"] == 0.0
     assert parts["team"] == pytest.approx(1.5)
-    assert rewards["plan"] == pytest.approx(0.7275 + 3.0)
+    assert rewards["plan"] == pytest.approx(0.7275 + 1.5)
     assert terms["plan"] and env.state.success
 
 
@@ -69,7 +70,7 @@ def test_non_optimal_path_gets_no_optimal_bonus() -> None:
     env.reset(seed=0, options={"task": TASK})
     env.step({"plan": "#### [D]"})
     _, _, _, _, infos = env.step({"plan": "#### [U, R, R, R]"})
-    assert infos["plan"]["success"] and infos["plan"]["reward_parts"]["agent"] == pytest.approx(1.0)
+    assert infos["plan"]["success"] and infos["plan"]["reward_parts"]["team"] == pytest.approx(1.0)
 
 
 def test_unparsable_answer_is_a_format_penalty() -> None:
@@ -80,15 +81,52 @@ def test_unparsable_answer_is_a_format_penalty() -> None:
     assert env.state.pos == (0, 0)
 
 
-def test_tool_program_output_is_scored_and_shown_to_plan() -> None:
+def test_plan_sees_the_tools_program_and_output_in_the_same_round() -> None:
+    env = masenvs.make("plan_path")
+    env.reset(seed=0, options={"task": TASK})
+    assert env.acting == "tool"
+    tool = "```python\nprint('Moves: ' + str(['R'] * 3))\n```"
+    obs, rewards, _, _, infos = env.step({"tool": tool})
+    assert infos["tool"]["reward_parts"]["agent"] == pytest.approx(1.5)  # its moves reach G
+    assert infos["tool"]["reward_parts"]["team"] == 0.0  # the tool never moves the team
+    assert env.acting == "plan" and env.round == 0
+    plan_prompt = infos["plan"]["messages"][-1]["content"]
+    assert "Round 1 of 4" in plan_prompt
+    assert "print('Moves: ' + str(['R'] * 3))" in plan_prompt  # the program of this round
+    assert "Moves: ['R', 'R', 'R']" in plan_prompt  # and what it printed
+    assert obs["plan"].endswith(plan_prompt)
+
+    _, rewards, terms, _, infos = env.step({"plan": "#### [R, R, R]"})
+    assert terms["plan"] and env.round == 1
+    # Both agents get the team's outcome once, at the step that decides it.
+    assert infos["plan"]["reward_parts"]["team"] == pytest.approx(1.5)
+    assert infos["tool"]["reward_parts"] == {"process": 0.0, "agent": 0.0, "team": 1.5}
+    assert rewards["tool"] == pytest.approx(1.5)
+
+
+def test_simultaneous_turns_show_the_tool_output_only_next_round() -> None:
+    env = masenvs.make("plan_path", turn_order="simultaneous")
+    env.reset(seed=0, options={"task": TASK})
+    tool = "```python\nprint('Moves: [D]')\n```"
+    _, _, _, _, infos = env.step({"tool": tool})
+    assert env.acting == "plan"
+    assert "Moves: [D]" not in infos["plan"]["messages"][-1]["content"]
+    _, _, _, _, infos = env.step({"plan": "no idea"})
+    assert env.round == 1 and "Moves: [D]" in infos["plan"]["messages"][-1]["content"]
+
+
+def test_a_scripted_round_sums_its_steps() -> None:
     env = masenvs.make("plan_path")
     env.reset(seed=0, options={"task": TASK})
     tool = "```python\nprint('Moves: [R, R, R]')\n```"
-    obs, _, _, _, infos = env.step({"tool": tool, "plan": "no idea"})
+    _, rewards, _, _, infos = masenvs.play_round(env, {"tool": tool, "plan": "no idea"})
     assert infos["tool"]["reward_parts"]["agent"] == pytest.approx(1.5)
     assert infos["plan"]["reward_parts"]["agent"] == -1.0
     assert infos["tool"]["reward_parts"]["team"] == 0.0  # the team did not move
-    assert "Moves: [R, R, R]" in obs["plan"] and "print(" in obs["plan"]
+    assert rewards == {
+        "tool": pytest.approx(infos["tool"]["reward_parts"]["process"] + 1.5),
+        "plan": -1.0,
+    }
 
 
 def test_bad_task_option_is_a_clear_error() -> None:

@@ -89,7 +89,7 @@ def test_same_seed_same_level_and_observations() -> None:
 def test_snapshot_restore_gives_identical_futures() -> None:
     env = masenvs.make("sokoban", boxes=2, max_rounds=4)
     env.reset(seed=5)
-    env.step({"tool": "", "plan": "#### L"})
+    masenvs.play_round(env, {"tool": "", "plan": "#### L"})
     snap = env.snapshot()
     solution = bfs_solve(
         SokobanTask(env.task.layout, tuple(sorted(env.state.boxes)), env.state.player)
@@ -99,9 +99,9 @@ def test_snapshot_restore_gives_identical_futures() -> None:
         {"tool": "x", "plan": f"#### {solution[:half]}"},
         {"tool": "", "plan": f"#### {solution[half:]}"},
     ]
-    first = [env.step(actions) for actions in rounds]
+    first = [masenvs.play_round(env, actions) for actions in rounds]
     env.restore(snap)
-    second = [env.step(actions) for actions in rounds]
+    second = [masenvs.play_round(env, actions) for actions in rounds]
     assert first == second
     assert first[1][4]["plan"]["success"]
 
@@ -113,9 +113,9 @@ def test_pushing_the_box_home_by_hand() -> None:
     env, reward, done, info = play("#### [R, R]")
     # Each push: step -0.01, shaping 0.1 * (box distance 2 -> 1 -> 0); the second lands on the goal.
     assert info["reward_parts"] == pytest.approx(
-        {"process": 2 * -0.01 + 0.1 + 0.1 + 1.0, "agent": 2.0, "team": 2.0}
-    )
-    assert reward == pytest.approx(5.18) and done and info["success"]
+        {"process": 2 * -0.01 + 0.1 + 0.1 + 1.0, "agent": 0.0, "team": 2.0}
+    )  # the win bonus counts once: the plan's moves are the team's
+    assert reward == pytest.approx(3.18) and done and info["success"]
     assert env.state.moves == 2 and env.state.pushes == 2
 
 
@@ -147,7 +147,7 @@ def test_box_off_goal_and_push_into_a_box() -> None:
 def test_pushing_a_box_into_a_dead_square_fails_the_episode() -> None:
     env, reward, done, info = play("#### L R R", task=TRAP)
     # L pushes the box to (2,1): distance 3 -> 4 (shaping -0.1); later moves are not played.
-    assert info["reward_parts"] == pytest.approx({"process": -0.11, "agent": -1.0, "team": -1.0})
+    assert info["reward_parts"] == pytest.approx({"process": -0.11, "agent": 0.0, "team": -1.0})
     assert done and not info["success"] and env.state.failed and env.state.moves == 1
     assert "can no longer reach a goal" in info["messages"][-1]["content"]
     assert env.task.dead >= {(1, 1), (2, 1), (3, 1)} and (2, 2) not in env.task.dead
@@ -163,7 +163,7 @@ def test_configured_rewards_are_used() -> None:
     env = masenvs.make("sokoban", single_agent=True, win_bonus=10.0, box_on_goal=0.5, shaping=0.0)
     env.reset(options={"task": LINE})
     _, _, _, info = play("#### R R", env)
-    assert info["reward_parts"] == pytest.approx({"process": 0.48, "agent": 10.0, "team": 10.0})
+    assert info["reward_parts"] == pytest.approx({"process": 0.48, "agent": 0.0, "team": 10.0})
 
 
 # --- generator ------------------------------------------------------------------------------
@@ -236,13 +236,16 @@ def test_tool_program_output_is_scored_and_shown_to_plan() -> None:
     env = masenvs.make("sokoban")
     env.reset(seed=0, options={"task": LINE})
     tool = "```python\nprint('Moves: [R, R]')\n```"
-    obs, _, terms, _, infos = env.step({"tool": tool, "plan": "no idea"})
+    obs, _, terms, _, infos = env.step({"tool": tool})
     assert infos["tool"]["reward_parts"] == pytest.approx(
         {"process": 1.18, "agent": 2.0, "team": 0.0}
     )
-    assert infos["plan"]["reward_parts"]["agent"] == -1.0
     assert env.state.player == (2, 1) and not terms["plan"]  # the tool's moves were simulated
+    # The plan, due next in the same round, sees the program and what it printed.
+    assert env.acting == "plan" and env.round == 0
     assert "Moves: [R, R]" in obs["plan"] and "print(" in obs["plan"]
+    _, _, _, _, infos = env.step({"plan": "no idea"})
+    assert infos["plan"]["reward_parts"]["agent"] == -1.0
 
 
 def test_render_rgb_and_ansi() -> None:

@@ -177,9 +177,9 @@ def test_changing_a_clue_is_penalised_and_ignored() -> None:
 def test_full_solution_solves_with_bonus() -> None:
     env, reward, done, info = play(grid_answer(SOLUTION))
     assert info["reward_parts"] == pytest.approx(
-        {"process": -0.01 + 0.5 * 10 / 16, "agent": 2.0, "team": 2.0}
-    )
-    assert done and info["success"] and reward == pytest.approx(4.3025)
+        {"process": -0.01 + 0.5 * 10 / 16, "agent": 0.0, "team": 2.0}
+    )  # the solved bonus counts once: the plan's grid is the team's
+    assert done and info["success"] and reward == pytest.approx(2.3025)
 
 
 def test_a_valid_grid_that_ignores_the_clues_is_not_solved() -> None:
@@ -203,7 +203,7 @@ def test_configured_rewards_are_used() -> None:
     env = masenvs.make("sudoku", single_agent=True, solved_bonus=5.0, step_cost=0.0)
     env.reset(options={"task": TASK})
     _, _, _, info = play(grid_answer(SOLUTION), env)
-    assert info["reward_parts"] == pytest.approx({"process": 0.3125, "agent": 5.0, "team": 5.0})
+    assert info["reward_parts"] == pytest.approx({"process": 0.3125, "agent": 0.0, "team": 5.0})
 
 
 # --- parser ---------------------------------------------------------------------------------
@@ -329,15 +329,17 @@ def test_tool_program_output_is_scored_and_shown_to_plan() -> None:
     env = masenvs.make("sudoku")
     env.reset(seed=0, options={"task": TASK})
     tool = f"```python\nprint('Solution:', {SOLUTION!r})\n```"
-    obs, _, terms, _, infos = env.step({"tool": tool, "plan": "no idea"})
+    obs, _, _, _, infos = env.step({"tool": tool})
     assert infos["tool"]["reward_parts"] == pytest.approx(
         {"process": -0.01 + 0.5 * 10 / 16, "agent": 2.0, "team": 0.0}
     )
-    assert infos["plan"]["reward_parts"]["agent"] == -1.0
     assert env.state.board[1] == [3, 4, 0, 0]  # the tool's grid was only simulated
+    # The plan, due next in the same round, sees the program and what it printed.
+    assert env.acting == "plan" and env.round == 0
     assert "Solution: [[1, 2, 3, 4]" in obs["plan"] and "print(" in obs["plan"]
-    assert not terms["plan"]
-    _, _, terms, _, infos = env.step({"tool": "", "plan": grid_answer(SOLUTION)})
+    _, _, terms, _, infos = env.step({"plan": "no idea"})
+    assert infos["plan"]["reward_parts"]["agent"] == -1.0 and not terms["plan"]
+    _, _, terms, _, infos = masenvs.play_round(env, {"tool": "", "plan": grid_answer(SOLUTION)})
     assert terms["tool"] and infos["tool"]["reward_parts"]["team"] == 2.0
 
 

@@ -288,7 +288,8 @@ class CodeEnv(MASEnv):
             state.code, state.pass_rate = code, hidden.pass_rate
             if hidden.all_passed:
                 state.verified_code = code
-            state.success = hidden.all_passed
+            if cfg.single_agent:  # with a tester, the round ends at its turn (see below)
+                state.success = hidden.all_passed
         self.last_feedback["coder"] = self._coder_feedback(code, on_visible, visible)
         return RewardParts(
             agent=coder_reward(state.pass_rate if code is not None else None, cfg),
@@ -320,6 +321,9 @@ class CodeEnv(MASEnv):
         self.last_feedback["tester"] = self._tester_feedback(
             new_tests, unreadable, results.get("visible"), results.get("validity")
         )
+        # The episode ends after the round in which the team's program passed every hidden
+        # test, so the tester still gets its turn, checked against that verified program.
+        state.success = state.code is not None and state.pass_rate == 1.0
         return RewardParts(agent=tester_reward(len(new_tests), validity, cfg))
 
     def _coder_feedback(
