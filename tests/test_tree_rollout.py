@@ -1,0 +1,209 @@
+"""Tree sampling and independent episodes follow the env's turn order (AT-GRPO, Stronger-MAS).
+
+The policy is scripted (it stands in for the LLM and records every prompt it is shown); the
+env and the sandbox that runs the tool's programs are the real ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+import masenvs
+from masenvs.adapters.policy import Reply
+from masenvs.adapters.rollout import run_episode
+from masenvs.env import MASEnv
+from masenvs.sandbox import Sandbox
+from masenvs.trainer.config import TrainConfig
+from masenvs.trainer.rollout import TaskRollout, tree_rollout
+from masenvs.trainer.train import env_options
+
+# 4x4, start (0, 0), goal (0, 3): "R, R, R" is the one shortest path.
+TASK = {"rows": ["....", ".##.", "....", "...."], "start": [0, 0], "goal": [0, 3]}
+
+
+def program(moves: str) -> str:
+    return f"```python\nprint('Moves: [{moves}]')\n```"
+
+
+class ScriptedPolicy:
+    """`ChatPolicy.act`'s signature; answers come from `script(agent, round, n)`."""
+
+    def __init__(self, script: Callable[[str, int, int], list[str]]) -> None:
+        self.script = script
+        self.calls: list[tuple[str, int, str]] = []  # (agent, n, the prompt's user message)
+
+    async def act(
+        self, rollout_id: str, agent: str, messages: list[dict[str, Any]], n: int = 1
+    ) -> list[Reply]:
+        prompt = messages[-1]["content"]
+        self.calls.append((agent, n, prompt))
+        round_ = int(prompt.split("Round ")[1].split(" ")[0]) - 1
+        texts = self.script(agent, round_, n)
+        assert len(texts) == n
+        return [
+            Reply(
+                text, 3, "stop", call_id=f"{agent}-{i}", token_ids=[7, 8, 9], prompt_token_ids=[1]
+            )
+            for i, text in enumerate(texts)
+        ]
+
+
+def rollout(
+    policy: ScriptedPolicy, branches: int = 3, select_by: str = "agent", **env_config: Any
+) -> TaskRollout:
+    def make_env() -> MASEnv:
+        return masenvs.make("plan_path", **env_config)
+
+    return asyncio.run(
+        tree_rollout(
+            make_env,
+            0,
+            policy,  # type: ignore[arg-type]
+            branches=branches,
+            policy_of=lambda agent: agent,
+            select_by=select_by,  # type: ignore[arg-type]
+            rollout_id="t",
+            reset_options={"task": TASK},
+        )
+    )
+
+
+@pytest.fixture
+def sandbox_runs(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """Every program the sandbox runs, in order (the runs themselves are real)."""
+    runs: list[str] = []
+    real_run = Sandbox.run
+
+    def counting_run(self: Sandbox, code: str, *args: Any, **kwargs: Any) -> Any:
+        runs.append(code)
+        return real_run(self, code, *args, **kwargs)
+
+    monkeypatch.setattr(Sandbox, "run", counting_run)
+    return runs
+
+
+def test_each_agent_branches_from_the_committed_state_in_turn_order(sandbox_runs) -> None:
+    def script(agent: str, round_: int, n: int) -> list[str]:
+        if agent == "tool":  # k=1 finds the shortest path; k=2 writes no program
+            return [program("D"), program("R, R, R"), "I cannot code."]
+        if round_ == 0:  # one step right is the best plan
+            return ["#### [D]", "#### [R]", "I do not know."]
+        return ["#### [R, R]", "#### [D, D]", "#### [L]"]
+
+    policy = ScriptedPolicy(script)
+    result = rollout(policy)
+
+    # Turns: tool then plan, each one request with n=K, two rounds until the goal.
+    assert [(agent, n) for agent, n, _ in policy.calls] == [("tool", 3), ("plan", 3)] * 2
+    # The plan's prompt holds the committed tool candidate's program and output, this round.
+    plan_prompt = policy.calls[1][2]
+    assert "Round 1 of 4" in plan_prompt
+    assert "print('Moves: [R, R, R]')" in plan_prompt and "Moves: [D]" not in plan_prompt
+    # Round 2 starts where the committed plan ("R") left the agent: (0, 1).
+    assert "row 0, column 1" in policy.calls[2][2]
+    assert result.success and result.rounds == 2 and result.error is None
+
+    # Every candidate is a sample in group (task, round, agent); rewards are the env's.
+    groups: dict[tuple, list[float]] = {}
+    for s in result.samples:
+        groups.setdefault(s.group, []).append(s.reward)
+    assert sorted(groups, key=lambda g: (g[1], g[2] != "tool")) == [
+        ("plan_path:0", 0, "tool"),
+        ("plan_path:0", 0, "plan"),
+        ("plan_path:0", 1, "tool"),
+        ("plan_path:0", 1, "plan"),
+    ]
+    assert all(len(rewards) == 3 for rewards in groups.values())
+    tool0 = groups[("plan_path:0", 0, "tool")]
+    assert tool0[1] > tool0[0] > tool0[2] == -1.0  # shortest path > wrong move > no program
+    plan0 = groups[("plan_path:0", 0, "plan")]
+    assert plan0[1] > plan0[0] and plan0[2] == -1.0
+    # The goal bonus (1.0: 3 moves in all = BFS length, +0.5) counts once in the plan's reward.
+    plan1 = groups[("plan_path:0", 1, "plan")]
+    assert 1.5 < plan1[0] < 2.5
+
+    # Each tool candidate ran exactly once; the committed one was not run again.
+    assert len(sandbox_runs) == 2 * 2  # two rounds x two candidates with a program
+
+
+def test_a_branch_is_scored_once_and_committed_as_is(sandbox_runs) -> None:
+    def script(agent: str, round_: int, n: int) -> list[str]:
+        if agent == "tool":
+            return [program("D"), program("R, R, R"), program("R")]
+        return ["#### [R, R, R]", "nothing", "#### [D]"]
+
+    policy = ScriptedPolicy(script)
+    result = rollout(policy)
+    assert result.success and result.rounds == 1
+    # One run per candidate, in the branches; committing replays nothing.
+    assert sorted(code.strip() for code in sandbox_runs) == [
+        "print('Moves: [D]')",
+        "print('Moves: [R, R, R]')",
+        "print('Moves: [R]')",
+    ]
+    # The committed path's rewards: the tool's own outcome, and the team's once for each.
+    tool_own = max(s.reward for s in result.samples if s.agent == "tool")
+    assert result.rewards["tool"] == pytest.approx(tool_own + 1.5)
+
+
+def test_simultaneous_turns_hide_this_rounds_tool_output_from_the_plan() -> None:
+    def script(agent: str, round_: int, n: int) -> list[str]:
+        return [program("R, R, R")] * n if agent == "tool" else ["nothing"] * n
+
+    policy = ScriptedPolicy(script)
+    rollout(policy, branches=2, turn_order="simultaneous", max_rounds=2)
+    plan_prompts = [prompt for agent, _, prompt in policy.calls if agent == "plan"]
+    assert "Moves: [R, R, R]" not in plan_prompts[0]  # round 1: the round as it began
+    assert "Moves: [R, R, R]" in plan_prompts[1]  # round 2: the tool's round-1 output
+
+
+def test_select_by_agent_is_the_default_and_team_is_an_option() -> None:
+    # Plan candidates: 20 moves off the grid, then the shortest path (goal, but a poor own
+    # mixed reward: 20 invalid moves), or two good steps (no goal yet, better own reward).
+    wasteful = "#### [" + "U, " * 20 + "R, R, R]"
+
+    def script(agent: str, round_: int, n: int) -> list[str]:
+        if agent == "tool":
+            return ["no program"] * n
+        return [wasteful, "#### [R, R]"] if round_ == 0 else ["#### [R]"] * n
+
+    by_agent, by_team = ScriptedPolicy(script), ScriptedPolicy(script)
+    agent_result = rollout(by_agent, branches=2, select_by="agent")
+    team_result = rollout(by_team, branches=2, select_by="team")
+    plan0 = [s.reward for s in agent_result.samples if s.group[1:] == (0, "plan")]
+    assert plan0[1] > plan0[0]  # own mixed reward: the two good steps
+    assert agent_result.rounds == 2 and agent_result.success  # so the goal came next round
+    assert team_result.rounds == 1 and team_result.success  # team reward: the goal at once
+    assert TrainConfig().rollout.select_by == "agent"  # the paper's default
+
+
+def test_independent_episodes_take_turns_too() -> None:
+    def script(agent: str, round_: int, n: int) -> list[str]:
+        return [program("R, R, R")] if agent == "tool" else ["#### [R, R, R]"]
+
+    policy = ScriptedPolicy(script)
+    env = masenvs.make("plan_path")
+    result = asyncio.run(run_episode(env, policy, 0, options={"task": TASK}))  # type: ignore[arg-type]
+    assert [agent for agent, _, _ in policy.calls] == ["tool", "plan"]
+    assert "print('Moves: [R, R, R]')" in policy.calls[1][2]
+    assert result.success and result.actions == [
+        {"tool": program("R, R, R"), "plan": "#### [R, R, R]"}
+    ]
+
+
+def test_the_trainer_passes_turn_order_to_the_env() -> None:
+    cfg = TrainConfig.model_validate({"rollout": {"turn_order": "simultaneous"}})
+    assert env_options(cfg)["turn_order"] == "simultaneous"
+    assert env_options(TrainConfig())["turn_order"] == "sequential"
+    clash = TrainConfig.model_validate(
+        {
+            "env": {"options": {"turn_order": "simultaneous"}},
+            "rollout": {"turn_order": "sequential"},
+        }
+    )
+    with pytest.raises(ValueError, match="rollout.turn_order"):
+        env_options(clash)
