@@ -240,6 +240,11 @@ class MASEnv(ParallelEnv):
         if not self.agents:
             raise RuntimeError("step() called on a finished episode: call reset() first")
         agent = self.agents[self.turn]
+        if actions and agent not in actions:  # a caller that lost track of the turn order
+            raise ValueError(
+                f"it is {agent}'s turn but step() got actions only for {sorted(actions)}: "
+                "pass env.acting's action (the others are ignored)"
+            )
         action = self._clean_action(actions.get(agent))
         own = self.play_turn(agent, action)
         self.last_actions[agent] = action

@@ -52,6 +52,8 @@ def test_actions_of_agents_not_due_are_ignored(name: str) -> None:
     both = env.step({first: "garbage", second: "#### [R]\n\\boxed{1}"})
     assert alone[1] == both[1] and alone[0] == both[0]
     assert env.acting == second and env.round == 0
+    with pytest.raises(ValueError, match=f"it is {second}'s turn"):
+        env.step({first: "out of turn"})
 
 
 @pytest.mark.parametrize("name", ENVS)

@@ -207,3 +207,25 @@ def test_the_trainer_passes_turn_order_to_the_env() -> None:
     )
     with pytest.raises(ValueError, match="rollout.turn_order"):
         env_options(clash)
+
+
+def test_masenvs_play_asks_each_agent_in_turn_and_shows_the_tools_output() -> None:
+    import argparse
+    import io
+
+    from rich.console import Console
+
+    from masenvs.cli import cmd_play
+
+    console = Console(record=True, width=200)
+    typed = io.StringIO(
+        "```python\nprint('Moves: ' + 'L' * 7)\n```\n.\n"  # the tool's turn
+        "no idea\n.\n"  # the plan's turn
+    )
+    args = argparse.Namespace(env="plan_path", seed=0, set=["max_rounds=1"], single_agent=False)
+    assert cmd_play(args, console, typed) == 0
+    shown = console.export_text()
+    tool_turn, plan_turn = shown.split("tool > ")[0], shown.split("tool > ")[1]
+    assert "plan · user" not in tool_turn and "plan > " in plan_turn
+    assert "Moves: LLLLLLL" in plan_turn.split("plan > ")[0]  # before the plan answers
+    assert "round 1, plan's turn" in shown and "episode over after 1 round(s)" in shown
