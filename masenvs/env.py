@@ -318,7 +318,7 @@ class MASEnv(ParallelEnv):
     def messages(self, agent: str) -> list[Message]:
         """What `agent` sees now: its live prompt, or in simultaneous mode the round's start."""
         if self.config.turn_order == "simultaneous" and agent in self._round_prompts:
-            return self._round_prompts[agent]
+            return [dict(m) for m in self._round_prompts[agent]]  # callers may edit theirs
         return self.prompt(agent)
 
     def observe(self, agent: str) -> str:
