@@ -8,8 +8,8 @@
 
 Every act builds the role's program from a client pointed at the rollout's endpoint URL
 with the role as model name, runs it on the role's chat messages and returns its final text
-as the action. `RolePolicy.act_all` has `ChatPolicy`'s signature, so `run_episode` and the
-tree sampler use it unchanged.
+as the action. `RolePolicy.act` and `act_all` have `ChatPolicy`'s signatures, so
+`run_episode` and the tree sampler (which ask the acting agent at each turn) use it unchanged.
 """
 
 from __future__ import annotations
