@@ -84,6 +84,9 @@ async def tree_rollout(
         except Exception as exc:  # a failed call drops this task from the batch, not the run
             result.error = f"{type(exc).__name__}: {exc}"
             return result
+        if not replies:
+            result.error = f"the policy returned no candidates for {agent!r}"
+            return result
         scored = await asyncio.gather(
             *(
                 asyncio.to_thread(_play, branch, snapshot, agent, reply)
