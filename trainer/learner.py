@@ -345,7 +345,8 @@ class Learner:
         causal_lm = _causal_lm(model)
         if opt.gradient_checkpointing:
             # Non-reentrant: works with a frozen base (LoRA) and keeps dropout masks exact.
-            causal_lm.gradient_checkpointing_enable({"use_reentrant": False})
+            enable = getattr(causal_lm, "activation_checkpointing_enable", None)  # 5.x name
+            (enable or causal_lm.gradient_checkpointing_enable)({"use_reentrant": False})
         reference = None
         if self.full and self.cfg.algorithm.kl_coef > 0.0 and not frozen:
             reference = copy.deepcopy(model).requires_grad_(False).eval()
