@@ -169,3 +169,48 @@ def test_router_errors_name_the_served_models() -> None:
         assert generate(router, "base")[1]  # the first route's base model
     finally:
         engine.shutdown()
+
+
+# -- the training loop, end to end --------------------------------------------------------------
+
+
+def test_training_separate_full_models_with_a_frozen_agent(
+    other_base: Path, tmp_path: Path
+) -> None:
+    from rich.console import Console
+
+    from masenvs.trainer.checkpoint import load_latest
+    from masenvs.trainer.metrics import read_metrics
+    from masenvs.trainer.train import train
+
+    cfg = config(
+        f"run_dir={tmp_path / 'run'}",
+        "steps=2",
+        "env.name=plan_path",
+        "env.options={size: 4}",
+        "rollout.branches=2",
+        "rollout.tasks_per_step=2",
+        "rollout.max_rounds=1",
+        "rollout.max_tokens=8",
+        "validation.every=0",
+        "logging.tensorboard=false",
+        "backend.dtype=float32",
+        "backend.max_batch_size=8",
+        "policy.mode=separate",
+        "policy.finetune=full",
+        f"policy.models={{tool: {other_base}}}",
+        "agents.plan.freeze=true",
+        "agents.tool.lr=2e-3",
+    )
+    train(cfg, console=Console(quiet=True))
+    rows = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "learner/lr" in r]
+    assert len(rows) == 2
+    assert rows[0]["learner/tool/lr"] == pytest.approx(2e-3)  # its own peak, same schedule
+    assert all(r["learner/tool/lr"] == pytest.approx(2 * r["learner/lr"]) for r in rows)
+    assert not any(k.startswith("learner/plan/") for r in rows for k in r)  # frozen
+    loaded = load_latest(tmp_path / "run")
+    assert loaded is not None and loaded.state.step == 2
+    assert sorted(p.name for p in (loaded.path / "models").iterdir()) == ["tool"]
+    trained = load_model(str(loaded.path / "models" / "tool")).model.state_dict()
+    base = load_model(str(other_base)).model.state_dict()
+    assert any(not torch.equal(trained[k], base[k]) for k in base)  # the tool model moved
