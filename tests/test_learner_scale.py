@@ -244,3 +244,23 @@ def test_inconsistent_per_agent_settings_fail_clearly(loader: Any) -> None:
         ["coder", "tester"],
         loader,
     )
+
+
+def test_full_finetuning_keeps_fp32_master_weights_under_bf16_autocast(loader: Any) -> None:
+    # On a GPU, full fine-tuning with model.dtype 'auto' computes in bf16 (autocast) on fp32
+    # weights; CPU autocast runs the same code path here.
+    cfg = config("policy.finetune=full", "optim.lr=1e-6", "optim.logprob_chunk_tokens=7")
+    samples = branches("coder", 1, 4, seed=11)
+    exact = Learner(cfg, ["coder"], loader).logprobs("coder", samples)
+    learner = Learner(cfg, ["coder"], loader)
+    learner.autocast = torch.bfloat16
+    for a, b in zip(learner.logprobs("coder", samples), exact, strict=True):
+        assert torch.allclose(a, b, atol=2e-2)  # bf16 matmuls, fp32 log-softmax
+    before = learner.full_state_dict("coder")
+    learner.step(samples)
+    after = learner.full_state_dict("coder")
+    assert all(v.dtype == torch.float32 for v in after.values())
+    # A 1e-6 step moves every fp32 weight; bf16 weights would have dropped most of it.
+    moved = [k for k in before if not torch.equal(before[k], after[k])]
+    kept_in_bf16 = [k for k in moved if not torch.equal(before[k].bfloat16(), after[k].bfloat16())]
+    assert sorted(moved) == sorted(before) and len(kept_in_bf16) < len(moved)

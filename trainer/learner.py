@@ -249,6 +249,12 @@ class Learner:
         self.full = cfg.policy.finetune == "full"
         self.device = _resolve_device(cfg.model.device)
         self.dtype = _resolve_dtype(cfg.model.dtype, self.device)
+        # Full fine-tuning on a GPU with dtype 'auto': fp32 master weights (and AdamW state),
+        # bf16 compute through autocast. Updates of lr ~1e-6 would mostly round away in bf16
+        # weights; model.dtype: bfloat16 keeps them in bf16 anyway, for half the memory.
+        self.autocast: torch.dtype | None = None
+        if self.full and cfg.model.dtype == "auto" and self.dtype == torch.bfloat16:
+            self.dtype, self.autocast = torch.float32, torch.bfloat16
         self.steps_done = 0  # the LR schedule's position: training steps completed
         for section, names in (("policy.models", cfg.policy.models), ("agents", cfg.agents)):
             unknown = sorted(set(names) - set(self.agents))
@@ -556,7 +562,20 @@ class Learner:
         inputs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids}
         if mb.attention_mask is not None:  # shared prompts; else position ids delimit sequences
             mask = mb.attention_mask.to(self.device)
-            inputs["attention_mask"] = _mask_for(causal_lm.config, mask, self.dtype)
+            inputs["attention_mask"] = _mask_for(
+                causal_lm.config, mask, self.autocast or self.dtype
+            )
+        with torch.autocast(self.device.type, self.autocast, enabled=self.autocast is not None):
+            return self._score_tokens(causal_lm, inputs, index, targets, with_entropy)
+
+    def _score_tokens(
+        self,
+        causal_lm: Any,
+        inputs: dict[str, Any],
+        index: torch.Tensor,
+        targets: torch.Tensor,
+        with_entropy: bool,
+    ) -> _Scored:
         if _plain_lm_head(causal_lm.config):
             # Only the positions that predict completion tokens go through the LM head, in
             # chunks (see token_logprobs): the head is a big matmul, and its fp32 logits are
