@@ -88,6 +88,7 @@ def test_chunked_logprobs_give_the_unchunked_loss_gradients_and_entropy(
         assert torch.allclose(a, b, atol=1e-6)
 
 
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft
 def test_gradient_checkpointing_gives_the_same_update(loader: Any) -> None:
     samples = branches("coder", 2, 4, seed=2)
     runs = []

@@ -12,7 +12,7 @@ from masenvs.trainer.learner import Learner
 
 class WeightSync:
     """In place for the embedded engine; save + `load_adapter` (vLLM's /v1/load_lora_adapter)
-    for a server backend."""
+    for a server backend. Full fine-tuning: whole weights through `set_base_weights`."""
 
     def __init__(self, learner: Learner, backend: Backend, sync_dir: str | Path) -> None:
         self.learner = learner
