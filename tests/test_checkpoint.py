@@ -273,3 +273,57 @@ def test_fsync_really_runs_on_every_file(tmp_path: Path, loader: Any, monkeypatc
     for name in ("adapter_model.safetensors", "adapter_config.json", "learner.pt", "rng.pt"):
         assert name in seen
     assert "state.json" in seen and "checkpoints" in seen
+
+
+# -- full fine-tuning ---------------------------------------------------------------------------
+
+
+def full_weights(learner: Learner) -> dict[str, torch.Tensor]:
+    return {
+        f"{p}/{k}": v
+        for p in learner.policies
+        if learner.trains(p)
+        for k, v in learner.full_state_dict(p).items()
+    }
+
+
+def test_full_finetuning_resumes_exactly_and_saves_servable_models(
+    tmp_path: Path, loader: Any
+) -> None:
+    overrides = ("policy.finetune=full", "optim.lr=1e-3", "agents.tester.freeze=true")
+    cfg = config(tmp_path / "straight", *overrides)
+    torch.manual_seed(0)
+    straight = Learner(cfg, AGENTS, loader)
+    for step in range(3):
+        straight.step(batch(step, cfg))
+
+    cfg = config(tmp_path / "resumed", *overrides)
+    torch.manual_seed(0)
+    first = Learner(cfg, AGENTS, loader)
+    first.step(batch(0, cfg))
+    path = save_checkpoint(cfg.run_dir, first, TrainState(step=1, next_task_seed=1), cfg)
+    # A trained policy's directory is a model directory load_model (and vLLM) accept; a
+    # frozen one is the base model and is not written.
+    assert sorted(p.name for p in (path / "models").iterdir()) == ["coder"]
+    served = load_model(str(path / "models" / "coder")).model
+    saved = first.full_state_dict("coder")
+    assert all(torch.equal(v, saved[k]) for k, v in served.state_dict().items() if k in saved)
+    assert not (path / "adapters").exists()
+    del first
+
+    torch.manual_seed(12345)
+    learner = Learner(cfg, AGENTS, loader)
+    loaded = load_latest(cfg.run_dir)
+    assert loaded is not None
+    state = loaded.restore(learner)
+    for step in range(state.step, 3):
+        learner.step(batch(step, cfg))
+    assert_same(full_weights(learner), full_weights(straight))
+    # The optimizer state came back too: without it Adam's moments restart and weights differ.
+    fresh = Learner(cfg, AGENTS, loader)
+    fresh.load_model("coder", path / "models" / "coder")
+    for step in range(1, 3):
+        fresh.step(batch(step, cfg))
+    assert any(
+        not torch.equal(v, full_weights(straight)[k]) for k, v in full_weights(fresh).items()
+    )

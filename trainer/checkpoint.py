@@ -3,6 +3,7 @@
     <run_dir>/checkpoints/
         step_00000012/
             adapters/<policy>/adapter_config.json, adapter_model.safetensors   (peft / vLLM)
+            models/<policy>/config.json, model.safetensors, tokenizer   (full fine-tuning)
             learner.pt     optimizer states per policy + LR schedule position
             rng.pt         torch CPU (and CUDA) generator states
             rng.json       python and numpy generator states
@@ -33,6 +34,8 @@ from masenvs.trainer.config import TrainConfig, config_yaml
 from masenvs.trainer.learner import Learner
 
 CHECKPOINTS = "checkpoints"
+ADAPTERS = "adapters"  # LoRA: one peft directory per policy
+MODELS = "models"  # full fine-tuning: one Hugging Face model directory per trained policy
 LATEST = "latest"
 _PREFIX = "step_"
 
@@ -54,9 +57,13 @@ class Checkpoint:
     state: TrainState
 
     def restore(self, learner: Learner) -> TrainState:
-        """Load adapters, optimizer states, LR schedule position and RNG states."""
+        """Load weights, optimizer states, LR schedule position and RNG states."""
         for policy in learner.policies:
-            learner.load_adapter(policy, self.path / "adapters" / policy)
+            if learner.full:
+                if learner.trains(policy):  # frozen models are the base: not saved
+                    learner.load_model(policy, self.path / MODELS / policy)
+            else:
+                learner.load_adapter(policy, self.path / ADAPTERS / policy)
         learner.load_state_dict(torch.load(self.path / "learner.pt", weights_only=True))
         _set_rng(self.path)
         return self.state
@@ -82,7 +89,11 @@ def save_checkpoint(
     tmp.mkdir()
     try:
         for policy in learner.policies:
-            learner.save_adapter(policy, tmp / "adapters" / policy)
+            if learner.full:
+                if learner.trains(policy):
+                    learner.save_model(policy, tmp / MODELS / policy)
+            else:
+                learner.save_adapter(policy, tmp / ADAPTERS / policy)
         torch.save(learner.state_dict(), tmp / "learner.pt")
         _save_rng(tmp)
         if config is not None:

@@ -38,7 +38,8 @@ class ModelConfig(_Section):
     dtype: Literal["auto", "float32", "bfloat16"] = Field(
         "auto",
         description="Base weights dtype; 'auto' is float32 on CPU and bfloat16 on GPU. "
-        "LoRA weights and optimizer state stay float32 either way.",
+        "LoRA weights and optimizer state stay float32 either way; full fine-tuning with "
+        "'auto' on a GPU keeps float32 weights and computes in bfloat16 (autocast).",
     )
 
 

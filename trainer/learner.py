@@ -1,9 +1,10 @@
-"""The learner: LoRA adapters on a causal LM, updated with the AT-GRPO loss.
+"""The learner: LoRA adapters or whole causal LMs, updated with the AT-GRPO loss.
 
-One `Policy` = one adapter + its own AdamW. The policy mode decides how they share weights:
-`shared` (one adapter on one base model), `per_agent` (one adapter per agent on one base
-model; an agent's samples only ever touch its adapter), `separate` (one base model and one
-adapter per agent). `Learner.step(samples)` is one training step for every policy.
+One `Policy` = one adapter (or, with `policy.finetune: full`, one whole model) + its own
+AdamW. The policy mode decides how they share weights: `shared` (one adapter on one base
+model, or one model), `per_agent` (one adapter per agent on one base model, or one model
+per agent; an agent's samples only ever touch its own weights), `separate` (one base model
+and one adapter per agent). `Learner.step(samples)` is one training step for every policy.
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from peft import LoraConfig, PeftModel, get_peft_model, set_peft_model_state_dic
 from peft.tuners.lora import LoraLayer
 from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
+from torch.utils.checkpoint import checkpoint
 
 from masenvs.trainer.atgrpo import LossSums, policy_loss
 from masenvs.trainer.config import OptimConfig, TrainConfig
@@ -34,6 +36,7 @@ ModelLoader = Callable[[str, torch.device, torch.dtype], Any]
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"
+MODEL_WEIGHTS = "model.safetensors"
 
 
 def load_base_model(name: str, device: torch.device, dtype: torch.dtype) -> Any:
@@ -61,14 +64,34 @@ Unit = list[int]
 """Batch indices of samples fed as one copy of their shared prompt followed by each completion."""
 
 
-def prompt_units(batch: Sequence[Sample], share: bool) -> list[Unit]:
-    """Group samples with identical prompts (the K branches of a tree node have one prompt)."""
+def prompt_units(batch: Sequence[Sample], share: bool, max_tokens: int | None = None) -> list[Unit]:
+    """Group samples with identical prompts (the K branches of a tree node have one prompt).
+
+    With `max_tokens`, a prompt whose completions do not fit the budget together is split
+    into several units, each repeating the prompt: the K completions of one prompt may then
+    go to different micro-batches (a lone sequence longer than the budget stays whole).
+    """
     if not share:
         return [[i] for i in range(len(batch))]
     units: dict[tuple[int, ...], Unit] = {}
     for i, s in enumerate(batch):
         units.setdefault(tuple(s.prompt_token_ids), []).append(i)
-    return list(units.values())
+    if max_tokens is None:
+        return list(units.values())
+    split: list[Unit] = []
+    for unit in units.values():
+        prompt = len(batch[unit[0]].prompt_token_ids)
+        part: Unit = []
+        used = prompt
+        for i in unit:
+            extra = len(batch[i].completion_token_ids) - 1
+            if part and used + extra > max_tokens:
+                split.append(part)
+                part, used = [], prompt
+            part.append(i)
+            used += extra
+        split.append(part)
+    return split
 
 
 def unit_length(batch: Sequence[Sample], unit: Unit) -> int:
@@ -181,14 +204,25 @@ def _causal(n: int) -> torch.Tensor:
 
 @dataclass
 class Policy:
-    """One trainable adapter: the model that holds it, its parameters and its optimizer."""
+    """One trainable policy: the model that holds it, its parameters and its optimizer.
+
+    With LoRA `model` is the PeftModel holding the adapter named `name`; with full
+    fine-tuning it is the causal LM itself, and `params` are all of its parameters.
+    """
 
     name: str
-    model: PeftModel
+    model: Any  # PeftModel (LoRA) or a transformers causal LM (full fine-tuning)
     params: list[torch.nn.Parameter]
     optimizer: torch.optim.AdamW
-    base_name: str  # model the adapter sits on
+    base_name: str  # model the policy starts from
     share_prompts: bool  # feed a prompt once for all samples that have it (see build_microbatch)
+    lr: float  # peak learning rate: agents.<name>.lr, else optim.lr
+    frozen: bool = False  # served, never trained (agents.<name>.freeze)
+    reference: Any = None  # full fine-tuning with a KL term: a frozen copy of the base model
+
+    @property
+    def lora(self) -> bool:
+        return isinstance(self.model, PeftModel)
 
 
 @dataclass
@@ -199,7 +233,8 @@ class _Scored:
 
 
 class Learner:
-    """LoRA policies and their optimizers; `step(samples)` runs one AT-GRPO update."""
+    """Policies (LoRA adapters or whole models) and their optimizers; `step(samples)` runs
+    one AT-GRPO update."""
 
     def __init__(
         self,
@@ -211,14 +246,24 @@ class Learner:
         self.agents = list(agents)
         if not self.agents:
             raise ValueError("the learner needs at least one agent")
+        self.full = cfg.policy.finetune == "full"
         self.device = _resolve_device(cfg.model.device)
         self.dtype = _resolve_dtype(cfg.model.dtype, self.device)
+        # Full fine-tuning on a GPU with dtype 'auto': fp32 master weights (and AdamW state),
+        # bf16 compute through autocast. Updates of lr ~1e-6 would mostly round away in bf16
+        # weights; model.dtype: bfloat16 keeps them in bf16 anyway, for half the memory.
+        self.autocast: torch.dtype | None = None
+        if self.full and cfg.model.dtype == "auto" and self.dtype == torch.bfloat16:
+            self.dtype, self.autocast = torch.float32, torch.bfloat16
         self.steps_done = 0  # the LR schedule's position: training steps completed
-        unknown = sorted(set(cfg.policy.models) - set(self.agents))
-        if unknown:
-            raise ValueError(
-                f"policy.models names agents {unknown} that are not in this env's agents {self.agents}"
-            )
+        for section, names in (("policy.models", cfg.policy.models), ("agents", cfg.agents)):
+            unknown = sorted(set(names) - set(self.agents))
+            if unknown:
+                raise ValueError(
+                    f"{section} names agents {unknown} that are not in this env's agents "
+                    f"{self.agents}"
+                )
+        self._check_policy_settings()
         self.policies: dict[str, Policy] = {}
         # Adapter init draws from torch's RNG: fork it so init depends on cfg.seed only.
         with torch.random.fork_rng(devices=[]), warnings.catch_warnings():
@@ -228,6 +273,26 @@ class Learner:
             self._build(load_base)
 
     # -- construction -----------------------------------------------------------------------
+
+    def _check_policy_settings(self) -> None:
+        """Agents that share a policy must agree on its learning rate and on freezing."""
+        for name in self.cfg.policy.policies(self.agents):
+            members = [a for a in self.agents if self.policy_of(a) == name]
+            settings = [self.cfg.agents.get(a) for a in members]
+            frozen = {a: bool(s and s.freeze) for a, s in zip(members, settings, strict=True)}
+            if len(set(frozen.values())) > 1:
+                raise ValueError(
+                    f"agents {sorted(a for a, f in frozen.items() if f)} are frozen but share "
+                    f"policy {name!r} with trained agents "
+                    f"{sorted(a for a, f in frozen.items() if not f)}; freeze all of them or "
+                    "use policy.mode per_agent or separate"
+                )
+            lrs = {a: s.lr for a, s in zip(members, settings, strict=True) if s and s.lr}
+            if len(set(lrs.values())) > 1 or (lrs and len(lrs) < len(members)):
+                raise ValueError(
+                    f"agents {members} share policy {name!r} but set different learning rates "
+                    f"{lrs}; give them one agents.<name>.lr or use policy.mode per_agent"
+                )
 
     def _lora_config(self) -> LoraConfig:
         lora = self.cfg.lora
@@ -243,39 +308,65 @@ class Learner:
     def _build(self, load_base: ModelLoader) -> None:
         mode = self.cfg.policy.mode
         names = self.cfg.policy.policies(self.agents)
-        if mode == "separate":
-            for agent in self.agents:
-                base_name = self.cfg.policy.models.get(agent, self.cfg.model.name)
+        # One model per policy: separate bases, or whole models trained per agent.
+        if mode == "separate" or (self.full and mode == "per_agent"):
+            for name in names:
+                base_name = self.cfg.policy.models.get(name, self.cfg.model.name)
                 base = load_base(base_name, self.device, self.dtype)
-                model = get_peft_model(base, self._lora_config(), adapter_name=agent)
-                self._add_policy(agent, model, base_name)
+                model = base if self.full else get_peft_model(base, self._lora_config(), name)
+                self._add_policy(name, model, base_name)
             return
         base = load_base(self.cfg.model.name, self.device, self.dtype)
+        if self.full:  # shared: one model trained on every agent's samples
+            self._add_policy(names[0], base, self.cfg.model.name)
+            return
         model = get_peft_model(base, self._lora_config(), adapter_name=names[0])
         for name in names[1:]:
             model.add_adapter(name, self._lora_config())
         for name in names:
             self._add_policy(name, model, self.cfg.model.name)
 
-    def _add_policy(self, name: str, model: PeftModel, base_name: str) -> None:
-        params: list[torch.nn.Parameter] = []
-        for module in model.modules():
-            if isinstance(module, LoraLayer) and name in module.lora_A:
-                params += list(module.lora_A[name].parameters())
-                params += list(module.lora_B[name].parameters())
-        if not params:
-            raise ValueError(
-                f"LoRA target_modules {self.cfg.lora.target_modules!r} matched no layer of {base_name}"
-            )
+    def _add_policy(self, name: str, model: Any, base_name: str) -> None:
+        settings = [self.cfg.agents.get(a) for a in self.agents if self.policy_of(a) == name]
+        frozen = any(s is not None and s.freeze for s in settings)
+        lr = next((s.lr for s in settings if s is not None and s.lr), self.cfg.optim.lr)
+        if self.full:
+            params = list(model.parameters())  # tied embeddings appear once
+            model.requires_grad_(not frozen)
+        else:
+            params = []
+            for module in model.modules():
+                if isinstance(module, LoraLayer) and name in module.lora_A:
+                    params += list(module.lora_A[name].parameters())
+                    params += list(module.lora_B[name].parameters())
+            if not params:
+                raise ValueError(
+                    f"LoRA target_modules {self.cfg.lora.target_modules!r} matched no layer "
+                    f"of {base_name}"
+                )
         opt = self.cfg.optim
         optimizer = torch.optim.AdamW(
-            params, lr=opt.lr, betas=opt.betas, eps=opt.adam_eps, weight_decay=opt.weight_decay
+            params, lr=lr, betas=opt.betas, eps=opt.adam_eps, weight_decay=opt.weight_decay
         )
-        share = self.cfg.optim.share_prompts and _custom_mask_ok(model.get_base_model().config)
-        self.policies[name] = Policy(name, model, params, optimizer, base_name, share)
+        causal_lm = _causal_lm(model)
+        if opt.gradient_checkpointing:
+            # Non-reentrant: works with a frozen base (LoRA) and keeps dropout masks exact.
+            enable = getattr(causal_lm, "activation_checkpointing_enable", None)  # 5.x name
+            (enable or causal_lm.gradient_checkpointing_enable)({"use_reentrant": False})
+        reference = None
+        if self.full and self.cfg.algorithm.kl_coef > 0.0 and not frozen:
+            reference = copy.deepcopy(model).requires_grad_(False).eval()
+        share = opt.share_prompts and _custom_mask_ok(causal_lm.config)
+        self.policies[name] = Policy(
+            name, model, params, optimizer, base_name, share, lr, frozen, reference
+        )
 
     def policy_of(self, agent: str) -> str:
         return self.cfg.policy.policy_of(agent)
+
+    def trains(self, policy: str) -> bool:
+        """Whether `policy` is trained (False for frozen agents' policies)."""
+        return not self._policy(policy).frozen
 
     def _policy(self, name: str) -> Policy:
         if name not in self.policies:
@@ -285,10 +376,11 @@ class Learner:
     # -- one training step ------------------------------------------------------------------
 
     def step(self, samples: list[Sample]) -> dict[str, float]:
-        """Update every policy on its own samples (which carry advantages); returns metrics.
+        """Update every trained policy on its own samples (which carry advantages).
 
         Policies without samples this step keep their weights, but the LR schedule of every
-        policy advances: it counts training steps.
+        policy advances: it counts training steps. Samples of frozen policies are ignored
+        (the training loop drops them before grouping).
         """
         start = time.perf_counter()
         by_policy: dict[str, list[Sample]] = defaultdict(list)
@@ -297,7 +389,8 @@ class Learner:
                 raise ValueError(
                     "samples need advantages: run group_advantages(samples, cfg) first"
                 )
-            self._policy(s.policy)
+            if self._policy(s.policy).frozen:
+                continue
             if s.completion_token_ids:  # an empty completion has no token to train
                 by_policy[s.policy].append(s)
         lr = lr_at(self.steps_done, self.cfg.optim, self.cfg.steps)
@@ -305,7 +398,8 @@ class Learner:
         tokens = 0
         for name, policy in self.policies.items():
             if by_policy.get(name):
-                for key, value in self._update(policy, by_policy[name], lr).items():
+                policy_lr = lr * policy.lr / self.cfg.optim.lr  # same schedule, own peak
+                for key, value in self._update(policy, by_policy[name], policy_lr).items():
                     metrics[f"learner/{name}/{key}"] = value
                 tokens += sum(s.num_tokens for s in by_policy[name])
         self.steps_done += 1
@@ -317,13 +411,14 @@ class Learner:
     def _update(self, policy: Policy, batch: list[Sample], lr: float) -> dict[str, float]:
         algo = self.cfg.algorithm
         model = policy.model
-        model.set_adapter(policy.name)  # only this adapter is active and requires grad
+        if policy.lora:
+            model.set_adapter(policy.name)  # only this adapter is active and requires grad
 
         # pi_old: with a single optimizer step on this batch (the default), the update's own
         # forward runs at the current weights, so its detached log-probs *are* the old ones.
-        # More steps (or LoRA dropout, which makes the train-mode forward differ) need a
+        # More steps (or dropout, which makes the train-mode forward differ) need a
         # separate no-grad pass first.
-        one_step = algo.ppo_epochs * algo.mini_batches == 1 and self.cfg.lora.dropout == 0.0
+        one_step = algo.ppo_epochs * algo.mini_batches == 1 and not _has_dropout(model)
         old: list[torch.Tensor] | None = None
         ref: list[torch.Tensor] | None = None
         mismatch = _Mismatch()
@@ -355,6 +450,7 @@ class Learner:
             out.pop("entropy", None)
         out["loss"] = out["pg_loss"] + algo.kl_coef * out["kl_ref"]
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
+        out["lr"] = lr
         out["samples"] = float(len(batch))
         out["advantage_mean"] = sum(s.advantage or 0.0 for s in batch) / len(batch)
         out.update(mismatch.means())
@@ -362,7 +458,7 @@ class Learner:
 
     def _accumulate_gradients(
         self,
-        model: PeftModel,
+        model: Any,
         batch: list[Sample],
         part: list[int],
         old: list[torch.Tensor] | None,
@@ -411,7 +507,8 @@ class Learner:
     ) -> list[torch.Tensor]:
         """Per-token log-probs of each sample's completion under the current weights (no grad).
 
-        At the training temperature; `base=True` scores with the adapter disabled.
+        At the training temperature; `base=True` scores with the base model (the adapter
+        disabled, or the frozen reference copy of full fine-tuning).
         """
         return self._score(self._policy(policy), list(samples), base=base)[0]
 
@@ -420,7 +517,15 @@ class Learner:
         self, policy: Policy, batch: list[Sample], base: bool = False
     ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
         model = policy.model
-        model.set_adapter(policy.name)
+        if base and self.full:
+            if policy.reference is None:
+                raise ValueError(
+                    f"policy {policy.name!r} keeps no reference model (full fine-tuning keeps "
+                    "one only when algorithm.kl_coef > 0)"
+                )
+            model = policy.reference
+        if policy.lora:
+            model.set_adapter(policy.name)
         model.eval()
         empty = torch.zeros(0, device=self.device)
         scored = [empty] * len(batch)
@@ -428,7 +533,7 @@ class Learner:
         todo = [i for i, s in enumerate(batch) if s.completion_token_ids]
         sub = [batch[i] for i in todo]
         for mb in self._microbatches(sub, policy.share_prompts):
-            if base:
+            if base and policy.lora:
                 with model.disable_adapter():
                     out = self._forward(model, mb, with_entropy=False)
             else:
@@ -441,14 +546,15 @@ class Learner:
 
     def _microbatches(self, batch: list[Sample], share: bool) -> Iterator[MicroBatch]:
         """Prompt units packed into rows, rows into micro-batches within the token budget."""
-        units = prompt_units(batch, share)
+        budget = self.cfg.optim.max_tokens_per_microbatch
+        units = prompt_units(batch, share, budget)
         lengths = [unit_length(batch, u) for u in units]
-        for rows in plan_microbatches(lengths, self.cfg.optim.max_tokens_per_microbatch):
+        for rows in plan_microbatches(lengths, budget):
             yield build_microbatch(batch, [[units[u] for u in row] for row in rows])
 
-    def _forward(self, model: PeftModel, mb: MicroBatch, with_entropy: bool) -> _Scored:
+    def _forward(self, model: Any, mb: MicroBatch, with_entropy: bool) -> _Scored:
         """Log-probs of the micro-batch's completion tokens (grad follows the caller's mode)."""
-        causal_lm = model.get_base_model()
+        causal_lm = _causal_lm(model)
         input_ids = mb.input_ids.to(self.device)
         position_ids = mb.position_ids.to(self.device)
         index = mb.score_index.to(self.device)
@@ -456,43 +562,125 @@ class Learner:
         inputs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids}
         if mb.attention_mask is not None:  # shared prompts; else position ids delimit sequences
             mask = mb.attention_mask.to(self.device)
-            inputs["attention_mask"] = _mask_for(causal_lm.config, mask, self.dtype)
+            inputs["attention_mask"] = _mask_for(
+                causal_lm.config, mask, self.autocast or self.dtype
+            )
+        with torch.autocast(self.device.type, self.autocast, enabled=self.autocast is not None):
+            return self._score_tokens(causal_lm, inputs, index, targets, with_entropy)
+
+    def _score_tokens(
+        self,
+        causal_lm: Any,
+        inputs: dict[str, Any],
+        index: torch.Tensor,
+        targets: torch.Tensor,
+        with_entropy: bool,
+    ) -> _Scored:
         if _plain_lm_head(causal_lm.config):
-            # Project only the positions that predict completion tokens: the LM head is a big
-            # matmul, and prompt positions would be thrown away.
+            # Only the positions that predict completion tokens go through the LM head, in
+            # chunks (see token_logprobs): the head is a big matmul, and its fp32 logits are
+            # the largest tensor of the step.
             backbone = getattr(causal_lm, causal_lm.base_model_prefix)
             hidden = backbone(**inputs, use_cache=False).last_hidden_state
             hidden = hidden.reshape(-1, hidden.shape[-1])[index]
-            logits = causal_lm.get_output_embeddings()(hidden)
-        else:  # heads with soft-capping or scaling: let the model apply them
+            head = causal_lm.get_output_embeddings()
+        else:  # heads with soft-capping or scaling: let the model apply them (not chunked)
             logits = causal_lm(**inputs, use_cache=False).logits
-            logits = logits.reshape(-1, logits.shape[-1])[index]
-        logits = logits.float()
-        temperature = self.cfg.rollout.temperature
-        scaled = logits / temperature if temperature != 1.0 else logits
-        logprobs = -F.cross_entropy(scaled, targets, reduction="none")
-        with torch.no_grad():
-            if temperature == 1.0:
-                raw = logprobs.detach()
-            else:
-                raw = -F.cross_entropy(logits.detach(), targets, reduction="none")
-            entropy = 0.0
-            if with_entropy:
-                z = scaled.detach()
-                entropy = (torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)).sum().item()
-        return _Scored(logprobs=logprobs, raw_logprobs=raw, entropy_sum=entropy)
+            hidden = logits.reshape(-1, logits.shape[-1])[index]
+            head = None
+        return token_logprobs(
+            head,
+            hidden,
+            targets,
+            self.cfg.rollout.temperature,
+            self.cfg.optim.logprob_chunk_tokens,
+            with_entropy=with_entropy,
+        )
 
     # -- weights out and in -----------------------------------------------------------------
 
     def adapter_state_dict(self, policy: str) -> dict[str, torch.Tensor]:
         """The adapter's weights as CPU copies, keyed as in peft's `adapter_model.safetensors`."""
-        p = self._policy(policy)
+        p = self._lora_policy(policy)
         state = get_peft_model_state_dict(p.model, adapter_name=policy)
         return {k: v.detach().to("cpu", copy=True).contiguous() for k, v in state.items()}
 
+    def full_state_dict(self, policy: str) -> dict[str, torch.Tensor]:
+        """Every weight of a fully fine-tuned policy as CPU copies, keyed as in the base
+        model's `model.safetensors` (`model.layers.0.self_attn.q_proj.weight`, ...).
+
+        Tied weights appear once, under their first name (an LM head tied to the input
+        embedding is `model.embed_tokens.weight` only), as `save_pretrained` writes them.
+        """
+        p = self._policy(policy)
+        if p.lora:
+            raise ValueError(
+                f"policy {policy!r} trains a LoRA adapter (policy.finetune: lora); its weights "
+                "are adapter_state_dict(policy)"
+            )
+        out: dict[str, torch.Tensor] = {}
+        seen: set[tuple[int, int]] = set()
+        for name, tensor in p.model.state_dict(keep_vars=False).items():
+            key = (tensor.untyped_storage().data_ptr(), tensor.storage_offset())
+            if key in seen:
+                continue
+            seen.add(key)
+            out[name] = tensor.detach().to("cpu", copy=True).contiguous()
+        return out
+
+    def save_model(self, policy: str, directory: str | Path) -> Path:
+        """Write a fully fine-tuned policy as a Hugging Face model directory (config,
+        `model.safetensors` and, when it can be found, the base model's tokenizer), which
+        `load_model`, vLLM and `model.name` accept as they are."""
+        p = self._policy(policy)
+        directory = Path(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+        save_file(
+            self.full_state_dict(policy), str(directory / MODEL_WEIGHTS), metadata={"format": "pt"}
+        )
+        causal_lm = _causal_lm(p.model)
+        causal_lm.config.save_pretrained(str(directory))
+        if causal_lm.generation_config is not None:
+            causal_lm.generation_config.save_pretrained(str(directory))
+        try:
+            from masenvs.adapters.models import ModelLoadError, load_tokenizer
+
+            load_tokenizer(p.base_name).save_pretrained(str(directory))
+        except (ModelLoadError, OSError, ValueError):
+            pass  # a custom base without a tokenizer on disk: the weights are what resume needs
+        return directory
+
+    def load_model(self, policy: str, directory: str | Path) -> None:
+        """Load weights written by `save_model` into `policy` (same architecture required)."""
+        self._policy(policy)  # a clear error for an unknown name
+        path = Path(directory) / MODEL_WEIGHTS
+        if not path.is_file():
+            raise FileNotFoundError(
+                f"{path} does not exist; expected a model written by Learner.save_model"
+            )
+        state = load_file(str(path), device=str(self.device))
+        self.set_full_state_dict(policy, state, where=str(directory))
+
+    def set_full_state_dict(
+        self, policy: str, state: dict[str, torch.Tensor], where: str = "state dict"
+    ) -> None:
+        """Copy `state` (keyed as `full_state_dict`) into a fully fine-tuned policy."""
+        p = self._policy(policy)
+        expected = self.full_state_dict(policy).keys() if not p.lora else set()
+        if p.lora or set(state) != set(expected):
+            missing, extra = sorted(set(expected) - set(state)), sorted(set(state) - set(expected))
+            raise ValueError(
+                f"{where} does not fit policy {policy!r}: missing {missing[:3]}..., "
+                f"unexpected {extra[:3]}... (a different base model, or a LoRA policy?)"
+            )
+        own = p.model.state_dict(keep_vars=True)
+        with torch.no_grad():
+            for name, tensor in state.items():
+                own[name].copy_(tensor)
+
     def save_adapter(self, policy: str, directory: str | Path) -> Path:
         """Write `adapter_config.json` + `adapter_model.safetensors` (peft and vLLM format)."""
-        p = self._policy(policy)
+        p = self._lora_policy(policy)
         directory = Path(directory)
         directory.mkdir(parents=True, exist_ok=True)
         save_file(
@@ -512,7 +700,7 @@ class Learner:
 
     def load_adapter(self, policy: str, directory: str | Path) -> None:
         """Load weights written by `save_adapter` into `policy` (same LoRA shape required)."""
-        p = self._policy(policy)
+        p = self._lora_policy(policy)
         path = Path(directory) / ADAPTER_WEIGHTS
         if not path.is_file():
             raise FileNotFoundError(
@@ -528,8 +716,17 @@ class Learner:
             )
         set_peft_model_state_dict(p.model, state, adapter_name=policy)
 
+    def _lora_policy(self, policy: str) -> Policy:
+        p = self._policy(policy)
+        if not p.lora:
+            raise ValueError(
+                f"policy {policy!r} trains the whole model (policy.finetune: full); its "
+                "weights are full_state_dict(policy) / save_model"
+            )
+        return p
+
     def state_dict(self) -> dict[str, Any]:
-        """Optimizer states and the schedule position (adapters are saved with save_adapter)."""
+        """Optimizer states and the schedule position (weights: save_adapter / save_model)."""
         return {
             "steps_done": self.steps_done,
             "optimizers": {n: p.optimizer.state_dict() for n, p in self.policies.items()},
@@ -544,6 +741,63 @@ class Learner:
         self.steps_done = int(state["steps_done"])
         for name, opt_state in state["optimizers"].items():
             self.policies[name].optimizer.load_state_dict(opt_state)
+
+
+# ---------------------------------------------------------------------------------------------
+# Log-probs from hidden states, chunk by chunk
+# ---------------------------------------------------------------------------------------------
+
+
+def token_logprobs(
+    head: torch.nn.Module | None,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float,
+    chunk_tokens: int,
+    with_entropy: bool = False,
+) -> _Scored:
+    """log softmax(head(hidden) / T)[target] per row, `chunk_tokens` rows at a time.
+
+    The fp32 logits [rows, vocab] are the largest tensor of a step (vocab 150k: 600 kB per
+    token). Each chunk's logits exist only while that chunk is scored: with grad, the chunk
+    runs under activation checkpointing, so the backward recomputes them chunk by chunk too
+    and autograd never keeps them. `head=None` means `hidden` already is the logits.
+    """
+    grad = torch.is_grad_enabled() and hidden.requires_grad
+    logprobs, raw, entropy = [], [], 0.0
+    for begin in range(0, hidden.shape[0], chunk_tokens):
+        h, t = hidden[begin : begin + chunk_tokens], targets[begin : begin + chunk_tokens]
+        if grad:
+            lp, logits = checkpoint(_chunk_logprobs, head, h, t, temperature, use_reentrant=False)
+        else:
+            lp, logits = _chunk_logprobs(head, h, t, temperature)
+        with torch.no_grad():  # from the logits the chunk computed anyway; no graph
+            if temperature == 1.0:
+                raw.append(lp.detach())
+            else:
+                raw.append(-F.cross_entropy(logits, t, reduction="none"))
+            if with_entropy:
+                z = logits / temperature if temperature != 1.0 else logits
+                entropy += (
+                    (torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)).sum().item()
+                )
+        del logits
+        logprobs.append(lp)
+    empty = hidden.new_zeros(0, dtype=torch.float32)
+    return _Scored(
+        logprobs=torch.cat(logprobs) if logprobs else empty,
+        raw_logprobs=torch.cat(raw) if raw else empty,
+        entropy_sum=entropy,
+    )
+
+
+def _chunk_logprobs(
+    head: torch.nn.Module | None, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(log-probs at `temperature` with grad, the fp32 logits at T=1 without)."""
+    logits = (head(hidden) if head is not None else hidden).float()
+    scaled = logits / temperature if temperature != 1.0 else logits
+    return -F.cross_entropy(scaled, targets, reduction="none"), logits.detach()
 
 
 class _Mismatch:
@@ -577,6 +831,19 @@ def _split(flat: torch.Tensor, batch: Sequence[Sample], idx: Sequence[int]) -> l
 
 def _gather(per_sample: list[torch.Tensor], idx: Sequence[int]) -> torch.Tensor:
     return torch.cat([per_sample[i] for i in idx])
+
+
+def _causal_lm(model: Any) -> Any:
+    """The transformers causal LM under a peft wrapper (or the model itself)."""
+    return model.get_base_model() if isinstance(model, PeftModel) else model
+
+
+def _has_dropout(model: Any) -> bool:
+    """Whether a train-mode forward is random (LoRA dropout, a model's own dropout)."""
+    config = _causal_lm(model).config
+    if any(getattr(config, k, 0.0) for k in ("attention_dropout", "hidden_dropout", "dropout")):
+        return True
+    return any(isinstance(m, torch.nn.Dropout) and m.p > 0 for m in model.modules())
 
 
 def _plain_lm_head(config: Any) -> bool:

@@ -12,7 +12,7 @@ from masenvs.trainer.learner import Learner
 
 class WeightSync:
     """In place for the embedded engine; save + `load_adapter` (vLLM's /v1/load_lora_adapter)
-    for a server backend."""
+    for a server backend. Full fine-tuning: whole weights through `set_base_weights`."""
 
     def __init__(self, learner: Learner, backend: Backend, sync_dir: str | Path) -> None:
         self.learner = learner
@@ -24,6 +24,12 @@ class WeightSync:
     def push(self, version: int) -> None:
         """Send every policy's adapter weights; `version` names the files of a server sync."""
         lora = self.learner.cfg.lora
+        if self.learner.full and hasattr(self.backend, "set_base_weights"):
+            # Full fine-tuning, in place: whole weights; frozen policies keep the base's.
+            for policy in self.learner.policies:
+                if self.learner.trains(policy):
+                    self.backend.set_base_weights(policy, self.learner.full_state_dict(policy))
+            return
         for policy in self.learner.policies:
             if self.in_place:
                 weights = self.learner.adapter_state_dict(policy)

@@ -33,6 +33,7 @@ from masenvs.trainer.metrics import MetricsLogger, group_metrics, read_metrics, 
 from masenvs.trainer.plots import plot_curves
 from masenvs.trainer.rollout import TaskRollout, collect_tree_batch
 from masenvs.trainer.samples import Sample
+from masenvs.trainer.serving import training_backend
 from masenvs.trainer.sync import WeightSync
 
 log = logging.getLogger(__name__)
@@ -229,12 +230,10 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
             "dtype": cfg.backend.dtype,
             "quantize": cfg.backend.quantize,
         }
-        backend = make_backend(
-            cfg.model.name,
-            cfg.backend.kind,
-            cfg.backend.vllm_url,
-            **(engine if cfg.backend.kind == "embedded" else {}),
-        )
+        if cfg.backend.kind == "embedded":  # one engine per base (or per trained model)
+            backend = training_backend(learner, **engine)
+        else:
+            backend = make_backend(cfg.model.name, cfg.backend.kind, cfg.backend.vllm_url)
         sync = WeightSync(learner, backend, run_dir / "sync")
         sync.push(version=state.step)
         routes = {agent: learner.policy_of(agent) for agent in agents}
@@ -282,7 +281,8 @@ async def _loop(
             started = time.perf_counter()
             samples, row = await source.collect(step, seeds)
             rollout_s = time.perf_counter() - started
-            trainable, stats = group_advantages(samples, cfg.algorithm)
+            trained = [s for s in samples if learner.trains(s.policy)]  # frozen agents: none
+            trainable, stats = group_advantages(trained, cfg.algorithm)
             started = time.perf_counter()
             # The update runs on this thread: a worker thread would keep a second torch thread
             # pool that competes with the engine's once the next rollout starts.

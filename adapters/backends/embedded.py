@@ -123,6 +123,8 @@ class _AdapterUpdate:
     in_place: bool
     done: threading.Event = field(default_factory=threading.Event)
     error: BaseException | None = None
+    # name None: (engine parameter, new value) pairs copied into the base model's weights
+    base_weights: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
 
 class EmbeddedBackend:
@@ -286,6 +288,38 @@ class EmbeddedBackend:
             raise BackendError(str(exc)) from exc
         self._check_adapter_shapes(adapter)
         self._apply(_AdapterUpdate(name, adapter, in_place=True))
+
+    def set_base_weights(self, model_name: str, state_dict: Mapping[str, Tensor]) -> None:
+        """Replace base-model weights in place (full fine-tuning), between decode steps.
+
+        `state_dict` is keyed like the model's safetensors (`model.layers.0.mlp.up_proj.weight`;
+        a subset is fine) and is cast to the engine's dtype. The concatenated and quantized
+        copies the forward pass reads are rebuilt from the new weights at their next use, and
+        cached prefixes are forgotten. With quantize 'auto', matrices that are no longer
+        exactly 4- or 8-bit after training are then read dense.
+        """
+        if model_name not in BASE_NAMES and model_name != self.name:
+            raise BackendError(
+                f"{model_name!r} is not this engine's base model {self.name!r}.",
+                404,
+                "model_not_found",
+            )
+        params = self.model.state_dict(keep_vars=True)
+        unknown = sorted(set(state_dict) - set(params))
+        if unknown:
+            raise BackendError(
+                f"The weights {unknown[:3]} are not in {self.name} (a different architecture, "
+                "or peft names? pass names as in the model's safetensors)."
+            )
+        pairs = []
+        for name, value in state_dict.items():
+            if value.shape != params[name].shape:
+                raise BackendError(
+                    f"{name} has shape {tuple(value.shape)}; {self.name} needs "
+                    f"{tuple(params[name].shape)}."
+                )
+            pairs.append((params[name], value))
+        self._apply(_AdapterUpdate(None, None, in_place=True, base_weights=pairs))
 
     def reset_prefix_cache(self) -> None:
         """Forget cached prefixes; call after changing the base model's weights in place."""
@@ -493,6 +527,9 @@ class EmbeddedBackend:
         for row in stale:
             del self._prefixes[row]
         if update.name is None:
+            with torch.no_grad():  # the copy bumps each weight's version: see _Projection
+                for param, value in update.base_weights:
+                    param.copy_(value)
             return
         current = self._adapters.get(update.name)
         if update.adapter is None:
