@@ -113,6 +113,8 @@ class MicroBatch:
     score_index: torch.Tensor  # [n] flat positions whose next token is a completion token
     targets: torch.Tensor  # [n] those completion tokens
     attention_mask: torch.Tensor | None  # [rows, 1, width, width] bool, when prompts are shared
+    # Sampling temperature the tokens are scored at: one for all, or [n, 1] when agents differ.
+    temperature: float | torch.Tensor = 1.0
 
 
 def build_microbatch(batch: Sequence[Sample], rows: list[list[Unit]]) -> MicroBatch:
@@ -444,7 +446,18 @@ class Learner:
         units = prompt_units(batch, share)
         lengths = [unit_length(batch, u) for u in units]
         for rows in plan_microbatches(lengths, self.cfg.optim.max_tokens_per_microbatch):
-            yield build_microbatch(batch, [[units[u] for u in row] for row in rows])
+            mb = build_microbatch(batch, [[units[u] for u in row] for row in rows])
+            mb.temperature = self._temperature([batch[i] for i in mb.samples])
+            yield mb
+
+    def _temperature(self, samples: list[Sample]) -> float | torch.Tensor:
+        """Each sample's agent's sampling temperature (`agents.<name>`, else rollout's)."""
+        of = {a: self.cfg.agent(a).temperature for a in {s.agent for s in samples}}
+        if len(set(of.values())) == 1:
+            return float(next(iter(of.values())))
+        return torch.cat(
+            [torch.full((len(s.completion_token_ids), 1), of[s.agent]) for s in samples]
+        )
 
     def _forward(self, model: PeftModel, mb: MicroBatch, with_entropy: bool) -> _Scored:
         """Log-probs of the micro-batch's completion tokens (grad follows the caller's mode)."""
@@ -468,11 +481,14 @@ class Learner:
             logits = causal_lm(**inputs, use_cache=False).logits
             logits = logits.reshape(-1, logits.shape[-1])[index]
         logits = logits.float()
-        temperature = self.cfg.rollout.temperature
-        scaled = logits / temperature if temperature != 1.0 else logits
+        temperature = mb.temperature
+        plain = isinstance(temperature, float) and temperature == 1.0
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature.to(self.device)
+        scaled = logits if plain else logits / temperature
         logprobs = -F.cross_entropy(scaled, targets, reduction="none")
         with torch.no_grad():
-            if temperature == 1.0:
+            if plain:
                 raw = logprobs.detach()
             else:
                 raw = -F.cross_entropy(logits.detach(), targets, reduction="none")
