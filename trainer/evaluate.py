@@ -35,6 +35,7 @@ from rich.table import Table
 from masenvs.adapters.policy import ChatPolicy, Reply, Sampling
 from masenvs.adapters.rollout import EpisodeResult, run_episode
 from masenvs.registry import make
+from masenvs.tasks.records import TaskSourceError
 from masenvs.traces import TraceStore
 
 DEFAULT_SEED_START = 1_000_000  # ValidationConfig's: held out from training seeds
@@ -391,11 +392,10 @@ def _main(args: argparse.Namespace, console: Console) -> int:
         env_options["data_path"] = args.data_path
     try:
         agents = list(make(env_name, **env_options).possible_agents)
-    except (KeyError, TypeError) as exc:
-        raise ValueError(str(exc)) from None
-    if args.source:
-        tasks = dataset_tasks(env_name, env_options, args.episodes)
-    else:
+        tasks = dataset_tasks(env_name, env_options, args.episodes) if args.source else []
+    except (KeyError, TypeError, ValueError, TaskSourceError) as exc:
+        raise ValueError(f"{env_name} with options {env_options}: {exc}") from None
+    if not args.source:
         seed_start = args.seed_start
         if seed_start is None:
             seed_start = first.validation.seed_start if first else DEFAULT_SEED_START
