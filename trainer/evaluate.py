@@ -414,10 +414,10 @@ def _main(args: argparse.Namespace, console: Console) -> int:
     embedded = args.baseline or checkpoints or not args.url
     model = args.model or (first.model.name if first else "smollm2-135m")
     for c in checkpoints:
-        if c.config.model.name != model:
+        if args.model is None and c.config.model.name != model:
             raise ValueError(
-                f"checkpoint {c.path} trained {c.config.model.name}, not {model}: evaluate it "
-                "in its own invocation (or pass --model to override)"
+                f"checkpoints of one invocation share the engine's base model: {c.path} "
+                f"trained {c.config.model.name}, the first {model}; evaluate them separately"
             )
     out = args.out or Path("runs") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json"
     try:
