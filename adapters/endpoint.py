@@ -265,6 +265,10 @@ class Endpoint:
         body = parse(ChatRequest, await self._json_body(request))
         model = self._resolve(body.model)
         generate = body.to_generate(self._backend_model(model), self.default_max_tokens)
+        # Framework programs cannot send per-agent template variables: the policy map does.
+        generate.chat_template_kwargs = self.policy_map.template_kwargs(
+            body.model, generate.chat_template_kwargs
+        )
         rollout_id = request.path_params.get("rollout_id")
         call = _Call(
             id=f"chatcmpl-{uuid.uuid4().hex}",
@@ -602,7 +606,7 @@ class Endpoint:
             messages=request.messages,
             tools=request.tools,
             prompt=request.prompt,
-            params=dataclasses.asdict(request.params),
+            params=_params(request),
             stream=call.stream,
             backend=self.backend_name,
             tokenizer_id=self._tokenizer_id,
@@ -695,6 +699,14 @@ def _choice_record(index: int, completion: Completion, output: ParsedOutput) -> 
         tool_calls=output.tool_calls or None,
         stop_reason=completion.stop_reason,
     )
+
+
+def _params(request: GenerateRequest) -> dict[str, Any]:
+    """What the trace keeps of how a call was made: sampling and chat template variables."""
+    params = dataclasses.asdict(request.params)
+    if request.chat_template_kwargs:
+        params["chat_template_kwargs"] = dict(request.chat_template_kwargs)
+    return params
 
 
 def _usage(generation: Generation) -> dict[str, int]:

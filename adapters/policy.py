@@ -38,7 +38,8 @@ class ChatPolicy:
     """Asks the endpoint for each agent's action; the request's `model` is the agent's name.
 
     Every rollout gets its own base URL (`/r/{rollout_id}/v1`) so the endpoint attributes
-    each call to its rollout, exactly as it does for framework agents.
+    each call to its rollout, exactly as it does for framework agents. `agent_sampling`
+    gives some agents their own settings; the others use `sampling`.
     """
 
     def __init__(
@@ -47,6 +48,7 @@ class ChatPolicy:
         *,
         api_key: str = "masenvs",
         sampling: Sampling | None = None,
+        agent_sampling: dict[str, Sampling] | None = None,
         models: dict[str, str] | None = None,
         max_concurrency: int = 64,
         timeout: float = 600.0,
@@ -54,6 +56,7 @@ class ChatPolicy:
         self.base_url = base_url.rstrip("/")
         self.api_key = api_key
         self.sampling = sampling or Sampling()
+        self.agent_sampling = agent_sampling or {}  # per-agent settings over `sampling`
         self.models = models or {}
         self._http = httpx.AsyncClient(
             timeout=timeout, limits=httpx.Limits(max_connections=max_concurrency)
@@ -78,7 +81,7 @@ class ChatPolicy:
         sampling: Sampling | None = None,
     ) -> list[Reply]:
         """`n` answers of `agent` to `messages` (one request; the backend shares the prefill)."""
-        s = sampling or self.sampling
+        s = sampling or self.agent_sampling.get(agent, self.sampling)
         extra: dict[str, Any] = {"return_token_ids": True}
         if s.top_k:
             extra["top_k"] = s.top_k

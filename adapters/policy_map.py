@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Collection
 from dataclasses import dataclass, field
+from typing import Any
 
 BASE = "base"  # the backend's name for the base model without any adapter
 
@@ -18,10 +19,17 @@ class PolicyMap:
 
     An agent not in `routes` is served by the adapter of the same name if the backend has
     one, else by `default` ("base" = the base model); `default=None` rejects such agents.
+    `chat_template_kwargs` holds per-agent template variables (`{"plan": {"enable_thinking":
+    False}}`): they apply to every chat call of the agent, under the request's own.
     """
 
     routes: dict[str, str] = field(default_factory=dict)
     default: str | None = BASE
+    chat_template_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+
+    def template_kwargs(self, agent: str, requested: dict[str, Any]) -> dict[str, Any]:
+        """The chat template variables of one call: the agent's defaults, then the request's."""
+        return {**self.chat_template_kwargs.get(agent, {}), **requested}
 
     def resolve(self, agent: str, available: Collection[str]) -> str:
         """The backend model name for `agent`; `available` is what the backend can serve."""

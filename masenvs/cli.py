@@ -25,6 +25,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "serve a (trained) policy as an OpenAI-compatible API",
     ),
     "train": ("masenvs.trainer.cli:main", "train agents with AT-GRPO from a YAML config"),
+    "eval": (
+        "masenvs.trainer.evaluate:main",
+        "avg@k and pass@k of base models, checkpoints and OpenAI URLs, side by side",
+    ),
 }
 
 END_OF_ACTION = "."

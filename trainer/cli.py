@@ -55,7 +55,7 @@ def main(argv: list[str]) -> int:
 
     try:
         result = train(cfg, console=console)
-    except StackError as exc:
+    except (StackError, ConfigError) as exc:
         console.print(f"[red]{exc}[/red]")
         return 2
     if result.validation:

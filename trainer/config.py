@@ -381,6 +381,18 @@ class TrainConfig(_Section):
         "env roles: K runs per task, groups keyed (task, agent, call index).",
     )
 
+    def agent(self, name: str) -> AgentConfig:
+        """`agents.<name>` with its unset sampling fields taken from `rollout`."""
+        own = self.agents.get(name) or AgentConfig()
+        r = self.rollout
+        return own.model_copy(
+            update={
+                "temperature": r.temperature if own.temperature is None else own.temperature,
+                "top_p": r.top_p if own.top_p is None else own.top_p,
+                "max_tokens": r.max_tokens if own.max_tokens is None else own.max_tokens,
+            }
+        )
+
     def train_seeds(self) -> range:
         """Every task seed training will draw."""
         start = self.env.seed_start

@@ -136,6 +136,8 @@ class MicroBatch:
     score_index: torch.Tensor  # [n] flat positions whose next token is a completion token
     targets: torch.Tensor  # [n] those completion tokens
     attention_mask: torch.Tensor | None  # [rows, 1, width, width] bool, when prompts are shared
+    # Sampling temperature the tokens are scored at: one for all, or [n, 1] when agents differ.
+    temperature: float | torch.Tensor = 1.0
 
 
 def build_microbatch(batch: Sequence[Sample], rows: list[list[Unit]]) -> MicroBatch:
@@ -550,7 +552,18 @@ class Learner:
         units = prompt_units(batch, share, budget)
         lengths = [unit_length(batch, u) for u in units]
         for rows in plan_microbatches(lengths, budget):
-            yield build_microbatch(batch, [[units[u] for u in row] for row in rows])
+            mb = build_microbatch(batch, [[units[u] for u in row] for row in rows])
+            mb.temperature = self._temperature([batch[i] for i in mb.samples])
+            yield mb
+
+    def _temperature(self, samples: list[Sample]) -> float | torch.Tensor:
+        """Each sample's agent's sampling temperature (`agents.<name>`, else rollout's)."""
+        of = {a: self.cfg.agent(a).temperature for a in {s.agent for s in samples}}
+        if len(set(of.values())) == 1:
+            return float(next(iter(of.values())))
+        return torch.cat(
+            [torch.full((len(s.completion_token_ids), 1), of[s.agent]) for s in samples]
+        )
 
     def _forward(self, model: Any, mb: MicroBatch, with_entropy: bool) -> _Scored:
         """Log-probs of the micro-batch's completion tokens (grad follows the caller's mode)."""
@@ -566,7 +579,9 @@ class Learner:
                 causal_lm.config, mask, self.autocast or self.dtype
             )
         with torch.autocast(self.device.type, self.autocast, enabled=self.autocast is not None):
-            return self._score_tokens(causal_lm, inputs, index, targets, with_entropy)
+            return self._score_tokens(
+                causal_lm, inputs, index, targets, mb.temperature, with_entropy
+            )
 
     def _score_tokens(
         self,
@@ -574,8 +589,11 @@ class Learner:
         inputs: dict[str, Any],
         index: torch.Tensor,
         targets: torch.Tensor,
+        temperature: float | torch.Tensor,
         with_entropy: bool,
     ) -> _Scored:
+        if isinstance(temperature, torch.Tensor):
+            temperature = temperature.to(self.device)
         if _plain_lm_head(causal_lm.config):
             # Only the positions that predict completion tokens go through the LM head, in
             # chunks (see token_logprobs): the head is a big matmul, and its fp32 logits are
@@ -592,7 +610,7 @@ class Learner:
             head,
             hidden,
             targets,
-            self.cfg.rollout.temperature,
+            temperature,
             self.cfg.optim.logprob_chunk_tokens,
             with_entropy=with_entropy,
         )
@@ -752,7 +770,7 @@ def token_logprobs(
     head: torch.nn.Module | None,
     hidden: torch.Tensor,
     targets: torch.Tensor,
-    temperature: float,
+    temperature: float | torch.Tensor,
     chunk_tokens: int,
     with_entropy: bool = False,
 ) -> _Scored:
@@ -762,22 +780,27 @@ def token_logprobs(
     token). Each chunk's logits exist only while that chunk is scored: with grad, the chunk
     runs under activation checkpointing, so the backward recomputes them chunk by chunk too
     and autograd never keeps them. `head=None` means `hidden` already is the logits.
+    `temperature` is one number, or one per row ([rows, 1]) when agents sample at different
+    temperatures.
     """
     grad = torch.is_grad_enabled() and hidden.requires_grad
     logprobs, raw, entropy = [], [], 0.0
     for begin in range(0, hidden.shape[0], chunk_tokens):
         h, t = hidden[begin : begin + chunk_tokens], targets[begin : begin + chunk_tokens]
+        temp = temperature
+        if isinstance(temp, torch.Tensor):
+            temp = temp[begin : begin + chunk_tokens]
         if grad:
-            lp, logits = checkpoint(_chunk_logprobs, head, h, t, temperature, use_reentrant=False)
+            lp, logits = checkpoint(_chunk_logprobs, head, h, t, temp, use_reentrant=False)
         else:
-            lp, logits = _chunk_logprobs(head, h, t, temperature)
+            lp, logits = _chunk_logprobs(head, h, t, temp)
         with torch.no_grad():  # from the logits the chunk computed anyway; no graph
-            if temperature == 1.0:
+            if _is_one(temp):
                 raw.append(lp.detach())
             else:
                 raw.append(-F.cross_entropy(logits, t, reduction="none"))
             if with_entropy:
-                z = logits / temperature if temperature != 1.0 else logits
+                z = logits if _is_one(temp) else logits / temp
                 entropy += (
                     (torch.logsumexp(z, -1) - (torch.softmax(z, -1) * z).sum(-1)).sum().item()
                 )
@@ -791,12 +814,19 @@ def token_logprobs(
     )
 
 
+def _is_one(temperature: float | torch.Tensor) -> bool:
+    return not isinstance(temperature, torch.Tensor) and temperature == 1.0
+
+
 def _chunk_logprobs(
-    head: torch.nn.Module | None, hidden: torch.Tensor, targets: torch.Tensor, temperature: float
+    head: torch.nn.Module | None,
+    hidden: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """(log-probs at `temperature` with grad, the fp32 logits at T=1 without)."""
     logits = (head(hidden) if head is not None else hidden).float()
-    scaled = logits / temperature if temperature != 1.0 else logits
+    scaled = logits if _is_one(temperature) else logits / temperature
     return -F.cross_entropy(scaled, targets, reduction="none"), logits.detach()
 
 

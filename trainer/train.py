@@ -21,13 +21,14 @@ import torch
 from rich.console import Console
 
 from masenvs.adapters.policy import ChatPolicy, Sampling
+from masenvs.adapters.policy_map import PolicyMap
 from masenvs.adapters.rollout import run_episodes
 from masenvs.adapters.stack import Stack, make_backend, start_stack
 from masenvs.env import MASEnv
 from masenvs.registry import make
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.checkpoint import TrainState, load_latest, save_checkpoint
-from masenvs.trainer.config import TrainConfig, save_config
+from masenvs.trainer.config import ConfigError, TrainConfig, save_config
 from masenvs.trainer.learner import Learner
 from masenvs.trainer.metrics import MetricsLogger, group_metrics, read_metrics, sample_metrics
 from masenvs.trainer.plots import plot_curves
@@ -72,6 +73,30 @@ def env_factory(cfg: TrainConfig) -> Callable[[], MASEnv]:
     return lambda: make(cfg.env.name, **options)
 
 
+def agent_sampling(
+    cfg: TrainConfig, agents: list[str], *, validation: bool = False
+) -> dict[str, Sampling]:
+    """Each agent's sampling settings: `agents.<name>` over `rollout.*`.
+
+    Validation keeps `validation.temperature` (greedy by default) for every agent and the
+    run's seed; top_p and max_tokens stay the agent's own.
+    """
+    unknown = sorted(set(cfg.agents) - set(agents))
+    if unknown:
+        raise ConfigError(
+            f"agents.{unknown[0]} in the config is not an agent of this run ({', '.join(agents)}); "
+            "fix the name or remove the section"
+        )
+    out = {}
+    for name in agents:
+        a = cfg.agent(name)
+        if validation:
+            out[name] = Sampling(cfg.validation.temperature, a.top_p, 0, a.max_tokens, cfg.seed)
+        else:
+            out[name] = Sampling(a.temperature, a.top_p, 0, a.max_tokens)
+    return out
+
+
 def rollout_metrics(results: list[TaskRollout]) -> dict[str, float]:
     ok = [r for r in results if r.error is None]
     out: dict[str, float] = {
@@ -99,6 +124,7 @@ class TreeSource:
             sampling=Sampling(
                 cfg.rollout.temperature, cfg.rollout.top_p, 0, cfg.rollout.max_tokens
             ),
+            agent_sampling=agent_sampling(cfg, learner.agents),
             api_key=stack.api_key or "masenvs",
         )
 
@@ -122,7 +148,12 @@ class TreeSource:
     async def validate(self, step: int) -> dict[str, float]:
         cfg = self.cfg
         sampling = Sampling(cfg.validation.temperature, 1.0, 0, cfg.rollout.max_tokens, cfg.seed)
-        policy = ChatPolicy(self.stack.base_url, sampling=sampling, api_key=self.policy.api_key)
+        policy = ChatPolicy(
+            self.stack.base_url,
+            sampling=sampling,
+            agent_sampling=agent_sampling(cfg, self.learner.agents, validation=True),
+            api_key=self.policy.api_key,
+        )
         try:
             results = await run_episodes(
                 cfg.env.name,
@@ -156,10 +187,12 @@ class WorkflowSource:
         r = cfg.rollout
         self.settings = ClientSettings(
             sampling=Sampling(r.temperature, r.top_p, 0, r.max_tokens),
+            agents=agent_sampling(cfg, learner.agents),
             api_key=stack.api_key or "masenvs",
         )
         self.val_settings = ClientSettings(
             sampling=Sampling(cfg.validation.temperature, 1.0, 0, r.max_tokens, cfg.seed),
+            agents=agent_sampling(cfg, learner.agents, validation=True),
             api_key=stack.api_key or "masenvs",
         )
 
@@ -213,6 +246,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
         make(cfg.env.name, **cfg.env.options)  # fail on a bad env before loading models
     else:
         agents = env_factory(cfg)().possible_agents
+    agent_sampling(cfg, agents)  # a misspelt agents.<name> fails here, before models load
 
     with console.status(f"loading {cfg.model.name} for the learner"):
         learner = Learner(cfg, agents)
@@ -236,7 +270,10 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
             backend = make_backend(cfg.model.name, cfg.backend.kind, cfg.backend.vllm_url)
         sync = WeightSync(learner, backend, run_dir / "sync")
         sync.push(version=state.step)
-        routes = {agent: learner.policy_of(agent) for agent in agents}
+        routes = PolicyMap(
+            {agent: learner.policy_of(agent) for agent in agents},
+            chat_template_kwargs={a: cfg.agent(a).chat_template_kwargs for a in agents},
+        )
         stack = start_stack(backend=backend, traces=run_dir / "traces", policy_map=routes)
     stack.endpoint.policy_version = state.step
     metrics = MetricsLogger(

@@ -51,9 +51,13 @@ class ClientSettings:
     """What every framework client sends: sampling settings, API key and HTTP timeout."""
 
     sampling: Sampling = field(default_factory=Sampling)
+    agents: dict[str, Sampling] = field(default_factory=dict)  # per-agent, over `sampling`
     api_key: str = "masenvs"
     timeout: float = 600.0
     context_window: int = 8192  # what LlamaIndex is told (it budgets its memory with it)
+
+    def sampling_of(self, agent: str) -> Sampling:
+        return self.agents.get(agent, self.sampling)
 
 
 def rollout_url(root_url: str, rollout_id: str) -> str:
@@ -88,22 +92,23 @@ def chat_openai(
     from langchain_openai import ChatOpenAI
 
     s = settings or ClientSettings()
+    sampling = s.sampling_of(agent)
     options: dict[str, Any] = dict(
         model=agent,
         base_url=base_url,
         api_key=s.api_key,
-        temperature=s.sampling.temperature,
-        top_p=s.sampling.top_p,
-        max_tokens=s.sampling.max_tokens,
-        seed=s.sampling.seed,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_tokens=sampling.max_tokens,
+        seed=sampling.seed,
         timeout=s.timeout,
         max_retries=0,  # a failed call is the episode's failure, not something to hide
         use_responses_api=False,  # the endpoint speaks chat completions
         http_client=http_client,
         http_async_client=http_async_client,
     )
-    if s.sampling.top_k:
-        options["extra_body"] = _extra_body(s.sampling)
+    if sampling.top_k:
+        options["extra_body"] = _extra_body(sampling)
     options.update(kwargs)
     return ChatOpenAI(**options)
 
@@ -120,21 +125,22 @@ def autogen_client(
     from autogen_ext.models.openai import OpenAIChatCompletionClient
 
     s = settings or ClientSettings()
+    sampling = s.sampling_of(agent)
     options: dict[str, Any] = dict(
         model=agent,
         base_url=base_url,
         api_key=s.api_key,
         model_info=dict(AUTOGEN_MODEL_INFO),
-        temperature=s.sampling.temperature,
-        top_p=s.sampling.top_p,
-        max_tokens=s.sampling.max_tokens,
+        temperature=sampling.temperature,
+        top_p=sampling.top_p,
+        max_tokens=sampling.max_tokens,
         timeout=s.timeout,
         max_retries=0,
     )
-    if s.sampling.seed is not None:
-        options["seed"] = s.sampling.seed
-    if s.sampling.top_k:
-        options["extra_body"] = _extra_body(s.sampling)
+    if sampling.seed is not None:
+        options["seed"] = sampling.seed
+    if sampling.top_k:
+        options["extra_body"] = _extra_body(sampling)
     if http_client is not None:
         options["http_client"] = http_client  # passed on to openai.AsyncOpenAI
     options.update(kwargs)
@@ -154,11 +160,12 @@ def openai_like(
     from llama_index.llms.openai_like import OpenAILike
 
     s = settings or ClientSettings()
-    additional: dict[str, Any] = {"top_p": s.sampling.top_p}
-    if s.sampling.seed is not None:
-        additional["seed"] = s.sampling.seed
-    if s.sampling.top_k:
-        additional["extra_body"] = _extra_body(s.sampling)
+    sampling = s.sampling_of(agent)
+    additional: dict[str, Any] = {"top_p": sampling.top_p}
+    if sampling.seed is not None:
+        additional["seed"] = sampling.seed
+    if sampling.top_k:
+        additional["extra_body"] = _extra_body(sampling)
     options: dict[str, Any] = dict(
         model=agent,
         api_base=base_url,
@@ -166,8 +173,8 @@ def openai_like(
         is_chat_model=True,
         is_function_calling_model=True,
         context_window=s.context_window,
-        temperature=s.sampling.temperature,
-        max_tokens=s.sampling.max_tokens,
+        temperature=sampling.temperature,
+        max_tokens=sampling.max_tokens,
         timeout=s.timeout,
         max_retries=0,
         additional_kwargs=additional,

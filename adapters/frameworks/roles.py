@@ -91,7 +91,10 @@ class RolePolicy:
     def fallback(self) -> ChatPolicy:
         if self._fallback is None:
             self._fallback = ChatPolicy(
-                self.base_url, api_key=self.settings.api_key, sampling=self.settings.sampling
+                self.base_url,
+                api_key=self.settings.api_key,
+                sampling=self.settings.sampling,
+                agent_sampling=self.settings.agents,
             )
         return self._fallback
 

@@ -1,0 +1,144 @@
+"""`masenvs eval`: the pass@k estimator, and a trained checkpoint against its base model
+(embedded engine and an OpenAI-compatible URL) on a small math dataset."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import json
+from pathlib import Path
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from masenvs.adapters.backends.embedded import EmbeddedBackend
+from masenvs.adapters.endpoint import EndpointServer, create_app
+from masenvs.adapters.models import load_model
+from masenvs.registry import make
+from masenvs.tasks.loaders import write_jsonl
+from masenvs.tasks.records import MathTask
+from masenvs.trainer.checkpoint import TrainState, save_checkpoint
+from masenvs.trainer.config import load_config
+from masenvs.trainer.evaluate import main, pass_at_k
+from masenvs.trainer.learner import Learner
+
+
+@pytest.mark.parametrize("n", [1, 3, 5, 6])
+def test_pass_at_k_is_the_chance_that_k_of_n_samples_hold_a_success(n: int) -> None:
+    for c in range(n + 1):
+        outcomes = [True] * c + [False] * (n - c)
+        for k in range(1, n + 1):
+            draws = list(itertools.combinations(outcomes, k))
+            exact = sum(any(d) for d in draws) / len(draws)
+            assert pass_at_k(n, c, k) == pytest.approx(exact)
+    with pytest.raises(ValueError, match="k <= n"):
+        pass_at_k(2, 1, 3)
+
+
+TASKS = [
+    MathTask("seven", "What is 3 + 4?", "7"),
+    MathTask("twelve", "What is 5 + 7?", "12"),
+]
+ANSWER = "\\boxed{7}"
+
+
+def checkpoint_that_answers_seven(tmp_path: Path) -> tuple[Path, Path]:
+    """A real training checkpoint whose reasoner adapter answers \\boxed{7} to every task."""
+    data = write_jsonl(TASKS, tmp_path / "tasks.jsonl")
+    options = {"single_agent": True, "max_rounds": 1, "source": f"jsonl:{data}"}
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            "model.name=tiny",
+            "env.name=math",
+            f"env.options={json.dumps(options)}",
+            "lora.rank=8",
+            "lora.alpha=16",
+        ],
+    )
+    learner = Learner(cfg, ["reasoner"])
+    tokenizer = load_model("tiny").tokenizer
+    env = make("math", **options)
+    completion = tokenizer.encode(ANSWER, add_special_tokens=False) + [tokenizer.eos_token_id]
+    rows = []
+    for task in TASKS:
+        _, infos = env.reset(seed=0, options={"task": task})
+        prompt = tokenizer.apply_chat_template(
+            infos["reasoner"]["messages"],
+            add_generation_prompt=True,
+            tokenize=True,
+            return_dict=False,
+        )
+        rows.append((list(prompt), completion))
+    policy = learner.policies["reasoner"]
+    optimizer = torch.optim.Adam(policy.params, lr=1e-2)
+    policy.model.train()
+    # Supervised: the adapter learns to answer 7, whatever the question. The tiny model's
+    # logits are nearly flat (its random LM head caps them), so only greedy decoding says 7.
+    for _ in range(15):
+        optimizer.zero_grad()
+        for prompt, target in rows:
+            ids = torch.tensor([prompt + target[:-1]])
+            logits = policy.model(input_ids=ids).logits[0, len(prompt) - 1 :]
+            F.cross_entropy(logits.float(), torch.tensor(target)).backward()
+        optimizer.step()
+    policy.model.eval()
+    path = save_checkpoint(cfg.run_dir, learner, TrainState(step=3, next_task_seed=0), cfg)
+    return path, data
+
+
+def test_a_checkpoint_is_scored_beside_its_base_model(tmp_path: Path) -> None:
+    checkpoint, data = checkpoint_that_answers_seven(tmp_path)
+    # The same adapter behind an OpenAI-compatible server (what `masenvs serve` runs).
+    # float32 everywhere: greedy picks among nearly equal logits (see above).
+    engine = EmbeddedBackend.from_spec("tiny", max_model_len=512, dtype="float32")
+    asyncio.run(engine.load_adapter("trained", str(checkpoint / "adapters" / "reasoner")))
+    out = tmp_path / "eval.json"
+    try:
+        with EndpointServer(create_app(engine, policy_map={"reasoner": "trained"})) as server:
+            code = main(
+                [
+                    "--checkpoint",
+                    str(checkpoint),
+                    "--baseline",
+                    "--url",
+                    server.base_url,
+                    "--source",
+                    f"jsonl:{data}",
+                    "-k",
+                    "2",
+                    "-n",
+                    "3",
+                    "--temperature",
+                    "0",
+                    "--dtype",
+                    "float32",
+                    "--max-tokens",
+                    "8",
+                    "--out",
+                    str(out),
+                ]
+            )
+    finally:
+        engine.shutdown()
+    assert code == 0
+    report = json.loads(out.read_text())
+    assert report["env"] == "math" and report["tasks"] == ["seven", "twelve"]
+    assert (report["n"], report["k"]) == (3, 2)
+    base, trained, served = report["results"]
+    assert [r["name"] for r in report["results"]] == ["base", "run@3", server.base_url]
+    # The base model never answers \boxed{7}; the trained adapter always does, which is
+    # right for one task of two, through the embedded engine and through the URL alike.
+    assert base["per_task"] == [{"id": "seven", "successes": 0}, {"id": "twelve", "successes": 0}]
+    assert (base["avg"], base["pass_at_k"]) == (0.0, 0.0)
+    for result in (trained, served):
+        assert result["per_task"] == [
+            {"id": "seven", "successes": 3},
+            {"id": "twelve", "successes": 0},
+        ]
+        assert (result["avg"], result["pass_at_k"]) == (0.5, 0.5)
+        assert result["errors"] == 0
+    # Embedded policies are captured: each has its own traces beside the JSON.
+    assert (tmp_path / "eval" / "run_3").is_dir() and (tmp_path / "eval" / "base").is_dir()
