@@ -33,7 +33,7 @@ from masenvs.trainer.metrics import MetricsLogger, group_metrics, read_metrics, 
 from masenvs.trainer.plots import plot_curves
 from masenvs.trainer.rollout import TaskRollout, collect_tree_batch
 from masenvs.trainer.samples import Sample
-from masenvs.trainer.sync import WeightSync
+from masenvs.trainer.sync import WeightSync, vllm_backend
 
 log = logging.getLogger(__name__)
 
@@ -223,16 +223,18 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
             "dtype": cfg.backend.dtype,
             "quantize": cfg.backend.quantize,
         }
-        backend = make_backend(
-            cfg.model.name,
-            cfg.backend.kind,
-            cfg.backend.vllm_url,
-            **(engine if cfg.backend.kind == "embedded" else {}),
-        )
-        sync = WeightSync(learner, backend, run_dir / "sync")
-        sync.push(version=state.step)
-        routes = {agent: learner.policy_of(agent) for agent in agents}
-        stack = start_stack(backend=backend, traces=run_dir / "traces", policy_map=routes)
+        if cfg.backend.kind == "vllm":  # the server at vllm_url, or one started (and stopped) here
+            backend = vllm_backend(cfg, len(learner.policies), run_dir / "vllm.log")
+        else:
+            backend = make_backend(cfg.model.name, cfg.backend.kind, **engine)
+        try:
+            sync = WeightSync(learner, backend, run_dir / "sync")
+            asyncio.run(sync.push(version=state.step))
+            routes = {agent: learner.policy_of(agent) for agent in agents}
+            stack = start_stack(backend=backend, traces=run_dir / "traces", policy_map=routes)
+        except BaseException:
+            getattr(backend, "shutdown", lambda: None)()  # a vLLM started here stops too
+            raise
     stack.endpoint.policy_version = state.step
     metrics = MetricsLogger(
         run_dir, cfg.logging, cfg, resume_step=state.step if checkpoint is not None else -1
@@ -282,7 +284,7 @@ async def _loop(
             # pool that competes with the engine's once the next rollout starts.
             update = learner.step(trainable) if trainable else {}
             update_s = time.perf_counter() - started
-            sync.push(step)
+            await sync.push(step)
             stack.endpoint.policy_version = step
 
             tokens = sum(len(s.completion_token_ids) for s in samples)
