@@ -28,7 +28,7 @@ from masenvs.adapters.backends.vllm import VLLMBackend, launch_vllm, model_dir
 
 MESSAGES = [{"role": "user", "content": "Name three colours, then stop."}]
 TOLERANCE = 0.15  # nats: vLLM runs bf16 kernels, the reference fp32
-DEVICE = "cuda"  # of the reference forward passes; --device cpu dry-runs against fake_vllm
+DEVICE = "cuda"  # of the reference forward passes; --device cpu: the CPU build or fake_vllm
 
 results: list[tuple[str, bool, str]] = []
 
