@@ -131,6 +131,15 @@ def served(backend: VLLMBackend, name: str = "", max_tokens: int = 10):
     return generation.prompt_token_ids, completion.token_ids, completion.logprobs
 
 
+def running(pid: int) -> bool:
+    """Whether process `pid` exists and is not a zombie waiting to be reaped."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return False
+    return stat.rpartition(")")[2].split()[0] != "Z"
+
+
 def differs(a: list[float], b: list[float]) -> float:
     return max(abs(x - y) for x, y in zip(a, b, strict=True))
 
@@ -150,7 +159,9 @@ def test_chat_ids_and_logprobs_match_transformers(backend, model) -> None:
     assert completion.logprobs == pytest.approx(ref, abs=TOLERANCE)
     for token, top in zip(completion.token_ids, completion.top_logprobs or [], strict=True):
         assert len(top) == 3 and token in top  # greedy: the chosen token is among the top
-    visible = completion.token_ids[:-1] if completion.stop_reason is not None else completion.token_ids
+    visible = (
+        completion.token_ids[:-1] if completion.stop_reason is not None else completion.token_ids
+    )
     assert completion.text == backend.decode(visible)
 
 
@@ -267,7 +278,7 @@ def test_full_weights_reach_the_running_server(backend, model, tmp_path) -> None
     assert served(backend)[2] == pytest.approx(before, abs=1e-3)
 
 
-def test_update_weights_explains_a_server_without_dev_endpoints(backend, tmp_path) -> None:
+def test_update_weights_explains_a_missing_or_empty_source(backend, tmp_path) -> None:
     from masenvs.adapters.backends.base import BackendError
 
     with pytest.raises(BackendError, match="no safetensors|No weights"):
@@ -394,9 +405,7 @@ def test_the_trainer_starts_vllm_and_stops_it_even_when_interrupted(
     assert {c.backend for c in TraceStore(tmp_path / "traces").calls()} == {"vllm"}
     pids = {int(p) for p in re.findall(r"pid=(\d+)", log)}
     assert pids
-    for pid in pids:  # the API server and its engine processes are all gone
-        with pytest.raises(ProcessLookupError):
-            os.kill(pid, 0)
+    assert not [pid for pid in pids if running(pid)]  # the API server, engine and workers
     port = re.search(r"http://127\.0\.0\.1:(\d+)", log) or re.search(r"'port': (\d+)", log)
     assert port is not None
     with pytest.raises(httpx.ConnectError):

@@ -644,15 +644,16 @@ class VLLMProcess:
     command: list[str] = field(default_factory=list)
 
     def stop(self, timeout: float = 30.0) -> None:
+        """End the server and every process it started (its own process group)."""
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        # Engine or worker processes that outlived the API server must not linger.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
     def log_tail(self, lines: int = 40) -> str:
         try:
