@@ -26,6 +26,7 @@ from masenvs.adapters.backends.vllm import (
     VLLMBackend,
     VLLMLaunchError,
     _Choice,
+    check_cpu_model,
     find_vllm,
     launch_vllm,
     model_dir,
@@ -383,3 +384,10 @@ def test_a_server_that_never_answers_times_out_with_a_clear_error() -> None:
         with pytest.raises(BackendError, match=r"did not answer within 1 s") as caught:
             VLLMBackend(url, timeout=1)
     assert "backend.request_timeout" in str(caught.value) and caught.value.status == 504
+
+
+def test_a_model_the_cpu_build_cannot_run_fails_before_launch() -> None:
+    # vLLM's CPU attention has no kernel for head_dim 16; the server would die at its first
+    # request, after a minute of starting up.
+    with pytest.raises(VLLMLaunchError, match="head_dim 16"):
+        check_cpu_model(model_dir("tiny"))

@@ -103,7 +103,12 @@ def vllm_backend(cfg: TrainConfig, policies: int, log_path: Path) -> VLLMBackend
     b = cfg.backend
     if b.vllm_url:
         return VLLMBackend(b.vllm_url, timeout=b.request_timeout)
-    from masenvs.adapters.backends.vllm import VLLMLaunchError
+    from masenvs.adapters.backends.vllm import (
+        VLLMLaunchError,
+        check_cpu_model,
+        cpu_only,
+        model_dir,
+    )
 
     options: dict[str, Any] = {
         "python": b.vllm_python,
@@ -114,6 +119,8 @@ def vllm_backend(cfg: TrainConfig, policies: int, log_path: Path) -> VLLMBackend
         "log_path": log_path,
     }
     try:
+        if cpu_only():
+            check_cpu_model(model_dir(cfg.model.name))
         return VLLMBackend.launch(cfg.model.name, request_timeout=b.request_timeout, **options)
     except (VLLMLaunchError, BackendError) as exc:
         raise SyncError(f"could not start vLLM for {cfg.model.name}: {exc}") from exc

@@ -52,6 +52,7 @@ VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max
 # What the CPU build needs that vLLM's GPU defaults do not give (backend.vllm_args overrides).
 CPU_ARGS = {"--dtype": "bfloat16", "--max-model-len": "2048"}
 CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GiB of KV cache
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # its attention kernels
 # The worker extension that takes full weights (`update_weights`); it goes on vLLM's path.
 EXTENSION_DIR = Path(__file__).with_name("vllm_ext")
 EXTENSION_CLASS = "masenvs_vllm_ext.WeightUpdateExtension"
@@ -792,6 +793,7 @@ def launch_vllm(
     `timeout` seconds, the error shows the end of that log.
     """
     install = find_vllm(vllm_bin, python)
+    cpu = cpu_only() if cpu is None else cpu
     if port == 0:
         port = _free_port(host)
     args = [
@@ -811,7 +813,7 @@ def launch_vllm(
     if lora_modules:
         args += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
     child_env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
-    if cpu if cpu is not None else cpu_only():
+    if cpu:
         given = {arg.split("=", 1)[0] for arg in extra_args}
         for flag, value in CPU_ARGS.items():
             if flag not in given:
@@ -859,6 +861,23 @@ def launch_vllm(
     except BaseException:
         handle.stop()  # also on Ctrl-C while waiting: never leave a half-started server
         raise
+
+
+def check_cpu_model(model: str) -> None:
+    """Fail now, not at vLLM's first request, on a model its CPU build cannot run."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # a hub id or an odd directory: vLLM will say
+    config = config.get("text_config", config)
+    heads = config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else 0)
+    if head_dim and head_dim not in CPU_HEAD_SIZES:
+        raise VLLMLaunchError(
+            f"vLLM's CPU build has no attention kernel for head_dim {head_dim} ({model}); "
+            f"it supports {', '.join(map(str, CPU_HEAD_SIZES))}. The 'tiny' test model is such "
+            "a model: use smollm2-135m (or a GPU) with vLLM."
+        )
 
 
 def _free_port(host: str) -> int:
