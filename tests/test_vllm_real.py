@@ -238,7 +238,8 @@ def perturbed_copy(model_dir: Path, out: Path) -> Path:
 
 
 class _FullLearner:
-    """What `WeightSync` reads of a full fine-tuning learner (`Learner.full_state_dict`)."""
+    """What `WeightSync` reads of a full fine-tuning learner: `Learner.full_state_dict` and
+    `Learner.trains` (the learner helper's interface, on its own branch)."""
 
     def __init__(self, weights: dict[str, torch.Tensor]) -> None:
         from masenvs.trainer.config import TrainConfig
@@ -246,6 +247,9 @@ class _FullLearner:
         self.cfg = TrainConfig(policy={"finetune": "full", "mode": "shared"})
         self.policies = {"shared": None}
         self.weights = weights
+
+    def trains(self, policy: str) -> bool:
+        return True
 
     def full_state_dict(self, policy: str) -> dict[str, torch.Tensor]:
         return self.weights

@@ -33,7 +33,12 @@ class WeightSync:
         self.backend = backend
         self.sync_dir = Path(sync_dir)
         self.full = learner.cfg.policy.finetune == "full"
-        self.in_place = hasattr(backend, "set_adapter_weights") and hasattr(backend, "add_adapter")
+        if self.full:  # in place into an engine that takes whole weights, else via files
+            self.in_place = hasattr(backend, "set_base_weights")
+        else:
+            self.in_place = hasattr(backend, "set_adapter_weights") and hasattr(
+                backend, "add_adapter"
+            )
         self._loaded: set[str] = set()
         if self.full and not self.in_place:
             if not hasattr(backend, "update_weights"):
@@ -71,12 +76,14 @@ class WeightSync:
             _prune(self.sync_dir / policy)
 
     async def _push_full(self, version: int) -> None:
-        if version == 0:
-            return  # untrained: the backend already serves these base weights
+        if version == 0 and not self.in_place:
+            return  # untrained: the server already serves these base weights
         for policy in self.learner.policies:
+            if not self.learner.trains(policy):
+                continue  # a frozen policy keeps the base's weights
             weights = self.learner.full_state_dict(policy)
             if self.in_place:
-                self.backend.set_base_weights(weights)  # type: ignore[attr-defined]
+                self.backend.set_base_weights(policy, weights)  # type: ignore[attr-defined]
                 continue
             from safetensors.torch import save_file
 

@@ -223,10 +223,10 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
             "dtype": cfg.backend.dtype,
             "quantize": cfg.backend.quantize,
         }
-        if cfg.backend.kind == "vllm":  # the server at vllm_url, or one started (and stopped) here
-            backend = vllm_backend(cfg, len(learner.policies), run_dir / "vllm.log")
-        else:
+        if cfg.backend.kind == "embedded":
             backend = make_backend(cfg.model.name, cfg.backend.kind, **engine)
+        else:  # the server at vllm_url, or one started here (and stopped by stack.close)
+            backend = vllm_backend(cfg, len(learner.policies), run_dir / "vllm.log")
         try:
             sync = WeightSync(learner, backend, run_dir / "sync")
             asyncio.run(sync.push(version=state.step))
