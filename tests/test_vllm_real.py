@@ -35,6 +35,7 @@ from masenvs.adapters.backends.vllm import (
 from masenvs.env import EpisodeState, MASEnv, RewardParts
 from masenvs.registry import register
 from masenvs.traces import TraceStore
+from masenvs.trainer.learner import Learner
 
 pytestmark = pytest.mark.vllm
 
@@ -354,7 +355,7 @@ def test_three_steps_of_training_against_the_server(backend, server, model, tmp_
     assert result.steps == 3
 
     # Rollouts of step k were sampled by the weights of step k - 1, and vLLM said so.
-    calls = TraceStore(tmp_path / "traces").calls()
+    calls = list(TraceStore(tmp_path / "traces").calls())
     steps = {int(re.match(r"s(\d+)", c.rollout_id).group(1)) for c in calls}
     assert steps == {1, 2, 3}
     for call in calls:
@@ -362,7 +363,7 @@ def test_three_steps_of_training_against_the_server(backend, server, model, tmp_
         assert (call.backend, call.policy_version) == ("vllm", step - 1), call.rollout_id
     # The learner's recomputed log-probs agree with the server's (same weights, T=1).
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "learner/writer/loss" in r]
-    assert len(rows) == 3
+    assert len(rows) == 3 and not any(r["train/failed_tasks"] for r in rows)
     for row in rows:
         for agent in ("writer", "editor"):
             assert row[f"learner/{agent}/logprob_diff_mean"] < TOLERANCE
@@ -414,3 +415,43 @@ def test_the_trainer_starts_vllm_and_stops_it_even_when_interrupted(
     assert port is not None
     with pytest.raises(httpx.ConnectError):
         httpx.get(f"http://127.0.0.1:{port.group(1)}/health", timeout=5)
+
+
+@pytest.mark.skipif(
+    not hasattr(Learner, "full_state_dict"),
+    reason="full fine-tuning in the learner comes with the `learner` branch of issue #12",
+)
+def test_full_fine_tuning_trains_against_a_vllm_it_starts(install, model, tmp_path) -> None:
+    from safetensors.torch import load_file
+
+    from masenvs.trainer.metrics import read_metrics
+    from masenvs.trainer.train import train
+
+    python = install.prefix[0] if install.model_flag else None
+    cfg = toy_config(tmp_path, model, 2, vllm_python=python)
+    cfg.policy.finetune, cfg.policy.mode = "full", "shared"
+    cfg.optim.lr = 1e-3
+    train(cfg)
+
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "learner/shared/loss" in r]
+    assert len(rows) == 2 and not any(r["train/failed_tasks"] for r in rows)
+    assert all(r["learner/shared/logprob_diff_mean"] < TOLERANCE for r in rows)
+    calls = list(TraceStore(tmp_path / "traces").calls())
+    for call in calls:
+        step = int(re.match(r"s(\d+)", call.rollout_id).group(1))
+        assert (call.backend, call.policy_version) == ("vllm", step - 1)
+    # Step 2's rollouts came from the weights of step 1, pushed as one safetensors file:
+    # the server's log-probs are that model's, not the base's.
+    pushed = tmp_path / "sync" / "full" / "v000001" / "model.safetensors"
+    weights = load_file(str(pushed))
+    base = load_file(str(model / "model.safetensors"))
+    assert any(not torch.equal(weights[k], base[k]) for k in base)
+    changed = tmp_path / "step1"
+    changed.mkdir()
+    (changed / "model.safetensors").symlink_to(pushed)
+    (changed / "config.json").symlink_to(model / "config.json")
+    late = next(c for c in calls if c.rollout_id.startswith("s2"))
+    choice = late.choices[0]
+    ref = reference(changed, late.prompt_token_ids, choice.token_ids)
+    assert choice.logprobs == pytest.approx(ref, abs=TOLERANCE)
+    assert differs(reference(model, late.prompt_token_ids, choice.token_ids), ref) > TOLERANCE

@@ -54,6 +54,11 @@ class WeightSync:
                     "adapters (policy.finetune: lora)"
                 )
 
+    def served_as(self, policy: str) -> str:
+        """The model name requests of `policy` go to: its adapter, or with full weights on a
+        server, the base model itself (it is the policy)."""
+        return "base" if self.full and not self.in_place else policy
+
     async def push(self, version: int) -> None:
         """Send every policy's weights; `version` names the files of a server sync."""
         if self.full:

@@ -230,7 +230,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
         try:
             sync = WeightSync(learner, backend, run_dir / "sync")
             asyncio.run(sync.push(version=state.step))
-            routes = {agent: learner.policy_of(agent) for agent in agents}
+            routes = {agent: sync.served_as(learner.policy_of(agent)) for agent in agents}
             stack = start_stack(backend=backend, traces=run_dir / "traces", policy_map=routes)
         except BaseException:
             getattr(backend, "shutdown", lambda: None)()  # a vLLM started here stops too
