@@ -14,14 +14,22 @@ from pathlib import Path
 from typing import Any
 
 from masenvs.adapters.backends.base import Backend, BackendError
-from masenvs.adapters.backends.vllm import VLLMBackend, lora_rank_for
+from masenvs.adapters.backends.vllm import (
+    VLLMBackend,
+    VLLMLaunchError,
+    check_cpu_model,
+    cpu_only,
+    lora_rank_for,
+    model_dir,
+)
+from masenvs.adapters.stack import StackError
 from masenvs.trainer.config import TrainConfig
 from masenvs.trainer.learner import Learner
 
 KEEP_VERSIONS = 2  # sync files kept per policy; the server has read the older ones
 
 
-class SyncError(RuntimeError):
+class SyncError(StackError):
     """New weights cannot reach this backend; the message names the cause and the fix."""
 
 
@@ -114,14 +122,10 @@ def vllm_backend(cfg: TrainConfig, policies: int, log_path: Path) -> VLLMBackend
     """
     b = cfg.backend
     if b.vllm_url:
-        return VLLMBackend(b.vllm_url, timeout=b.request_timeout)
-    from masenvs.adapters.backends.vllm import (
-        VLLMLaunchError,
-        check_cpu_model,
-        cpu_only,
-        model_dir,
-    )
-
+        try:
+            return VLLMBackend(b.vllm_url, timeout=b.request_timeout)
+        except BackendError as exc:
+            raise StackError(f"backend.vllm_url: {exc}") from exc
     options: dict[str, Any] = {
         "python": b.vllm_python,
         "max_loras": max(policies, 1),
@@ -135,4 +139,4 @@ def vllm_backend(cfg: TrainConfig, policies: int, log_path: Path) -> VLLMBackend
             check_cpu_model(model_dir(cfg.model.name))
         return VLLMBackend.launch(cfg.model.name, request_timeout=b.request_timeout, **options)
     except (VLLMLaunchError, BackendError) as exc:
-        raise SyncError(f"could not start vLLM for {cfg.model.name}: {exc}") from exc
+        raise StackError(f"could not start vLLM for {cfg.model.name}: {exc}") from exc
