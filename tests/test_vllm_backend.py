@@ -391,3 +391,16 @@ def test_a_model_the_cpu_build_cannot_run_fails_before_launch() -> None:
     # request, after a minute of starting up.
     with pytest.raises(VLLMLaunchError, match="head_dim 16"):
         check_cpu_model(model_dir("tiny"))
+
+
+def test_masenvs_train_names_an_unreachable_vllm_in_one_line(tmp_path, capsys) -> None:
+    from masenvs.trainer.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"run_dir: {tmp_path / 'run'}\nsteps: 1\nmodel: {{name: tiny}}\n")
+    code = main(
+        [str(config), "--set", "backend.kind=vllm", "--set", "backend.vllm_url=http://127.0.0.1:9"]
+    )
+    out = capsys.readouterr().out
+    assert code == 2 and "Cannot reach vLLM at http://127.0.0.1:9" in out
+    assert "Traceback" not in out
