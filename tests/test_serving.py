@@ -91,7 +91,7 @@ def test_full_weights_reach_the_engine_in_place(tmp_path: Path) -> None:
         sync = WeightSync(learner, backend, tmp_path)
         prompt, tokens, before = generate(backend, "shared")
         train_step(learner, "shared", seed=0)
-        sync.push(1)
+        asyncio.run(sync.push(1))
         prompt, tokens, after = generate(backend, "shared")
         # The engine now samples from the trained weights: its log-probs are the learner's.
         expected = learner_logprobs(learner, "shared", prompt, tokens)
@@ -142,7 +142,7 @@ def test_separate_bases_serve_each_agent_from_its_own_base(
     try:
         assert isinstance(backend, RouterBackend) and len(backend.backends) == 2
         sync = WeightSync(learner, backend, tmp_path)
-        sync.push(0)
+        asyncio.run(sync.push(0))
         for policy, other in (("plan", "tool"), ("tool", "plan")):
             prompt, tokens, served = generate(backend, policy)
             own = learner_logprobs(learner, policy, prompt, tokens)
@@ -151,7 +151,7 @@ def test_separate_bases_serve_each_agent_from_its_own_base(
             assert not torch.allclose(torch.tensor(served), theirs, atol=1e-2)  # other base
 
         train_step(learner, "tool", seed=2)  # only the tool agent's weights move
-        sync.push(1)
+        asyncio.run(sync.push(1))
         for policy in ("plan", "tool"):
             prompt, tokens, served = generate(backend, policy, seed=5)
             own = learner_logprobs(learner, policy, prompt, tokens)

