@@ -244,7 +244,7 @@ class MemorySampler(threading.Thread):
         return self.peak
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a paper config")
     parser.add_argument(
@@ -265,7 +265,7 @@ def main() -> int:
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides"
     )
-    args = parser.parse_args()
+    args = parser.parse_args(argv)
 
     from masenvs.trainer.config import ConfigError, load_config
 
@@ -306,6 +306,7 @@ def main() -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     updates: list[Update] = []
+    learner_class = train_module.Learner
     train_module.Learner = measured_learner(cfg, shape, updates)
     sampler = MemorySampler(enabled=on_gpu)
     sampler.start()
@@ -323,6 +324,7 @@ def main() -> int:
         )
         raise
     finally:
+        train_module.Learner = learner_class
         device_peak = sampler.stop()
         if (run_dir / "metrics.jsonl").is_file():
             out.mkdir(parents=True, exist_ok=True)
