@@ -27,6 +27,7 @@ from masenvs.trainer.train import train
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ROOT / "examples" / "paper"
 SCRIPT = ROOT / "scripts" / "check_train_gpu.py"
+DOCS = (ROOT / "docs" / "paper.md").read_text()
 CONFIGS = sorted(PAPER.glob("*.yaml"))
 TASKS = ("plan_path", "sudoku", "sokoban", "math", "code")
 MODELS = {"qwen3_1.7b": "Qwen/Qwen3-1.7B", "qwen3_8b": "Qwen/Qwen3-8B"}
@@ -129,6 +130,20 @@ def test_paper_config_trains_two_tiny_steps(path: Path, tmp_path: Path) -> None:
                 stored += sum(math.prod(weights.get_slice(n).get_shape()) for n in names)
         assert not (checkpoint / "adapters").exists()
         assert stored >= model_params * len(policies)
+
+
+def test_single_agent_baseline_as_docs_paper_runs_it(tmp_path: Path) -> None:
+    # docs/paper.md: the "single agent + GRPO" row is the MAS config with one role left.
+    path = PAPER / "plan_path_qwen3_8b.yaml"
+    single = [
+        "env.options.single_agent=true",
+        "agents={plan: {chat_template_kwargs: {enable_thinking: false}}}",
+    ]
+    assert all(f"--set {o}" in DOCS or f"--set '{o}'" in DOCS for o in single)
+    config = load_config(path, tiny_overrides(load_config(path), tmp_path / "run") + single)
+    result = train(config)
+    checkpoint = result.run_dir / "checkpoints" / "step_00000002"
+    assert sorted(p.name for p in (checkpoint / "adapters").iterdir()) == ["plan"]
 
 
 def check_train_gpu() -> ModuleType:
