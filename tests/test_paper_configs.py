@@ -54,7 +54,6 @@ def tiny_overrides(config: TrainConfig, run_dir: Path) -> list[str]:
         "rollout.max_rounds=1",
         "rollout.concurrency=2",
         "validation.episodes=1",
-        "checkpoint.every=1",
         "logging.tensorboard=false",
         "logging.plot_every=0",
         f"run_dir={run_dir}",
