@@ -30,6 +30,8 @@ through the LM head):
 
 Attention scores (4 * layers * hidden * context per token) and the recomputation of gradient
 checkpointing are not counted, so the MFU is a lower bound (model FLOPs, not hardware FLOPs).
+A float32 learner (the full fine-tuning configs) runs far below the bf16 peak unless float32
+matmuls may use TF32 (`TORCH_ALLOW_TF32_CUBLAS_OVERRIDE=1`); the header line says which.
 Peak memory: torch's peak allocation in this process (the learner, and the embedded engine
 if used) and the device-wide peak in use (every process, vLLM included), sampled every 0.2 s.
 """
@@ -294,10 +296,14 @@ def main(argv: list[str] | None = None) -> int:
 
     import masenvs.trainer.train as train_module
 
+    tf32 = torch.backends.cuda.matmul.allow_tf32 or bool(
+        os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")
+    )
     print(
         f"{args.config}: {cfg.model.name}, {cfg.policy.mode} {cfg.policy.finetune}, "
         f"backend {cfg.backend.kind}, K={cfg.rollout.branches}, B={cfg.rollout.tasks_per_step}, "
-        f"{cfg.rollout.max_tokens} tokens, {cfg.rollout.max_rounds} rounds, {cfg.steps} steps",
+        f"{cfg.rollout.max_tokens} tokens, {cfg.rollout.max_rounds} rounds, {cfg.steps} steps, "
+        f"learner {cfg.model.dtype}, TF32 matmuls {'on' if tf32 else 'off'}",
         flush=True,
     )
     peak = matmul_peak(args.device)
@@ -388,6 +394,8 @@ def main(argv: list[str] | None = None) -> int:
         "matmul_peak_flops": peak,
         "settings": {
             "model": cfg.model.name,
+            "learner_dtype": cfg.model.dtype,
+            "tf32": tf32,
             "mode": cfg.policy.mode,
             "finetune": cfg.policy.finetune,
             "backend": cfg.backend.kind,
