@@ -4,10 +4,13 @@
     python scripts/check_train_gpu.py --config examples/paper/math_qwen3_8b.yaml --model /models/Qwen3-8B
     python scripts/check_train_gpu.py --model /models/Qwen3-1.7B --backend embedded   # no vLLM here
     python scripts/check_train_gpu.py --model DIR --set rollout.branches=4 --steps 4
+    python scripts/check_train_gpu.py --random-init qwen3-1.7b --backend embedded  # no weights
 
 A lent GPU machine cannot reach the model hub, so --model names a local model directory
 (config.json + safetensors). Without --model the config's hub id is looked up in the local
-Hugging Face cache only; if it is not there the script stops and says so.
+Hugging Face cache only; if it is not there the script stops and says so. With no weights
+at all, --random-init qwen3-1.7b (or qwen3-8b) draws a model of that shape at random: right
+for step time, tokens/s, MFU and memory (every answer runs to --max-tokens), not for rewards.
 
 It trains the config as written (policy mode, full or LoRA, K, learning rate, vLLM sizing)
 with shorter episodes so it ends within about 8 minutes on one H200 with Qwen3-1.7B: 3 steps
@@ -63,6 +66,47 @@ class CheckError(Exception):
 
 
 HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+# Qwen3's published shapes, for --random-init on a machine that has no weights.
+QWEN3_SHAPES: dict[str, dict[str, Any]] = {
+    "qwen3-1.7b": dict(
+        hidden_size=2048, intermediate_size=6144, num_hidden_layers=28, num_attention_heads=16,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+    ),
+    "qwen3-8b": dict(
+        hidden_size=4096, intermediate_size=12288, num_hidden_layers=36, num_attention_heads=32,
+        num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=False,
+    ),
+}  # fmt: skip
+
+
+def random_model(name: str, out: Path, device: str) -> Path:
+    """A Qwen3-shaped model with random bf16 weights and masenvs's SmolLM2 tokenizer in `out`.
+
+    For speed and memory only: such a model never stops early (answers run to max_tokens,
+    the slow case) and learns nothing useful. Its vocabulary is Qwen3's, so the embedding
+    and LM head cost what Qwen3's do; the tokenizer's ids all fall inside it.
+    """
+    import torch
+    from transformers import AutoModelForCausalLM, Qwen3Config
+
+    from masenvs.adapters.models import load_tokenizer
+
+    tokenizer = load_tokenizer("tiny")
+    config = Qwen3Config(
+        **QWEN3_SHAPES[name],
+        max_position_embeddings=40960,
+        rope_theta=1_000_000.0,
+        rms_norm_eps=1e-6,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+    )
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
+    model.save_pretrained(out)
+    tokenizer.save_pretrained(out)
+    return out
 
 
 def resolve_model(spec: str) -> Path:
@@ -146,9 +190,8 @@ class ModelShape:
     head_params: int  # hidden x vocab
 
     @classmethod
-    def of(cls, model_dir: Path) -> ModelShape:
-        """From config.json, for dense Llama-family models (Qwen3, Llama, SmolLM2)."""
-        config = json.loads((model_dir / "config.json").read_text())
+    def of(cls, config: dict[str, Any]) -> ModelShape:
+        """From a config.json's fields, for dense Llama-family models (Qwen3, Llama, SmolLM2)."""
         d, heads = config["hidden_size"], config["num_attention_heads"]
         kv = config.get("num_key_value_heads") or heads
         head_dim = config.get("head_dim") or d // heads
@@ -249,8 +292,15 @@ class MemorySampler(threading.Thread):
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a paper config")
-    parser.add_argument(
+    model = parser.add_mutually_exclusive_group()
+    model.add_argument(
         "--model", help="local model directory (default: the config's model, from the HF cache)"
+    )
+    model.add_argument(
+        "--random-init",
+        choices=sorted(QWEN3_SHAPES),
+        help="no weights at hand: a model of this shape with random weights (speed and memory "
+        "only; answers run to --max-tokens)",
     )
     parser.add_argument("--backend", choices=["vllm", "embedded"], help="default: the config's")
     parser.add_argument("--steps", type=int, default=3, help="training steps (the first warms up)")
@@ -277,8 +327,12 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(tempfile.gettempdir()) / f"check-train-gpu-{os.getpid()}"
     try:
         written = load_config(args.config)
-        model_dir = resolve_model(args.model or written.model.name)
-        shape = ModelShape.of(model_dir)
+        if args.random_init:
+            model_dir = run_dir.with_name(f"{run_dir.name}-{args.random_init}")
+            shape = ModelShape.of(QWEN3_SHAPES[args.random_init])
+        else:
+            model_dir = resolve_model(args.model or written.model.name)
+            shape = ModelShape.of(json.loads((model_dir / "config.json").read_text()))
         cfg = load_config(args.config, short_run(args, model_dir, run_dir))
     except (CheckError, ConfigError, KeyError, ValueError) as exc:
         print(f"check_train_gpu: {exc}", file=sys.stderr)
@@ -295,6 +349,14 @@ def main(argv: list[str] | None = None) -> int:
         return 2
 
     import masenvs.trainer.train as train_module
+
+    if args.random_init:
+        print(f"random {args.random_init} weights in {model_dir}", flush=True)
+        try:
+            random_model(args.random_init, model_dir, args.device)
+        except BaseException:
+            shutil.rmtree(model_dir, ignore_errors=True)
+            raise
 
     tf32 = torch.backends.cuda.matmul.allow_tf32 or bool(
         os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")
@@ -336,6 +398,8 @@ def main(argv: list[str] | None = None) -> int:
             out.mkdir(parents=True, exist_ok=True)
             shutil.copy(run_dir / "metrics.jsonl", out / "metrics.jsonl")
         shutil.rmtree(run_dir, ignore_errors=True)
+        if args.random_init:
+            shutil.rmtree(model_dir, ignore_errors=True)
     wall = time.perf_counter() - started
     if on_gpu:
         process_peak = torch.cuda.max_memory_allocated()
@@ -393,7 +457,7 @@ def main(argv: list[str] | None = None) -> int:
         "device": device_name,
         "matmul_peak_flops": peak,
         "settings": {
-            "model": cfg.model.name,
+            "model": f"{args.random_init} (random weights)" if args.random_init else cfg.model.name,
             "learner_dtype": cfg.model.dtype,
             "tf32": tf32,
             "mode": cfg.policy.mode,

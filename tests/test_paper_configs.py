@@ -13,6 +13,7 @@ import math
 import os
 import subprocess
 import sys
+import tempfile
 from pathlib import Path
 from types import ModuleType
 
@@ -179,10 +180,16 @@ def test_gpu_check_stops_before_using_the_gpu(
 def test_gpu_check_rehearsal_on_cpu(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
+    # The whole check on CPU with a random model of Qwen3's vocabulary, the way a lent GPU
+    # machine without weights runs it (--random-init), only smaller.
+    script = check_train_gpu()
+    small = dict(script.QWEN3_SHAPES["qwen3-1.7b"], hidden_size=64, intermediate_size=128)
+    small.update(num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    monkeypatch.setitem(script.QWEN3_SHAPES, "qwen3-1.7b", small)
     monkeypatch.setenv("OUT", str(tmp_path))
-    argv = "--device cpu --model tiny --backend embedded --steps 2 --tasks 1 --max-tokens 8"
-    argv += " --rounds 1 --set rollout.branches=2"
-    assert check_train_gpu().main(argv.split()) == 0
+    argv = "--device cpu --random-init qwen3-1.7b --backend embedded --steps 2 --tasks 1"
+    argv += " --max-tokens 8 --rounds 1 --set rollout.branches=2"
+    assert script.main(argv.split()) == 0
     result = json.loads((tmp_path / "check_train_gpu.json").read_text())
     assert [s["step"] for s in result["steps"]] == [1, 2]
     updated = [s for s in result["steps"] if s["update_s"] == s["update_s"]]  # not NaN
@@ -190,3 +197,4 @@ def test_gpu_check_rehearsal_on_cpu(
     assert result["settings"]["finetune"] == "full"  # the default config, as written
     printed = capsys.readouterr().out
     assert "MFU" in printed and "peak memory" in printed
+    assert not list(Path(tempfile.gettempdir()).glob(f"check-train-gpu-{os.getpid()}*"))
