@@ -11,6 +11,7 @@ A lent GPU machine cannot reach the model hub, so --model names a local model di
 Hugging Face cache only; if it is not there the script stops and says so. With no weights
 at all, --random-init qwen3-1.7b (or qwen3-8b) draws a model of that shape at random: right
 for step time, tokens/s, MFU and memory (every answer runs to --max-tokens), not for rewards.
+docs/paper.md gives the one command for a machine with only PyTorch on it (wheels carried).
 
 It trains the config as written (policy mode, full or LoRA, K, learning rate, vLLM sizing)
 with shorter episodes so it ends within about 8 minutes on one H200 with Qwen3-1.7B: 3 steps
@@ -84,8 +85,9 @@ def random_model(name: str, out: Path, device: str) -> Path:
     """A Qwen3-shaped model with random bf16 weights and masenvs's SmolLM2 tokenizer in `out`.
 
     For speed and memory only: such a model never stops early (answers run to max_tokens,
-    the slow case) and learns nothing useful. Its vocabulary is Qwen3's, so the embedding
-    and LM head cost what Qwen3's do; the tokenizer's ids all fall inside it.
+    the slow case) and learns nothing useful. Its vocabulary is the tokenizer's (49152), so
+    every sampled id decodes; the LM head is a third of Qwen3's (151936), which the FLOPs
+    count (read from the written config.json) accounts for.
     """
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
@@ -94,7 +96,7 @@ def random_model(name: str, out: Path, device: str) -> Path:
 
     tokenizer = load_tokenizer("tiny")
     config = Qwen3Config(
-        **QWEN3_SHAPES[name],
+        **{**QWEN3_SHAPES[name], "vocab_size": len(tokenizer)},
         max_position_embeddings=40960,
         rope_theta=1_000_000.0,
         rms_norm_eps=1e-6,
@@ -327,12 +329,10 @@ def main(argv: list[str] | None = None) -> int:
     run_dir = Path(tempfile.gettempdir()) / f"check-train-gpu-{os.getpid()}"
     try:
         written = load_config(args.config)
-        if args.random_init:
+        if args.random_init:  # built once the GPU is known to be there
             model_dir = run_dir.with_name(f"{run_dir.name}-{args.random_init}")
-            shape = ModelShape.of(QWEN3_SHAPES[args.random_init])
         else:
             model_dir = resolve_model(args.model or written.model.name)
-            shape = ModelShape.of(json.loads((model_dir / "config.json").read_text()))
         cfg = load_config(args.config, short_run(args, model_dir, run_dir))
     except (CheckError, ConfigError, KeyError, ValueError) as exc:
         print(f"check_train_gpu: {exc}", file=sys.stderr)
@@ -357,6 +357,7 @@ def main(argv: list[str] | None = None) -> int:
         except BaseException:
             shutil.rmtree(model_dir, ignore_errors=True)
             raise
+    shape = ModelShape.of(json.loads((model_dir / "config.json").read_text()))
 
     tf32 = torch.backends.cuda.matmul.allow_tf32 or bool(
         os.environ.get("TORCH_ALLOW_TF32_CUBLAS_OVERRIDE")
