@@ -166,7 +166,11 @@ def test_auto_leaves_16bit_weights_dense_and_the_switch_turns_kernels_off(
     model = small_model("llama").to(torch.bfloat16)
     auto = LlamaForward(model, max_slots=1, max_len=64, quantize="auto")
     decode_after(auto, [torch.randint(0, 300, (5,))])
-    assert all(p.packed is None for layer in auto.layers for p in (layer.qkv, layer.down))
+    packed = {
+        p.packed and p.packed.kernel for layer in auto.layers for p in (layer.qkv, layer.down)
+    }
+    # AVX2 CPUs emulate bfloat16 matmuls, so there 16-bit weights go to 8 bits instead.
+    assert packed == ({"int8-native"} if kernels == "avx2" else {None})
 
     monkeypatch.setenv("MASENVS_CPU_KERNELS", "0")
     assert not cpu_kernels.enabled()
@@ -370,3 +374,12 @@ def test_cpus_without_a_kernel_set_run_the_torch_paths(monkeypatch, machine, fla
     assert not forward.native and forward.layers[0].qkv.packed.kernel == "int4"  # torch's
     dense = decode_after(LlamaForward(model, max_slots=1, max_len=64), prompt)
     assert (logits.log_softmax(-1) - dense.log_softmax(-1)).abs().max() < 0.1
+
+
+@needs_kernels
+def test_engine_runs_bfloat16_where_any_kernel_set_runs(monkeypatch) -> None:
+    from masenvs.adapters import models
+
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)  # an AVX2-only CPU
+    monkeypatch.setenv("MASENVS_CPU_KERNELS", "avx2")
+    assert models.engine_dtype("cpu") == torch.bfloat16
