@@ -37,7 +37,7 @@ INT4_GROUP = 32
 # Matmuls over more rows than this (larger decode batches, most prefills) read the dense
 # weights: there the weight-only kernels, which dequantize per block of rows, cost more
 # than the memory they save. torch's cross over at ~16 rows, the native AVX-512 ones
-# (cpu_kernels) at ~128 (bench/kernels.py); the AVX2 ones serve every size (`_Packed`).
+# (cpu_kernels) at ~128 (bench/cpu_kernels.py); the AVX2 ones serve every size (`_Packed`).
 QUANTIZED_MAX_ROWS = {"int8": 16, "int4": 16, "int4-native": 64, "int8-native": 64}
 _LORA_KEY = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
@@ -98,7 +98,7 @@ class _Packed:
         self.max_rows = QUANTIZED_MAX_ROWS[self.kernel]
         if self.kernel.endswith("-native") and cpu_kernels.kernel_set() == "avx2":
             # Without AVX-512 BF16, torch emulates bfloat16 matmuls: ~10x slower than the
-            # AVX2 kernels at 128 rows (bench/kernels.py), so these serve prefills too.
+            # AVX2 kernels at 128 rows (bench/cpu_kernels.py), so these serve prefills too.
             self.max_rows = sys.maxsize
 
     def __call__(self, x: Tensor) -> Tensor:

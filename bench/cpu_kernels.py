@@ -7,7 +7,7 @@ group of 32, 8-bit with a float16 scale per group), torch's `_weight_int4pack_mm
 rounds; weights are re-read from memory each call only as far as the caches allow, so
 the in-engine figures (bench/engine.py) are the ones that count. Run:
 
-    python bench/kernels.py --threads 2 --rows 1 4 8 16 32
+    python bench/cpu_kernels.py --threads 2 --rows 1 4 8 16 32
 """
 
 from __future__ import annotations
