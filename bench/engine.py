@@ -321,9 +321,10 @@ def main() -> None:
         for name in args.modes:
             cpu = statistics.median(r.tokens / r.cpu_s for r in runs[name])
             ratio = f"{medians[name] / base:.2f}x" if base else "-"
-            table.add_row(MODES[name].label, str(size), f"{medians[name]:.1f}", ratio, f"{cpu:.1f}")
+            row = (MODES[name].label, str(size), f"{medians[name]:.1f}", ratio, f"{cpu:.1f}")
+            table.add_row(*row)
+            console.print(" | ".join(row), style="dim")  # as it comes: a long run may be cut
         table.add_section()
-        console.print(f"batch {size} done", style="dim")
     console.print(table)
 
     fidelity = Table(title="sampled tokens' log-probs vs a float32 forward pass (|difference|)")

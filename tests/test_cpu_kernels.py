@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import copy
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -20,6 +21,14 @@ needs_kernels = pytest.mark.skipif(
     not cpu_kernels.cpu_supports() or shutil.which("gcc") is None,
     reason="needs an x86-64 Linux CPU with AVX2 (or AVX-512 BF16) and gcc",
 )
+
+
+@pytest.fixture(autouse=True)
+def fresh_choice() -> Iterator[None]:
+    """Tests change the CPU flags and the switch: forget the kernel set chosen before."""
+    cpu_kernels._resolve.cache_clear()
+    yield
+    cpu_kernels._resolve.cache_clear()
 
 
 @pytest.fixture(
@@ -351,6 +360,7 @@ def test_the_switch_picks_a_set_and_refuses_unknown_ones(monkeypatch) -> None:
     with pytest.raises(ValueError, match="not a kernel set; use one of avx512, avx2"):
         cpu_kernels.kernel_set()
     monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    cpu_kernels._resolve.cache_clear()  # the choice is made once per process otherwise
     monkeypatch.setenv("MASENVS_CPU_KERNELS", "avx512")
     with pytest.raises(ValueError, match="lacks .*avx512_bf16"):
         cpu_kernels.kernel_set()

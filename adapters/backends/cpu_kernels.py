@@ -95,7 +95,11 @@ def enabled() -> bool:
 def kernel_set() -> str | None:
     """The kernel set in use ("avx512", "avx2"), or None where none runs: the one
     `MASENVS_CPU_KERNELS` names (`0`: none), else the fastest this CPU runs."""
-    choice = os.environ.get(SWITCH, "").strip().lower()
+    return _resolve(os.environ.get(SWITCH, "").strip().lower())
+
+
+@functools.cache  # every kernel call asks: reading /proc/cpuinfo each time cost ~8%
+def _resolve(choice: str) -> str | None:
     if choice in ("0", "off", "none", "false"):
         return None
     if choice in ("", "1", "auto", "on", "true"):
