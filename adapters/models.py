@@ -88,10 +88,15 @@ def default_dtype(device: str | torch.device) -> torch.dtype:
 
 
 def engine_dtype(device: str | torch.device) -> torch.dtype:
-    """The dtype an inference engine runs fastest in: bf16 on CUDA and on CPUs with native
-    bf16 instructions (decoding there reads half the bytes of fp32), fp32 on other CPUs,
+    """The dtype an inference engine runs fastest in: bf16 on CUDA, on CPUs with native
+    bf16 instructions (decoding there reads half the bytes of fp32) and where the engine's
+    AVX2 kernels run (they take bf16 and do the matmuls themselves); fp32 on other CPUs,
     where bf16 matmuls are emulated and slower."""
     if torch.device(device).type == "cuda" or cpu_has_native_bf16():
+        return torch.bfloat16
+    from masenvs.adapters.backends import cpu_kernels  # it imports this module
+
+    if torch.device(device).type == "cpu" and cpu_kernels.enabled():
         return torch.bfloat16
     return torch.float32
 

@@ -82,6 +82,7 @@ class _Request(BaseModel):
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     best_of: int | None = None
+    ignore_eos: bool = False  # vLLM's extra: sample past EOS (benchmarks)
 
     @field_validator("stop")
     @classmethod
@@ -125,6 +126,7 @@ class _Request(BaseModel):
             seed=self.seed,
             n=self.n,
             top_logprobs=top_logprobs,
+            ignore_eos=self.ignore_eos,
         )
 
 

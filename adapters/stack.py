@@ -60,7 +60,7 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         choices=["auto", "float32", "bfloat16"],
         default="auto",
         help="embedded engine weights; auto: bfloat16 on GPUs and on CPUs with native bf16 "
-        "(AVX512-BF16, AMX, Arm BF16), float32 elsewhere",
+        "(AVX512-BF16, AMX, Arm BF16) or with the AVX2 kernels, float32 elsewhere",
     )
     parser.add_argument(
         "--quantize",

@@ -15,13 +15,26 @@ to the OS before answering, the default) and fsync (on disk before answering).
 
     python bench/endpoint.py                 # 300 calls per row
     python bench/endpoint.py --calls 1000 --backends instant
+
+`--single-stream` measures decoding speed instead: one client's tokens/s through a real
+`masenvs serve` process (the official openai client, non-streaming and streaming) side by
+side with the same engine called in process, both started with serve's defaults, each in
+its own process, alternately. `--isa avx2` runs both as on a CPU without AVX-512 (see
+bench/engine.py).
+
+    python bench/endpoint.py --single-stream --isa avx2
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import multiprocessing
+import os
+import re
 import statistics
+import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import AsyncIterator, Callable
@@ -156,11 +169,148 @@ def record_write_cost(samples: int = 500) -> list[tuple[str, float, float]]:
     return rows
 
 
+STORY = [{"role": "user", "content": "Tell me a long story about a lighthouse keeper."}]
+
+
+def _in_process(model: str, pipe: Any) -> None:
+    """The engine as `masenvs serve` starts it, called in process: replies to each
+    max_tokens with (tokens, seconds) of one request."""
+    try:
+        import torch
+
+        from masenvs.adapters.backends import cpu_kernels
+        from masenvs.adapters.stack import make_backend
+
+        backend = make_backend(model, dtype="auto", quantize="auto")  # serve's defaults
+        loop = asyncio.new_event_loop()
+
+        def run(max_tokens: int) -> tuple[int, float]:
+            params = SamplingParams(max_tokens=max_tokens, temperature=1.0, ignore_eos=True)
+            request = GenerateRequest(model="base", params=params, messages=STORY)
+            start = time.perf_counter()
+            generation = loop.run_until_complete(backend.generate(request))
+            return len(generation.completions[0].token_ids), time.perf_counter() - start
+
+        run(8)  # warm-up
+        native = backend.forward.native
+        pipe.send(
+            (
+                cpu_kernels.kernel_set() if native else "torch",
+                torch.backends.cpu.get_cpu_capability(),
+                str(backend.forward.dtype).removeprefix("torch."),
+            )
+        )
+        while (max_tokens := pipe.recv()) is not None:
+            pipe.send(run(max_tokens))
+        backend.shutdown()
+    except BaseException as exc:  # shown by the parent
+        pipe.send(RuntimeError(repr(exc)))
+
+
+def _start_serve(model: str) -> tuple[subprocess.Popen, str]:
+    """`masenvs serve --port 0` in a child process; its /v1 URL once it listens."""
+    command = [sys.executable, "-m", "masenvs.cli", "serve", "--model", model, "--port", "0"]
+    server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    assert server.stdout is not None
+    for line in server.stdout:
+        found = re.search(r"at (http://\S+/v1)", line)
+        if found:
+            return server, found.group(1)
+    raise RuntimeError(f"masenvs serve exited ({server.wait()}) before it listened")
+
+
+def single_stream(args: argparse.Namespace) -> None:
+    """One client's decoding tokens/s: in process vs through `masenvs serve`."""
+    from engine import ISA_ENVIRONMENT, cpu_model  # bench/engine.py
+
+    os.environ.update(ISA_ENVIRONMENT[args.isa])  # for both child processes
+    console = Console(width=120)
+    context = multiprocessing.get_context("spawn")
+    pipe, child = context.Pipe()
+    worker = context.Process(target=_in_process, args=(args.model, child))
+    worker.start()
+    ready = pipe.recv()
+    if isinstance(ready, BaseException):
+        raise ready
+    kernels, capability, dtype = ready
+    server, base_url = _start_serve(args.model)
+    api = openai.OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=600)
+    body = {
+        "model": "base",
+        "messages": STORY,
+        "max_tokens": args.max_tokens,
+        "temperature": 1.0,
+        "extra_body": {"ignore_eos": True},
+    }
+
+    def plain() -> tuple[int, float]:
+        start = time.perf_counter()
+        response = api.chat.completions.create(**body)
+        return response.usage.completion_tokens, time.perf_counter() - start
+
+    def streamed() -> tuple[int, float]:
+        start = time.perf_counter()
+        tokens = 0
+        stream = api.chat.completions.create(
+            **body, stream=True, stream_options={"include_usage": True}
+        )
+        for chunk in stream:
+            if chunk.usage is not None:
+                tokens = chunk.usage.completion_tokens
+        return tokens, time.perf_counter() - start
+
+    def in_process() -> tuple[int, float]:
+        pipe.send(args.max_tokens)
+        return pipe.recv()
+
+    sides = {"in process": in_process, "serve, openai client": plain, "serve, streaming": streamed}
+    rates: dict[str, list[float]] = {name: [] for name in sides}
+    try:
+        for call in (plain, streamed):
+            call()  # warm-up
+        for _ in range(args.repeats):  # interleaved: load from elsewhere hits all alike
+            for name, call in sides.items():
+                tokens, seconds = call()
+                assert tokens == args.max_tokens, (name, tokens)
+                rates[name].append(tokens / seconds)
+    finally:
+        pipe.send(None)
+        worker.join()
+        server.terminate()
+        server.wait()
+    table = Table(
+        title=f"{args.model}, one client, {args.max_tokens} tokens per request (prefill "
+        f"included), median of {args.repeats}; {cpu_model()}, {os.cpu_count()} CPUs, isa "
+        f"{args.isa}: kernels {kernels}, torch {capability}, engine {dtype}"
+    )
+    for column in ("path", "tokens/s (median)", "min", "max", "vs in process"):
+        table.add_column(column, justify="right")
+    base = statistics.median(rates["in process"])
+    for name, values in rates.items():
+        median = statistics.median(values)
+        table.add_row(
+            name,
+            f"{median:.1f}",
+            f"{min(values):.1f}",
+            f"{max(values):.1f}",
+            f"{median / base:.2f}x",
+        )
+    console.print(table)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--backends", nargs="+", default=["instant", "tiny"])
+    parser.add_argument("--single-stream", action="store_true", help="tokens/s of one client")
+    parser.add_argument("--model", default="smollm2-135m", help="--single-stream's model")
+    parser.add_argument("--max-tokens", type=int, default=128, help="--single-stream")
+    parser.add_argument("--repeats", type=int, default=5, help="--single-stream")
+    parser.add_argument("--isa", choices=["native", "avx2"], default="native", help="see engine.py")
     args = parser.parse_args()
+    if args.single_stream:
+        single_stream(args)
+        return
     console = Console(width=120)
 
     from masenvs.adapters.models import load_tokenizer

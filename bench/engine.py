@@ -10,8 +10,15 @@ Modes: HF `generate` in float32 (its default on CPU: the baseline) and bfloat16;
 embedded engine in float32, dense bfloat16, its default (bfloat16 on CPUs with native bf16;
 4- and 8-bit weights read as the GGUF file stores them: `--quantize auto`), the default
 serving a rank-8 LoRA adapter on every projection (what training rollouts run), the default
-with the native CPU kernels off (`MASENVS_CPU_KERNELS=0`: what CPUs without AVX-512 BF16
-or gcc get), and bfloat16 with int8 weights (`--quantize int8`).
+with the native CPU kernels off (`MASENVS_CPU_KERNELS=0`: what CPUs without AVX2 or gcc
+get), and bfloat16 with int8 weights (`--quantize int8`).
+
+`--isa avx2` emulates an AVX2+FMA CPU (no AVX-512) on a newer one: the engine runs its
+AVX2 kernel set (`MASENVS_CPU_KERNELS=avx2`) and torch, for HF `generate` too, is held to
+AVX2 (`ATEN_CPU_CAPABILITY=avx2`, `ONEDNN_MAX_CPU_ISA=AVX2`). The table's title says which
+kernel set and torch CPU capability each mode ran with, and on which CPU.
+
+    python bench/engine.py --isa avx2 --modes hf-fp32 auto --batches 1 8
 """
 
 from __future__ import annotations
@@ -23,14 +30,39 @@ import os
 import statistics
 import time
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 from rich.console import Console
 from rich.table import Table
 
+from masenvs.adapters.backends import cpu_kernels
 from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
 from masenvs.adapters.backends.embedded import EmbeddedBackend
 from masenvs.adapters.models import load_model
+
+# Environment that makes this CPU behave as one with AVX2 and FMA but no AVX-512, for
+# torch as for the engine; it must be set before torch is imported (the workers are
+# spawned, so they import it afresh).
+ISA_ENVIRONMENT = {
+    "native": {},
+    "avx2": {
+        "ATEN_CPU_CAPABILITY": "avx2",
+        "ONEDNN_MAX_CPU_ISA": "AVX2",
+        "MASENVS_CPU_KERNELS": "avx2",
+    },
+}
+
+
+def cpu_model() -> str:
+    """The CPU's model name, as `lscpu` shows it."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown CPU"
+    names = [line.partition(":")[2].strip() for line in lines if line.startswith("model name")]
+    return names[0] if names else "unknown CPU"
+
 
 QUESTIONS = [
     "What is the capital of France?",
@@ -174,7 +206,8 @@ class Worker:
         self.pipe, child = context.Pipe()
         self.process = context.Process(target=_serve_mode, args=(name, vars(args), child))
         self.process.start()
-        self._reply()  # loaded and warmed up
+        # loaded and warmed up: the kernel set and torch CPU capability it runs with
+        self.kernels, self.capability = self._reply()
 
     def run(self, size: int, max_tokens: int) -> Rate:
         self.pipe.send(("rate", size, max_tokens))
@@ -218,7 +251,9 @@ def _serve_mode(name: str, options: dict, pipe) -> None:
             if mode.lora:
                 engine.add_adapter("lora", random_lora(engine.model), rank=8, alpha=16)
             embedded_generate(engine, prompts(2), 4, model)  # warm-up
-        pipe.send("ready")
+        native = engine is not None and engine.forward.native
+        kernels = cpu_kernels.kernel_set() if native else None
+        pipe.send((kernels or "torch", torch.backends.cpu.get_cpu_capability()))
         reference = None
         while (job := pipe.recv()) is not None:
             kind, size, max_tokens = job
@@ -251,14 +286,27 @@ def main() -> None:
         default=list(MODES),
         help="hf-fp32 is the baseline every ratio is taken against (HF's default on CPU)",
     )
+    parser.add_argument(
+        "--isa",
+        choices=list(ISA_ENVIRONMENT),
+        default="native",
+        help="avx2: run as on a CPU with AVX2 and FMA but no AVX-512 (torch and the engine)",
+    )
     args = parser.parse_args()
+    os.environ.update(ISA_ENVIRONMENT[args.isa])  # inherited by the spawned workers
 
     console = Console()
     load_model(args.model)  # convert and cache once, before the workers load it
     workers = {name: Worker(name, args) for name in args.modes}
+    if args.isa == "avx2" and any(w.capability != "AVX2" for w in workers.values()):
+        raise SystemExit("torch ignored ATEN_CPU_CAPABILITY=avx2: the emulation did not hold")
+    runs_with = ", ".join(
+        f"{MODES[n].label}: kernels {w.kernels}, torch {w.capability}" for n, w in workers.items()
+    )
     title = (
-        f"{args.model} on {args.device}: aggregate tokens/s, {args.threads} threads, "
-        f"{args.max_tokens} new tokens per sequence, prefill included"
+        f"{args.model} on {args.device} ({cpu_model()}, {os.cpu_count()} CPUs, isa "
+        f"{args.isa}): aggregate tokens/s, {args.threads} threads, {args.max_tokens} new "
+        f"tokens per sequence, prefill included\n{runs_with}"
     )
     table = Table(title=title)
     for column in ("mode", "batch", "tokens/s (median)", "vs HF fp32", "tokens per CPU-s"):
@@ -273,9 +321,10 @@ def main() -> None:
         for name in args.modes:
             cpu = statistics.median(r.tokens / r.cpu_s for r in runs[name])
             ratio = f"{medians[name] / base:.2f}x" if base else "-"
-            table.add_row(MODES[name].label, str(size), f"{medians[name]:.1f}", ratio, f"{cpu:.1f}")
+            row = (MODES[name].label, str(size), f"{medians[name]:.1f}", ratio, f"{cpu:.1f}")
+            table.add_row(*row)
+            console.print(" | ".join(row), style="dim")  # as it comes: a long run may be cut
         table.add_section()
-        console.print(f"batch {size} done", style="dim")
     console.print(table)
 
     fidelity = Table(title="sampled tokens' log-probs vs a float32 forward pass (|difference|)")

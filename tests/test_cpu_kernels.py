@@ -1,9 +1,12 @@
-"""The native low-bit kernels (adapters/backends/cpu_kernels.c) against float32 math."""
+"""The native CPU kernels (adapters/backends/cpu_kernels*.c) against float32 math: every
+test that takes `kernels` runs once per kernel set this CPU can run (AVX-512 BF16, AVX2),
+so an AVX-512 machine checks the AVX2 set too."""
 
 from __future__ import annotations
 
 import copy
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -16,8 +19,35 @@ from masenvs.adapters.backends.llama import LlamaForward
 # Skipped only where the kernels cannot exist; where they can, failing to build them fails.
 needs_kernels = pytest.mark.skipif(
     not cpu_kernels.cpu_supports() or shutil.which("gcc") is None,
-    reason="needs an x86-64 Linux CPU with AVX-512 BF16 and gcc",
+    reason="needs an x86-64 Linux CPU with AVX2 (or AVX-512 BF16) and gcc",
 )
+
+
+@pytest.fixture(autouse=True)
+def fresh_choice() -> Iterator[None]:
+    """Tests change the CPU flags and the switch: forget the kernel set chosen before."""
+    cpu_kernels._resolve.cache_clear()
+    yield
+    cpu_kernels._resolve.cache_clear()
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                not cpu_kernels.cpu_supports(name) or shutil.which("gcc") is None,
+                reason=f"needs gcc and a CPU with {', '.join(kernels.cpu_flags)}",
+            ),
+        )
+        for name, kernels in cpu_kernels.KERNEL_SETS.items()
+    ]
+)
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Each kernel set in turn, forced with MASENVS_CPU_KERNELS."""
+    monkeypatch.setenv("MASENVS_CPU_KERNELS", request.param)
+    assert cpu_kernels.kernel_set() == request.param
+    return request.param
 
 
 def bf16_rows(rows: int, width: int, seed: int) -> torch.Tensor:
@@ -32,14 +62,17 @@ def assert_close_to(y: torch.Tensor, reference: torch.Tensor) -> None:
 
 
 @needs_kernels
-def test_kernels_build_once_and_share_torchs_openmp_runtime(tmp_path: Path, monkeypatch) -> None:
+def test_kernels_build_once_and_share_torchs_openmp_runtime(
+    tmp_path: Path, monkeypatch, kernels: str
+) -> None:
     assert cpu_kernels.enabled()
     from masenvs.adapters.backends.omp import runtime_path
 
     monkeypatch.setenv("MASENVS_CACHE", str(tmp_path))
-    built = cpu_kernels._build(Path(shutil.which("gcc")), runtime_path())
+    kernel_set = cpu_kernels.KERNEL_SETS[kernels]
+    built = cpu_kernels._build(Path(shutil.which("gcc")), runtime_path(), kernel_set)
     stamp = built.stat().st_mtime_ns
-    assert cpu_kernels._build(Path(shutil.which("gcc")), runtime_path()) == built
+    assert cpu_kernels._build(Path(shutil.which("gcc")), runtime_path(), kernel_set) == built
     assert built.stat().st_mtime_ns == stamp  # cached, not rebuilt
     maps = Path("/proc/self/maps").read_text().splitlines()
     runtimes = {
@@ -51,7 +84,9 @@ def test_kernels_build_once_and_share_torchs_openmp_runtime(tmp_path: Path, monk
 @needs_kernels
 @pytest.mark.parametrize("out_features, in_features", [(16, 32), (48, 96), (960, 576)])
 @pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
-def test_int4_matmul_matches_float32(out_features: int, in_features: int, rows: int) -> None:
+def test_int4_matmul_matches_float32(
+    out_features: int, in_features: int, rows: int, kernels: str
+) -> None:
     generator = torch.Generator().manual_seed(rows)
     groups = (out_features, in_features // 32)
     levels = torch.randint(0, 16, (out_features, in_features), generator=generator)
@@ -65,7 +100,7 @@ def test_int4_matmul_matches_float32(out_features: int, in_features: int, rows: 
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 5, 8, 12, 32])
-def test_int8_matmul_matches_float32(rows: int) -> None:
+def test_int8_matmul_matches_float32(rows: int, kernels: str) -> None:
     out_features, in_features = 64, 128
     generator = torch.Generator().manual_seed(rows)
     levels = torch.randint(-127, 128, (out_features, in_features), generator=generator)
@@ -77,7 +112,7 @@ def test_int8_matmul_matches_float32(rows: int) -> None:
 
 
 @needs_kernels
-def test_bad_shapes_and_inputs_are_refused_clearly() -> None:
+def test_bad_shapes_and_inputs_are_refused_clearly(kernels: str) -> None:
     with pytest.raises(ValueError, match="out_features % 16"):
         cpu_kernels.pack_int4(torch.zeros(20, 32), torch.ones(20, 1), torch.zeros(20, 1))
     packed = cpu_kernels.pack_int8(torch.zeros(16, 64), torch.ones(16, 2))
@@ -102,7 +137,7 @@ def quantized_model() -> torch.nn.Module:
 
 
 @needs_kernels
-def test_auto_reads_4bit_and_8bit_weights_natively_and_stays_faithful() -> None:
+def test_auto_reads_4bit_and_8bit_weights_natively_and_stays_faithful(kernels: str) -> None:
     exact_model = quantized_model()
     model = copy.deepcopy(exact_model).to(torch.bfloat16)  # what the engine loads
     prompts = [torch.randint(0, 320, (n,)) for n in (9, 4, 13)]
@@ -134,11 +169,17 @@ def test_refit_recovers_a_q4_1_grid_from_bfloat16_weights() -> None:
 
 
 @needs_kernels
-def test_auto_leaves_16bit_weights_dense_and_the_switch_turns_kernels_off(monkeypatch) -> None:
+def test_auto_leaves_16bit_weights_dense_and_the_switch_turns_kernels_off(
+    monkeypatch, kernels: str
+) -> None:
     model = small_model("llama").to(torch.bfloat16)
     auto = LlamaForward(model, max_slots=1, max_len=64, quantize="auto")
     decode_after(auto, [torch.randint(0, 300, (5,))])
-    assert all(p.packed is None for layer in auto.layers for p in (layer.qkv, layer.down))
+    packed = {
+        p.packed and p.packed.kernel for layer in auto.layers for p in (layer.qkv, layer.down)
+    }
+    # AVX2 CPUs emulate bfloat16 matmuls, so there 16-bit weights go to 8 bits instead.
+    assert packed == ({"int8-native"} if kernels == "avx2" else {None})
 
     monkeypatch.setenv("MASENVS_CPU_KERNELS", "0")
     assert not cpu_kernels.enabled()
@@ -177,7 +218,7 @@ def attention_reference(qk, v, k_cache, v_cache, positions, n_kv, scale):
         (32, 4, 1, 32, 33),
     ],
 )
-def test_decode_attention_matches_float32(batch, n_kv, groups, dim, longest) -> None:
+def test_decode_attention_matches_float32(batch, n_kv, groups, dim, longest, kernels: str) -> None:
     generator = torch.Generator().manual_seed(batch * 100 + longest)
     heads, capacity = n_kv * groups, 64 * (longest // 64 + 1)
 
@@ -198,7 +239,7 @@ def test_decode_attention_matches_float32(batch, n_kv, groups, dim, longest) -> 
 
 
 @needs_kernels
-def test_decode_attention_refuses_positions_beyond_the_cache() -> None:
+def test_decode_attention_refuses_positions_beyond_the_cache(kernels: str) -> None:
     qk = torch.zeros(1, 4, 16, dtype=torch.bfloat16)
     v = torch.zeros(1, 2, 16, dtype=torch.bfloat16)
     k_cache = torch.zeros(1, 2, 16, 32, dtype=torch.bfloat16)
@@ -211,7 +252,7 @@ def test_decode_attention_refuses_positions_beyond_the_cache() -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [slice(None), slice(2, 5), torch.tensor([0, 3, 4])])
-def test_lora_add_matches_float32(rows) -> None:
+def test_lora_add_matches_float32(rows, kernels: str) -> None:
     generator = torch.Generator().manual_seed(7)
     y, x = bf16_rows(6, 40, seed=1), bf16_rows(6, 72, seed=2)  # widths off the 16-lane grid
     a = torch.randn(12, 72, generator=generator)
@@ -244,7 +285,7 @@ def random_adapter(model: torch.nn.Module, name: str, seed: int):
 
 
 @needs_kernels
-def test_native_lora_rows_match_the_torch_path(monkeypatch) -> None:
+def test_native_lora_rows_match_the_torch_path(monkeypatch, kernels: str) -> None:
     from masenvs.adapters.backends.llama import LoraRows, Prefill
 
     model = small_model("llama").to(torch.bfloat16)
@@ -272,7 +313,7 @@ def test_native_lora_rows_match_the_torch_path(monkeypatch) -> None:
 
 @needs_kernels
 @pytest.mark.parametrize("rows", [1, 8, 33])
-def test_add_rms_norm_and_silu_mul_match_float32(rows: int) -> None:
+def test_add_rms_norm_and_silu_mul_match_float32(rows: int, kernels: str) -> None:
     import torch.nn.functional as F
 
     x, delta = bf16_rows(rows, 576, seed=rows) * 3, bf16_rows(rows, 576, seed=rows + 1)
@@ -306,3 +347,49 @@ def test_a_missing_compiler_is_said_and_the_torch_paths_take_over(monkeypatch) -
         assert not forward.native and forward.layers[0].qkv.packed.kernel == "int4"
     finally:
         cpu_kernels._library.cache_clear()
+
+
+@needs_kernels
+def test_the_switch_picks_a_set_and_refuses_unknown_ones(monkeypatch) -> None:
+    monkeypatch.delenv("MASENVS_CPU_KERNELS", raising=False)
+    best = next(name for name in cpu_kernels.KERNEL_SETS if cpu_kernels.cpu_supports(name))
+    assert cpu_kernels.kernel_set() == best  # the fastest this CPU runs
+    monkeypatch.setenv("MASENVS_CPU_KERNELS", "0")
+    assert cpu_kernels.kernel_set() is None and not cpu_kernels.enabled()
+    monkeypatch.setenv("MASENVS_CPU_KERNELS", "sse2")
+    with pytest.raises(ValueError, match="not a kernel set; use one of avx512, avx2"):
+        cpu_kernels.kernel_set()
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: {"avx2", "fma", "f16c"})
+    cpu_kernels._resolve.cache_clear()  # the choice is made once per process otherwise
+    monkeypatch.setenv("MASENVS_CPU_KERNELS", "avx512")
+    with pytest.raises(ValueError, match="lacks .*avx512_bf16"):
+        cpu_kernels.kernel_set()
+    monkeypatch.delenv("MASENVS_CPU_KERNELS")
+    assert cpu_kernels.kernel_set() == "avx2"  # an AVX2-only CPU gets the AVX2 set
+
+
+@pytest.mark.parametrize(
+    "machine, flags",
+    [("aarch64", {"fp", "asimd", "bf16"}), ("x86_64", {"sse2", "avx", "f16c"})],
+)
+def test_cpus_without_a_kernel_set_run_the_torch_paths(monkeypatch, machine, flags) -> None:
+    monkeypatch.delenv("MASENVS_CPU_KERNELS", raising=False)
+    monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: machine)
+    monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda: flags)
+    assert not cpu_kernels.cpu_supports() and cpu_kernels.kernel_set() is None
+    model = small_model("llama").to(torch.bfloat16)
+    forward = LlamaForward(model, max_slots=1, max_len=64, quantize="int4")
+    prompt = [torch.randint(0, 300, (5,))]
+    logits = decode_after(forward, prompt)
+    assert not forward.native and forward.layers[0].qkv.packed.kernel == "int4"  # torch's
+    dense = decode_after(LlamaForward(model, max_slots=1, max_len=64), prompt)
+    assert (logits.log_softmax(-1) - dense.log_softmax(-1)).abs().max() < 0.1
+
+
+@needs_kernels
+def test_engine_runs_bfloat16_where_any_kernel_set_runs(monkeypatch) -> None:
+    from masenvs.adapters import models
+
+    monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)  # an AVX2-only CPU
+    monkeypatch.setenv("MASENVS_CPU_KERNELS", "avx2")
+    assert models.engine_dtype("cpu") == torch.bfloat16

@@ -116,6 +116,18 @@ def test_chat_call_is_answered_and_traced_with_exact_token_ids(serve, backend) -
     assert record.params["max_tokens"] == 12 and record.params["seed"] == 7
 
 
+def test_ignore_eos_generates_exactly_max_tokens(serve) -> None:
+    server, store = serve()
+    # vLLM's extra, which bench/endpoint.py uses: every request runs to max_tokens
+    response = client(server.base_url).chat.completions.create(
+        model="base", messages=HELLO, max_tokens=48, extra_body={"ignore_eos": True}
+    )
+    assert response.usage.completion_tokens == 48
+    assert response.choices[0].finish_reason == "length"
+    (record,) = store.calls()
+    assert record.params["ignore_eos"] is True
+
+
 def test_streaming_chunks_add_up_to_the_traced_call(serve, backend) -> None:
     server, store = serve()
     stream = client(server.rollout_url("r2")).chat.completions.create(

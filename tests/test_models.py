@@ -284,5 +284,6 @@ def test_engine_dtype_follows_the_cpu_flags(monkeypatch) -> None:
     monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: True)
     assert models.engine_dtype("cpu") == torch.bfloat16
     monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)
+    monkeypatch.setenv("MASENVS_CPU_KERNELS", "0")  # no native kernels either
     assert models.engine_dtype("cpu") == torch.float32
     assert models.engine_dtype("cuda") == torch.bfloat16

@@ -2,18 +2,23 @@
 
 - `matmul`: bfloat16 activations times weights stored in 4 or 8 bits with a float16 scale
   (and, for 4 bits, a minimum) per group of 32 inputs, exactly a GGUF Q4_1 or Q8_0 block.
-  One `vdpbf16ps` multiplies 16 output columns by two inputs and one pass over the weights
-  serves 8 rows (torch's int4 kernel: 4): 1.5-2.2x torch's `_weight_int4pack_mm_for_cpu`,
-  and ahead of a dense bfloat16 matmul up to ~64-128 rows (`bench/kernels.py`).
+  With AVX-512 BF16 one `vdpbf16ps` multiplies 16 output columns by two inputs and one
+  pass over the weights serves 8 rows (torch's int4 kernel: 4): 1.5-2.2x torch's
+  `_weight_int4pack_mm_for_cpu`, and ahead of a dense bfloat16 matmul up to ~64-128 rows
+  (`bench/cpu_kernels.py`). With AVX2 one FMA per product, 4 rows per pass.
 - `decode_attention`: a decode step's cache writes and attention for one layer.
 - `lora_add`, `add_rms_norm`, `silu_mul`: a LoRA delta, RMSNorm fused with the residual
   add before it, SwiGLU; one call each instead of several torch ops.
 
-The source (`cpu_kernels.c`, AVX-512 BF16) is built into `cache_root()/kernels`, keyed by
-its text and flags, and linked against the OpenMP runtime torch already loaded, so the
-process keeps one thread pool (see `omp`). Where it cannot be built or run (no gcc, a CPU
-without AVX-512 BF16, no OpenMP runtime, not Linux), `enabled()` is False and the engine
-uses its torch code paths. `MASENVS_CPU_KERNELS=0` turns the native kernels off.
+Two kernel sets implement the same functions on the same packed weights (`KERNEL_SETS`):
+"avx512" (`cpu_kernels.c`: AVX-512 BF16, e.g. Intel Sapphire Rapids and later, AMD Zen 4
+and later) and "avx2" (`cpu_kernels_avx2.c`: AVX2, FMA and F16C, e.g. Intel Haswell and
+later, AMD Zen 1-3). The best one the CPU runs is used; `MASENVS_CPU_KERNELS` forces one
+(`avx512`, `avx2`) or turns them off (`0`). A set is built into `cache_root()/kernels`,
+keyed by its text and flags, and linked against the OpenMP runtime torch already loaded,
+so the process keeps one thread pool (see `omp`). Where none can be built or run (no gcc,
+a CPU without AVX2, no OpenMP runtime, not Linux x86-64: Arm included), `enabled()` is
+False and the engine uses its torch code paths.
 """
 
 from __future__ import annotations
@@ -38,20 +43,34 @@ from masenvs.adapters.models import cache_root, cpu_flags
 
 GROUP = 32  # inputs per scale and minimum
 TILE = 16  # output columns per vector
-SOURCE = Path(__file__).with_name("cpu_kernels.c")
-CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma")
-CFLAGS = (
-    "-O3",
-    "-std=c11",
-    "-fPIC",
-    "-fopenmp",
-    "-mavx512f",
-    "-mavx512bw",
-    "-mavx512vl",
-    "-mavx512bf16",
-    "-mf16c",
-    "-mfma",
-)
+COMMON_CFLAGS = ("-O3", "-std=c11", "-fPIC", "-fopenmp")
+SWITCH = "MASENVS_CPU_KERNELS"
+
+
+@dataclass(frozen=True)
+class KernelSet:
+    """One build of the kernels: its source, the CPU flags it needs, gcc's flags."""
+
+    name: str
+    source: Path
+    cpu_flags: tuple[str, ...]  # as /proc/cpuinfo spells them
+    cflags: tuple[str, ...]
+
+
+KERNEL_SETS = {  # fastest first: the default is the first one the CPU runs
+    "avx512": KernelSet(
+        "avx512",
+        Path(__file__).with_name("cpu_kernels.c"),
+        ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"),
+        ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma"),
+    ),
+    "avx2": KernelSet(
+        "avx2",
+        Path(__file__).with_name("cpu_kernels_avx2.c"),
+        ("avx2", "fma", "f16c"),
+        ("-mavx2", "-mfma", "-mf16c"),  # no AVX-512: runs on any AVX2 CPU
+    ),
+}
 
 
 @dataclass(frozen=True)
@@ -70,7 +89,34 @@ class LowBitWeights:
 
 def enabled() -> bool:
     """Whether the native kernels can be used here (built on first call)."""
-    return os.environ.get("MASENVS_CPU_KERNELS", "1") != "0" and _library() is not None
+    return kernel_set() is not None
+
+
+def kernel_set() -> str | None:
+    """The kernel set in use ("avx512", "avx2"), or None where none runs: the one
+    `MASENVS_CPU_KERNELS` names (`0`: none), else the fastest this CPU runs."""
+    return _resolve(os.environ.get(SWITCH, "").strip().lower())
+
+
+@functools.cache  # every kernel call asks: reading /proc/cpuinfo each time cost ~8%
+def _resolve(choice: str) -> str | None:
+    if choice in ("0", "off", "none", "false"):
+        return None
+    if choice in ("", "1", "auto", "on", "true"):
+        best = next((name for name in KERNEL_SETS if cpu_supports(name)), None)
+        return best if best is not None and _library(best) is not None else None
+    if choice not in KERNEL_SETS:
+        raise ValueError(
+            f"{SWITCH}={choice!r} is not a kernel set; use one of {', '.join(KERNEL_SETS)}, "
+            "0 (off) or leave it unset (the fastest this CPU runs)."
+        )
+    if not cpu_supports(choice):
+        missing = set(KERNEL_SETS[choice].cpu_flags) - cpu_flags()
+        raise ValueError(
+            f"{SWITCH}={choice} needs CPU flags this machine lacks ({', '.join(sorted(missing))}"
+            f"); unset {SWITCH} to use the fastest set this CPU runs."
+        )
+    return choice if _library(choice) is not None else None
 
 
 def supports(out_features: int, in_features: int) -> bool:
@@ -263,23 +309,26 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return out
 
 
-def cpu_supports() -> bool:
-    """Whether this CPU has the instructions the kernels use (x86-64 Linux only)."""
+def cpu_supports(name: str | None = None) -> bool:
+    """Whether this CPU has the instructions kernel set `name` uses (by default: any set);
+    x86-64 Linux only."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False
-    return set(CPU_FLAGS) <= cpu_flags()
+    names = [name] if name is not None else list(KERNEL_SETS)
+    return any(set(KERNEL_SETS[n].cpu_flags) <= cpu_flags() for n in names)
 
 
 def _loaded() -> ctypes.CDLL:
-    library = _library()
-    if library is None:
-        raise RuntimeError("The native CPU kernels are not available on this machine.")
-    return library
+    name = kernel_set()
+    if name is None:
+        raise RuntimeError(f"The native CPU kernels are not available on this machine ({SWITCH}).")
+    return _library(name)
 
 
 @functools.cache
-def _library() -> ctypes.CDLL | None:
-    if not cpu_supports():
+def _library(name: str) -> ctypes.CDLL | None:
+    kernels = KERNEL_SETS[name]
+    if not cpu_supports(name):
         return None
     runtime = runtime_path()
     if runtime is None or not runtime.name.startswith("libgomp"):
@@ -287,17 +336,18 @@ def _library() -> ctypes.CDLL | None:
     compiler = os.environ.get("CC") or shutil.which("gcc")
     if compiler is None:
         warnings.warn(
-            "masenvs: no gcc found, so the embedded engine's native CPU kernels (2-3x faster "
+            "masenvs: no gcc found, so the embedded engine's native CPU kernels (2-4x faster "
             "decoding on this CPU) are off; install gcc to turn them on.",
             stacklevel=2,
         )
         return None
     try:
-        path = _build(Path(compiler), runtime)
+        path = _build(Path(compiler), runtime, kernels)
         library = ctypes.CDLL(str(path))
     except (OSError, subprocess.SubprocessError) as exc:
         warnings.warn(
-            f"masenvs: the native CPU kernels could not be built ({exc}); using torch's paths.",
+            f"masenvs: the native CPU kernels ({name}) could not be built ({exc}); using "
+            "torch's paths.",
             stacklevel=2,
         )
         return None
@@ -323,23 +373,24 @@ def _library() -> ctypes.CDLL | None:
     return library
 
 
-def _build(compiler: Path, runtime: Path) -> Path:
-    """Compile cpu_kernels.c into the cache (once per source, flags and runtime)."""
-    source = SOURCE.read_bytes()
+def _build(compiler: Path, runtime: Path, kernels: KernelSet = KERNEL_SETS["avx512"]) -> Path:
+    """Compile a kernel set into the cache (once per source, flags and runtime)."""
+    source = kernels.source.read_bytes()
+    cflags = (*COMMON_CFLAGS, *kernels.cflags)
     key = hashlib.sha256(
         b"\0".join(
-            [source, " ".join(CFLAGS).encode(), str(runtime).encode(), str(compiler).encode()]
+            [source, " ".join(cflags).encode(), str(runtime).encode(), str(compiler).encode()]
         )
     )
-    target = cache_root() / "kernels" / f"cpu_kernels-{key.hexdigest()[:16]}.so"
+    target = cache_root() / "kernels" / f"{kernels.source.stem}-{key.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:
-        obj, lib = Path(tmp) / "cpu_kernels.o", Path(tmp) / "cpu_kernels.so"
+        obj, lib = Path(tmp) / "kernels.o", Path(tmp) / "kernels.so"
         # Link the runtime torch loaded, not the compiler's own libgomp: one thread pool.
         for command in (
-            [str(compiler), *CFLAGS, "-c", str(SOURCE), "-o", str(obj)],
+            [str(compiler), *cflags, "-c", str(kernels.source), "-o", str(obj)],
             [
                 str(compiler),
                 "-shared",

@@ -11,6 +11,7 @@ positions.
 from __future__ import annotations
 
 import re
+import sys
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -25,7 +26,9 @@ SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 #   "auto": int4 for the matrices whose weights already are 4-bit (a GGUF Q4_1 file such
 #           as SmolLM2's: 16 levels per group of 32); with the native kernels
 #           (cpu_kernels), also int8 for those already 8-bit (Q8_0: SmolLM2's LM head).
-#           Exact up to the rounding of each group's scale; other matrices stay dense.
+#           Exact up to the rounding of each group's scale; other matrices stay dense,
+#           except with the AVX2 kernels, where they go to 8 bits per group of 32 (as
+#           Q8_0 stores them: bfloat16 matmuls are emulated on those CPUs).
 #   "int4": every matrix to 4 bits per group of 32 inputs (lossy for 16-bit weights).
 #   "int8": every matrix to 8 bits, per group of 32 inputs with the native kernels, else
 #           with one scale per output row (lossy).
@@ -33,8 +36,8 @@ QUANTIZE_MODES = ("auto", "int4", "int8")
 INT4_GROUP = 32
 # Matmuls over more rows than this (larger decode batches, most prefills) read the dense
 # weights: there the weight-only kernels, which dequantize per block of rows, cost more
-# than the memory they save. torch's cross over at ~16 rows, the native ones (cpu_kernels)
-# at ~128 (bench/kernels.py).
+# than the memory they save. torch's cross over at ~16 rows, the native AVX-512 ones
+# (cpu_kernels) at ~128 (bench/cpu_kernels.py); the AVX2 ones serve every size (`_Packed`).
 QUANTIZED_MAX_ROWS = {"int8": 16, "int4": 16, "int4-native": 64, "int8-native": 64}
 _LORA_KEY = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
@@ -89,10 +92,14 @@ class _Packed:
     kernel: str
     weight: Tensor | cpu_kernels.LowBitWeights
     scales: Tensor | None = None
+    max_rows: int = 0  # set from the kernel: see QUANTIZED_MAX_ROWS
 
-    @property
-    def max_rows(self) -> int:
-        return QUANTIZED_MAX_ROWS[self.kernel]
+    def __post_init__(self) -> None:
+        self.max_rows = QUANTIZED_MAX_ROWS[self.kernel]
+        if self.kernel.endswith("-native") and cpu_kernels.kernel_set() == "avx2":
+            # Without AVX-512 BF16, torch emulates bfloat16 matmuls: ~10x slower than the
+            # AVX2 kernels at 128 rows (bench/cpu_kernels.py), so these serve prefills too.
+            self.max_rows = sys.maxsize
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.kernel.endswith("-native"):
@@ -616,7 +623,9 @@ def _pack(weight: Tensor, quantize: str | None) -> _Packed | None:
         return _Packed("int4", *_quantize_int4(weight, *grid))
     if native:  # "auto": 8-bit weights (a GGUF Q8_0 matrix) have a kernel of their own
         grid8 = _int8_grid(weight)
-        if _is_8bit(*grid8):
+        if _is_8bit(*grid8) or cpu_kernels.kernel_set() == "avx2":
+            # AVX2 CPUs emulate bfloat16 matmuls, so there 16-bit weights go to 8 bits per
+            # group of 32 (as a GGUF Q8_0 file stores them) rather than stay dense.
             return _Packed("int8-native", _quantize_int8_native(*grid8))
     return None
 

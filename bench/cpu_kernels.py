@@ -5,14 +5,18 @@ For SmolLM2-135M's matrix shapes, in one process on the same inputs: the native 
 group of 32, 8-bit with a float16 scale per group), torch's `_weight_int4pack_mm_for_cpu`
 (what the engine uses without them) and a dense bfloat16 matmul. Medians of interleaved
 rounds; weights are re-read from memory each call only as far as the caches allow, so
-the in-engine figures (bench/engine.py) are the ones that count. Run:
+the in-engine figures (bench/engine.py) are the ones that count. Every kernel set this
+CPU runs gets its columns (an AVX-512 BF16 machine times the AVX2 set too). Run:
 
-    python bench/kernels.py --threads 2 --rows 1 4 8 16 32
+    python bench/cpu_kernels.py --threads 2 --rows 1 4 8 16 32
+    # torch held to AVX2 too, as on a CPU without AVX-512 (its bf16 matmuls emulated):
+    ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 python bench/cpu_kernels.py
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -34,7 +38,9 @@ SHAPES = [
 ]
 
 
-def timed(fn: Callable[[], object], calls: int) -> float:
+def timed(fn: Callable[[], object], calls: int, kernel_set: str | None) -> float:
+    if kernel_set is not None:  # cpu_kernels.matmul runs the set this names
+        os.environ[cpu_kernels.SWITCH] = kernel_set
     start = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -56,11 +62,22 @@ def contenders(out_features: int, in_features: int) -> dict[str, Callable[[torch
             x, torch_int4, 32, table
         ),
     }
-    if cpu_kernels.enabled():
-        native4 = cpu_kernels.pack_int4(levels, scales, minimums)
-        native8 = cpu_kernels.pack_int8(levels * 8 - 60, scales)
-        found["native int4"] = lambda x: cpu_kernels.matmul(x, native4)
-        found["native int8"] = lambda x: cpu_kernels.matmul(x, native8)
+    native4 = cpu_kernels.pack_int4(levels, scales, minimums)
+    native8 = cpu_kernels.pack_int8(levels * 8 - 60, scales)
+    for name in available_sets():  # the packed weights are the same for every set
+        found[f"{name} int4"] = lambda x: cpu_kernels.matmul(x, native4)
+        found[f"{name} int8"] = lambda x: cpu_kernels.matmul(x, native8)
+    return found
+
+
+def available_sets() -> list[str]:
+    """The kernel sets this CPU runs (and gcc builds)."""
+    found = []
+    for name in cpu_kernels.KERNEL_SETS:
+        if cpu_kernels.cpu_supports(name):
+            os.environ[cpu_kernels.SWITCH] = name
+            if cpu_kernels.kernel_set() == name:
+                found.append(name)
     return found
 
 
@@ -72,10 +89,15 @@ def main() -> None:
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     console = Console()
-    if not cpu_kernels.enabled():
+    sets = available_sets()
+    if not sets:
         console.print("[yellow]The native kernels are not available here; torch and dense only.")
-    table = Table(title=f"us per call (median of {args.rounds} rounds), {args.threads} threads")
-    for column in ("matrix", "rows", "dense bf16", "torch int4", "native int4", "native int8"):
+    columns = ["dense bf16", "torch int4"] + [f"{s} int{b}" for s in sets for b in (4, 8)]
+    table = Table(
+        title=f"us per call (median of {args.rounds} rounds), {args.threads} threads, torch "
+        f"CPU capability {torch.backends.cpu.get_cpu_capability()}"
+    )
+    for column in ("matrix", "rows", *columns):
         table.add_column(column, justify="right")
     for name, out_features, in_features in SHAPES:
         kernels = contenders(out_features, in_features)
@@ -87,13 +109,11 @@ def main() -> None:
                 kernel(x)  # warm up
             for _ in range(args.rounds):
                 for key, kernel in kernels.items():
-                    samples[key].append(timed(partial(kernel, x), calls))
+                    kernel_set = key.split()[0] if key.split()[0] in sets else None
+                    samples[key].append(timed(partial(kernel, x), calls, kernel_set))
             medians = {k: statistics.median(v) for k, v in samples.items()}
             base = medians["torch int4"]
-            cells = [
-                f"{medians[k]:.0f} ({base / medians[k]:.2f}x)" if k in medians else "-"
-                for k in ("dense bf16", "torch int4", "native int4", "native int8")
-            ]
+            cells = [f"{medians[k]:.0f} ({base / medians[k]:.2f}x)" for k in columns]
             table.add_row(name, str(rows), *cells)
     console.print(table)
     console.print("Ratios are against torch int4 (what the engine runs without native kernels).")
