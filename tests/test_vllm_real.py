@@ -297,7 +297,7 @@ def test_update_weights_explains_a_missing_or_empty_source(backend, tmp_path) ->
 
 
 class ToyEnv(MASEnv):
-    """Two agents answer the same prompt; each is rewarded for distinct characters, so even
+    """Two agents answer the same prompt in turn; each is rewarded for distinct characters, so even
     a random model's K candidates get different rewards and the adapters learn."""
 
     name = "vllm_toy"
@@ -313,10 +313,9 @@ class ToyEnv(MASEnv):
     def prompt(self, agent: str) -> list[dict[str, str]]:
         return [{"role": "user", "content": f"Task {self.task}: say something, {agent}."}]
 
-    def play_round(self, actions: dict[str, str]) -> dict[str, RewardParts]:
-        for agent in actions:
-            self.last_feedback[agent] = ""
-        return {a: RewardParts(agent=len(set(text)) / 10) for a, text in actions.items()}
+    def play_turn(self, agent: str, action: str) -> RewardParts:
+        self.last_feedback[agent] = ""
+        return RewardParts(agent=len(set(action)) / 10)
 
 
 register("vllm_toy", f"{__name__}:ToyEnv")
