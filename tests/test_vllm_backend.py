@@ -404,3 +404,47 @@ def test_masenvs_train_names_an_unreachable_vllm_in_one_line(tmp_path, capsys) -
     out = capsys.readouterr().out
     assert code == 2 and "Cannot reach vLLM at http://127.0.0.1:9" in out
     assert "Traceback" not in out
+
+
+def test_a_vllm_url_mapping_serves_each_policy_from_its_own_server(tmp_path) -> None:
+    from masenvs.adapters.stack import StackError
+    from masenvs.trainer.config import load_config
+    from masenvs.trainer.train import train
+
+    overrides = [
+        f"run_dir={tmp_path / 'run'}",
+        "model.name=tiny",
+        "model.device=cpu",
+        "lora.rank=4",
+        "steps=1",
+        "env.name=plan_path",
+        "env.options={size: 4}",
+        "rollout.branches=2",
+        "rollout.tasks_per_step=1",
+        "rollout.max_rounds=1",
+        "rollout.max_tokens=6",
+        "validation.every=0",
+        "logging.tensorboard=false",
+        "backend.kind=vllm",
+        "policy.mode=separate",
+    ]
+    path = model_dir("tiny")
+    engines = [EmbeddedBackend.from_spec("tiny", max_model_len=512, dtype="float32") for _ in "ab"]
+    apps = [FakeVLLM(engine, served_model=path, root=path) for engine in engines]
+    try:
+        with EndpointServer(apps[0]) as tool_server, EndpointServer(apps[1]) as plan_server:
+            cfg = load_config(None, overrides)
+            cfg.backend.vllm_url = {"tool": tool_server.url}
+            with pytest.raises(StackError, match=r"no server for policy 'plan'.*add `plan: <url>`"):
+                train(cfg)
+            cfg.backend.vllm_url = {"tool": tool_server.url, "plan": plan_server.url}
+            train(cfg)
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    # Each policy's adapter was pushed to, and its requests answered by, its own server.
+    for app, policy in zip(apps, ("tool", "plan"), strict=True):
+        assert set(app.lora_paths) == {policy}
+        assert app.requests and {r["model"] for r in app.requests} == {policy}
+    calls = list(TraceStore(tmp_path / "run" / "traces").calls())
+    assert {c.agent for c in calls} == {"tool", "plan"} and {c.backend for c in calls} == {"vllm"}

@@ -316,10 +316,9 @@ class ToyEnv(MASEnv):
     def prompt(self, agent: str) -> list[dict[str, str]]:
         return [{"role": "user", "content": f"Task {self.task}: say something, {agent}."}]
 
-    def play_round(self, actions: dict[str, str]) -> dict[str, RewardParts]:
-        for agent in actions:
-            self.last_feedback[agent] = ""
-        return {a: RewardParts(agent=len(set(text)) / 10) for a, text in actions.items()}
+    def play_turn(self, agent: str, action: str) -> RewardParts:
+        self.last_feedback[agent] = ""
+        return RewardParts(agent=len(set(action)) / 10)
 
 
 register("vllm_toy", f"{__name__}:ToyEnv")
