@@ -448,3 +448,31 @@ def test_a_vllm_url_mapping_serves_each_policy_from_its_own_server(tmp_path) -> 
         assert app.requests and {r["model"] for r in app.requests} == {policy}
     calls = list(TraceStore(tmp_path / "run" / "traces").calls())
     assert {c.agent for c in calls} == {"tool", "plan"} and {c.backend for c in calls} == {"vllm"}
+
+
+def test_the_servers_a_run_needs_and_a_vllm_url_that_does_not_cover_them(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from masenvs.adapters.stack import StackError
+    from masenvs.trainer.config import TrainConfig
+    from masenvs.trainer.sync import vllm_backend, vllm_servers
+
+    bases = {"plan": "tiny", "tool": "tiny", "critic": "tiny"}
+    learner = SimpleNamespace(
+        full=False,
+        policies={name: SimpleNamespace(base_name=base) for name, base in bases.items()},
+        trains=lambda policy: policy != "critic",  # frozen
+    )
+    # LoRA: every adapter on its base's one server. Full: one per trained policy, and the
+    # frozen one keeps the base's weights on a server of its own.
+    assert [s.policies for s in vllm_servers(learner)] == [["plan", "tool", "critic"]]
+    learner.full = True
+    assert [s.policies for s in vllm_servers(learner)] == [["plan"], ["tool"], ["critic"]]
+
+    cfg = TrainConfig(policy={"finetune": "full"}, backend={"kind": "vllm"})
+    cfg.backend.vllm_url = "http://127.0.0.1:9"
+    with pytest.raises(StackError, match=r"need 3 .*give a mapping"):
+        vllm_backend(cfg, learner, tmp_path)  # type: ignore[arg-type]
+    cfg.backend.vllm_url = {"plan": "http://127.0.0.1:9", "tiny": "http://127.0.0.1:10"}
+    with pytest.raises(StackError, match=r"\['tool'\] and 'critic' .* its own URL"):
+        vllm_backend(cfg, learner, tmp_path)  # type: ignore[arg-type]

@@ -142,6 +142,7 @@ class _Server:
     model: str
     policies: list[str] = field(default_factory=list)
     url: str | None = None
+    trained: bool = False  # holds one fully fine-tuned policy's weights, so serves only it
 
 
 def vllm_servers(learner: Learner) -> list[_Server]:
@@ -152,7 +153,7 @@ def vllm_servers(learner: Learner) -> list[_Server]:
     for name, policy in learner.policies.items():
         own = learner.full and learner.trains(name)
         key = f"policy:{name}" if own else f"base:{policy.base_name}"
-        servers.setdefault(key, _Server(policy.base_name)).policies.append(name)
+        servers.setdefault(key, _Server(policy.base_name, trained=own)).policies.append(name)
     return list(servers.values())
 
 
@@ -211,6 +212,13 @@ def _assign_urls(servers: list[_Server], urls: dict[str, str]) -> list[_Server]:
                     f"({server.model}) to one server {url}, which serves one base model; "
                     "give each base model its own URL"
                 )
+            if entry.policies and (entry.trained or server.trained):
+                raise StackError(
+                    f"backend.vllm_url sends {entry.policies} and {policy!r} to one server "
+                    f"{url}, but a fully fine-tuned policy's server holds its weights alone; "
+                    "give each of them its own URL"
+                )
+            entry.trained = server.trained
             entry.policies.append(policy)
     return list(by_url.values())
 
@@ -241,11 +249,20 @@ def _launch_servers(cfg: TrainConfig, servers: list[_Server], run_dir: Path) -> 
         # vLLM's default (0.9 of the GPU) for each would leave the second one nothing.
         extra_args += ["--gpu-memory-utilization", f"{0.9 / len(servers):.2f}"]
 
-    def launch(server: _Server) -> VLLMBackend:
-        name = "vllm" if len(servers) == 1 else f"vllm-{'+'.join(server.policies)}"
+    def error(server: _Server, exc: Exception) -> StackError:
+        policies = ", ".join(server.policies)
+        return StackError(f"could not start vLLM for {server.model} (policies {policies}): {exc}")
+
+    for server in servers:  # before any server starts; converts "tiny"-style names once
         try:
             if cpu_only():
                 check_cpu_model(model_dir(server.model))
+        except VLLMLaunchError as exc:
+            raise error(server, exc) from exc
+
+    def launch(server: _Server) -> VLLMBackend:
+        name = "vllm" if len(servers) == 1 else f"vllm-{'+'.join(server.policies)}"
+        try:
             return VLLMBackend.launch(
                 server.model,
                 request_timeout=b.request_timeout,
@@ -257,10 +274,7 @@ def _launch_servers(cfg: TrainConfig, servers: list[_Server], run_dir: Path) -> 
                 log_path=run_dir / f"{name}.log",
             )
         except (VLLMLaunchError, BackendError) as exc:
-            raise StackError(
-                f"could not start vLLM for {server.model} (policies "
-                f"{', '.join(server.policies)}): {exc}"
-            ) from exc
+            raise error(server, exc) from exc
 
     if len(servers) == 1:
         return launch(servers[0])
