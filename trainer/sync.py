@@ -5,6 +5,10 @@ saved and replaced under its name (`/v1/load_lora_adapter` with `load_inplace`).
 fine-tuning (`policy.finetune: full`): the embedded engine copies the learner's weights into
 its base model; vLLM reloads them from a safetensors file (`VLLMBackend.update_weights`).
 `push` is awaited from the training loop, between a step's update and the next rollouts.
+
+One vLLM server serves one base model with one set of weights; `vllm_backend` starts (or
+connects to) as many as the policies need and puts a `RouterBackend` in front, and
+`WeightSync` sends each policy's weights to its own server.
 """
 
 from __future__ import annotations
@@ -253,10 +257,12 @@ def _launch_servers(cfg: TrainConfig, servers: list[_Server], run_dir: Path) -> 
         policies = ", ".join(server.policies)
         return StackError(f"could not start vLLM for {server.model} (policies {policies}): {exc}")
 
-    for server in servers:  # before any server starts; converts "tiny"-style names once
+    paths = {}  # before any server starts, in this thread: "tiny"-style names convert once
+    for server in servers:
         try:
+            paths[server.model] = model_dir(server.model)
             if cpu_only():
-                check_cpu_model(model_dir(server.model))
+                check_cpu_model(paths[server.model])
         except VLLMLaunchError as exc:
             raise error(server, exc) from exc
 
@@ -264,7 +270,7 @@ def _launch_servers(cfg: TrainConfig, servers: list[_Server], run_dir: Path) -> 
         name = "vllm" if len(servers) == 1 else f"vllm-{'+'.join(server.policies)}"
         try:
             return VLLMBackend.launch(
-                server.model,
+                paths[server.model],
                 request_timeout=b.request_timeout,
                 python=b.vllm_python,
                 max_loras=max(len(server.policies), 1),

@@ -58,9 +58,9 @@ class RouterBackend:
                 "one tokenizer. Use base models of one family (one tokenizer) per run."
             )
         self.default = next(iter(self.routes))  # where "" / "base" go
-        # Traces name the kind of backend that sampled ("vllm", "embedded"), not the router.
-        kinds = {getattr(b, "name", type(b).__name__) for b in self.backends}
-        self.name = kinds.pop() if len(kinds) == 1 else "router"
+        # Traces name the backend that sampled ("vllm", an engine's model), not a route.
+        names = {getattr(b, "name", type(b).__name__) for b in self.backends}
+        self.name = "+".join(sorted(names))
         self.chat_template = getattr(self.backends[0], "chat_template", None)
 
     def route(self, model: str) -> Route:
