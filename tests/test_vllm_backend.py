@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -476,3 +477,45 @@ def test_the_servers_a_run_needs_and_a_vllm_url_that_does_not_cover_them(tmp_pat
     cfg.backend.vllm_url = {"plan": "http://127.0.0.1:9", "tiny": "http://127.0.0.1:10"}
     with pytest.raises(StackError, match=r"\['tool'\] and 'critic' .* its own URL"):
         vllm_backend(cfg, learner, tmp_path)  # type: ignore[arg-type]
+
+
+def test_when_one_of_several_servers_cannot_start_the_others_stop(tmp_path, monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from masenvs.adapters.stack import StackError
+    from masenvs.trainer import sync
+    from masenvs.trainer.config import TrainConfig
+
+    broken = tmp_path / "broken-base"
+    broken.mkdir()
+    fake = Path(__file__).with_name("fake_vllm.py")
+    body = (  # `vllm serve MODEL ...`: the broken base dies the way vLLM does, the other serves
+        f'#!/bin/sh\ncase "$2" in *broken*) echo "ValueError: no config.json in $2" >&2; '
+        f'exit 1;; esac\nexec "{sys.executable}" "{fake}" "$@"\n'
+    )
+    monkeypatch.delenv("MASENVS_VLLM_PYTHON", raising=False)
+    monkeypatch.setenv("MASENVS_VLLM_BIN", str(fake_vllm_executable(tmp_path, body)))
+    monkeypatch.setattr(sync, "cpu_only", lambda: False)  # the stand-in serves "tiny" anyway
+    launched: list[VLLMBackend] = []
+    launch = sync.VLLMBackend.launch
+
+    def spy(*args: Any, **kwargs: Any) -> VLLMBackend:
+        launched.append(launch(*args, **kwargs))
+        return launched[-1]
+
+    monkeypatch.setattr(sync.VLLMBackend, "launch", spy)
+    learner = SimpleNamespace(
+        full=False,
+        policies={
+            "plan": SimpleNamespace(base_name="tiny"),
+            "tool": SimpleNamespace(base_name=str(broken)),
+        },
+        trains=lambda policy: True,
+    )
+    cfg = TrainConfig(backend={"kind": "vllm", "request_timeout": 60})
+    with pytest.raises(StackError, match=r"(?s)broken-base \(policies tool\).*no config.json"):
+        sync.vllm_backend(cfg, learner, tmp_path)  # type: ignore[arg-type]
+    (started,) = launched  # the healthy server came up, and was stopped again
+    assert started.process is not None and started.process.process.poll() is not None
+    assert "--gpu-memory-utilization" in started.process.command  # 0.45 each, on a GPU
+    assert sorted(p.name for p in tmp_path.glob("vllm-*.log")) == ["vllm-plan.log", "vllm-tool.log"]
