@@ -14,6 +14,7 @@ import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import openai
 import pytest
@@ -404,3 +405,117 @@ def test_masenvs_train_names_an_unreachable_vllm_in_one_line(tmp_path, capsys) -
     out = capsys.readouterr().out
     assert code == 2 and "Cannot reach vLLM at http://127.0.0.1:9" in out
     assert "Traceback" not in out
+
+
+def test_a_vllm_url_mapping_serves_each_policy_from_its_own_server(tmp_path) -> None:
+    from masenvs.adapters.stack import StackError
+    from masenvs.trainer.config import load_config
+    from masenvs.trainer.train import train
+
+    overrides = [
+        f"run_dir={tmp_path / 'run'}",
+        "model.name=tiny",
+        "model.device=cpu",
+        "lora.rank=4",
+        "steps=1",
+        "env.name=plan_path",
+        "env.options={size: 4}",
+        "rollout.branches=2",
+        "rollout.tasks_per_step=1",
+        "rollout.max_rounds=1",
+        "rollout.max_tokens=6",
+        "validation.every=0",
+        "logging.tensorboard=false",
+        "backend.kind=vllm",
+        "policy.mode=separate",
+    ]
+    path = model_dir("tiny")
+    engines = [EmbeddedBackend.from_spec("tiny", max_model_len=512, dtype="float32") for _ in "ab"]
+    apps = [FakeVLLM(engine, served_model=path, root=path) for engine in engines]
+    try:
+        with EndpointServer(apps[0]) as tool_server, EndpointServer(apps[1]) as plan_server:
+            cfg = load_config(None, overrides)
+            cfg.backend.vllm_url = {"tool": tool_server.url}
+            with pytest.raises(StackError, match=r"no server for policy 'plan'.*add `plan: <url>`"):
+                train(cfg)
+            cfg.backend.vllm_url = {"tool": tool_server.url, "plan": plan_server.url}
+            train(cfg)
+    finally:
+        for engine in engines:
+            engine.shutdown()
+    # Each policy's adapter was pushed to, and its requests answered by, its own server.
+    for app, policy in zip(apps, ("tool", "plan"), strict=True):
+        assert set(app.lora_paths) == {policy}
+        assert app.requests and {r["model"] for r in app.requests} == {policy}
+    calls = list(TraceStore(tmp_path / "run" / "traces").calls())
+    assert {c.agent for c in calls} == {"tool", "plan"} and {c.backend for c in calls} == {"vllm"}
+
+
+def test_the_servers_a_run_needs_and_a_vllm_url_that_does_not_cover_them(tmp_path) -> None:
+    from types import SimpleNamespace
+
+    from masenvs.adapters.stack import StackError
+    from masenvs.trainer.config import TrainConfig
+    from masenvs.trainer.sync import vllm_backend, vllm_servers
+
+    bases = {"plan": "tiny", "tool": "tiny", "critic": "tiny"}
+    learner = SimpleNamespace(
+        full=False,
+        policies={name: SimpleNamespace(base_name=base) for name, base in bases.items()},
+        trains=lambda policy: policy != "critic",  # frozen
+    )
+    # LoRA: every adapter on its base's one server. Full: one per trained policy, and the
+    # frozen one keeps the base's weights on a server of its own.
+    assert [s.policies for s in vllm_servers(learner)] == [["plan", "tool", "critic"]]
+    learner.full = True
+    assert [s.policies for s in vllm_servers(learner)] == [["plan"], ["tool"], ["critic"]]
+
+    cfg = TrainConfig(policy={"finetune": "full"}, backend={"kind": "vllm"})
+    cfg.backend.vllm_url = "http://127.0.0.1:9"
+    with pytest.raises(StackError, match=r"need 3 .*give a mapping"):
+        vllm_backend(cfg, learner, tmp_path)  # type: ignore[arg-type]
+    cfg.backend.vllm_url = {"plan": "http://127.0.0.1:9", "tiny": "http://127.0.0.1:10"}
+    with pytest.raises(StackError, match=r"\['tool'\] and 'critic' .* its own URL"):
+        vllm_backend(cfg, learner, tmp_path)  # type: ignore[arg-type]
+
+
+def test_when_one_of_several_servers_cannot_start_the_others_stop(tmp_path, monkeypatch) -> None:
+    from types import SimpleNamespace
+
+    from masenvs.adapters.stack import StackError
+    from masenvs.trainer import sync
+    from masenvs.trainer.config import TrainConfig
+
+    broken = tmp_path / "broken-base"
+    broken.mkdir()
+    fake = Path(__file__).with_name("fake_vllm.py")
+    body = (  # `vllm serve MODEL ...`: the broken base dies the way vLLM does, the other serves
+        f'#!/bin/sh\ncase "$2" in *broken*) echo "ValueError: no config.json in $2" >&2; '
+        f'exit 1;; esac\nexec "{sys.executable}" "{fake}" "$@"\n'
+    )
+    monkeypatch.delenv("MASENVS_VLLM_PYTHON", raising=False)
+    monkeypatch.setenv("MASENVS_VLLM_BIN", str(fake_vllm_executable(tmp_path, body)))
+    monkeypatch.setattr(sync, "cpu_only", lambda: False)  # the stand-in serves "tiny" anyway
+    launched: list[VLLMBackend] = []
+    launch = sync.VLLMBackend.launch
+
+    def spy(*args: Any, **kwargs: Any) -> VLLMBackend:
+        launched.append(launch(*args, **kwargs))
+        return launched[-1]
+
+    monkeypatch.setattr(sync.VLLMBackend, "launch", spy)
+    learner = SimpleNamespace(
+        full=False,
+        policies={
+            "plan": SimpleNamespace(base_name="tiny"),
+            "tool": SimpleNamespace(base_name=str(broken)),
+        },
+        trains=lambda policy: True,
+    )
+    cfg = TrainConfig(backend={"kind": "vllm", "request_timeout": 60})
+    with pytest.raises(StackError, match=r"(?s)broken-base \(policies tool\).*no config.json"):
+        sync.vllm_backend(cfg, learner, tmp_path)  # type: ignore[arg-type]
+    (started,) = launched  # the healthy server came up, and was stopped again
+    assert started.process is not None and started.process.process.poll() is not None
+    assert "--gpu-memory-utilization" in started.process.command  # 0.45 each, on a GPU
+    assert sorted(p.name for p in tmp_path.glob("vllm-*.log")) == ["vllm-plan.log", "vllm-tool.log"]

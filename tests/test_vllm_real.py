@@ -53,8 +53,7 @@ def install() -> VLLMInstall:
         pytest.skip(f"no vLLM here ({exc})")
 
 
-@pytest.fixture(scope="session")
-def model(tmp_path_factory) -> Path:
+def tiny_llama(out: Path, seed: int) -> Path:
     """A tiny random Llama with SmolLM2's tokenizer that vLLM's CPU build can serve."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
@@ -69,11 +68,15 @@ def model(tmp_path_factory) -> Path:
         pad_token_id=tokenizer.pad_token_id,
         **{**TINY_CONFIG, **shape},
     )
-    torch.manual_seed(0)
-    out = tmp_path_factory.mktemp("tiny-vllm")
+    torch.manual_seed(seed)
     LlamaForCausalLM(config).save_pretrained(out)
     tokenizer.save_pretrained(out)
     return out
+
+
+@pytest.fixture(scope="session")
+def model(tmp_path_factory) -> Path:
+    return tiny_llama(tmp_path_factory.mktemp("tiny-vllm"), seed=0)
 
 
 @pytest.fixture(scope="session")
@@ -277,7 +280,7 @@ def test_full_weights_reach_the_running_server(backend, model, tmp_path) -> None
         run(sync.push(1))
         synced = served(backend)
         assert synced[1] == after[1] and synced[2] == pytest.approx(after[2], abs=1e-3)
-        assert (tmp_path / "sync" / "full" / "v000001" / "model.safetensors").is_file()
+        assert (tmp_path / "sync" / "full" / "shared" / "v000001" / "model.safetensors").is_file()
     finally:
         run(backend.update_weights(model))
     assert served(backend)[2] == pytest.approx(before, abs=1e-3)
@@ -441,7 +444,7 @@ def test_full_fine_tuning_trains_against_a_vllm_it_starts(install, model, tmp_pa
         assert (call.backend, call.policy_version) == ("vllm", step - 1)
     # Step 2's rollouts came from the weights of step 1, pushed as one safetensors file:
     # the server's log-probs are that model's, not the base's.
-    pushed = tmp_path / "sync" / "full" / "v000001" / "model.safetensors"
+    pushed = tmp_path / "sync" / "full" / "shared" / "v000001" / "model.safetensors"
     weights = load_file(str(pushed))
     base = load_file(str(model / "model.safetensors"))
     assert any(not torch.equal(weights[k], base[k]) for k in base)
@@ -454,3 +457,64 @@ def test_full_fine_tuning_trains_against_a_vllm_it_starts(install, model, tmp_pa
     ref = reference(changed, late.prompt_token_ids, choice.token_ids)
     assert choice.logprobs == pytest.approx(ref, abs=TOLERANCE)
     assert differs(reference(model, late.prompt_token_ids, choice.token_ids), ref) > TOLERANCE
+
+
+def weights_dir(pushed: Path, model: Path, out: Path) -> Path:
+    """A model directory of `pushed` (a synced model.safetensors) with `model`'s config."""
+    out.mkdir()
+    (out / "model.safetensors").symlink_to(pushed)
+    (out / "config.json").symlink_to(model / "config.json")
+    return out
+
+
+@pytest.mark.skipif(
+    not hasattr(Learner, "full_state_dict"),
+    reason="full fine-tuning in the learner comes with the `learner` branch of issue #12",
+)
+def test_separate_bases_fully_fine_tuned_each_on_its_own_vllm(install, model, tmp_path) -> None:
+    from masenvs.trainer.metrics import read_metrics
+    from masenvs.trainer.train import train
+
+    other = tiny_llama(tmp_path / "other-base", seed=1)  # same tokenizer, other weights
+    python = install.prefix[0] if install.model_flag else None
+    run_dir = tmp_path / "run"
+    cfg = toy_config(run_dir, model, 2, vllm_python=python)
+    cfg.policy.finetune, cfg.policy.mode = "full", "separate"
+    cfg.policy.models = {"editor": str(other)}
+    cfg.optim.lr = 1e-3
+    train(cfg)
+
+    rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "learner/writer/loss" in r]
+    assert len(rows) == 2 and not any(r["train/failed_tasks"] for r in rows)
+    for agent in ("writer", "editor"):
+        assert all(r[f"learner/{agent}/logprob_diff_mean"] < TOLERANCE for r in rows)
+    calls = list(TraceStore(run_dir / "traces").calls())
+    assert {c.backend for c in calls} == {"vllm"}
+    # Step 1 was sampled by each agent's own base; step 2 by the weights its own learner
+    # model pushed to its own server after step 1.
+    bases = {"writer": model, "editor": other}
+    served_by: dict[str, tuple[list[int], list[int], list[float]]] = {}
+    for agent, base in bases.items():
+        pushed = run_dir / "sync" / "full" / agent / "v000001" / "model.safetensors"
+        trained = weights_dir(pushed, base, tmp_path / f"{agent}-step1")
+        for step, weights in ((1, base), (2, trained)):
+            call = next(
+                c for c in calls if c.agent == agent and c.rollout_id.startswith(f"s{step}")
+            )
+            assert call.policy_version == step - 1
+            choice = call.choices[0]
+            ref = reference(weights, call.prompt_token_ids, choice.token_ids)
+            assert choice.logprobs == pytest.approx(ref, abs=TOLERANCE), (agent, step)
+            served_by[f"{agent}{step}"] = (call.prompt_token_ids, choice.token_ids, ref)
+        prompt, ids, ref = served_by[f"{agent}2"]
+        assert differs(reference(base, prompt, ids), ref) > TOLERANCE  # the push changed it
+    # And the two servers differ: the writer's tokens are not scored alike by the editor's.
+    prompt, ids, ref = served_by["writer1"]
+    assert differs(reference(other, prompt, ids), ref) > 2 * TOLERANCE
+
+    # Two servers, one per policy, each with its own log, and none left running.
+    logs = sorted(p.name for p in run_dir.glob("vllm*.log"))
+    assert logs == ["vllm-editor.log", "vllm-writer.log"]
+    for log in logs:
+        pids = {int(p) for p in re.findall(r"pid=(\d+)", (run_dir / log).read_text())}
+        assert pids and not [pid for pid in pids if running(pid)]

@@ -107,10 +107,12 @@ class BackendConfig(_Section):
         description="'embedded': the in-process PyTorch engine (CPU or GPU, nothing to start); "
         "'vllm': a running `vllm serve --enable-lora` at vllm_url.",
     )
-    vllm_url: str | None = Field(
+    vllm_url: str | dict[str, str] | None = Field(
         None,
-        description="Root URL of a running vLLM server (kind 'vllm'); None: the trainer starts "
-        "one (see vllm_python) and stops it at the end.",
+        description="Root URL of a running vLLM server (kind 'vllm'), or a mapping {policy or "
+        "base model name: URL} when the policies need several servers (different bases, or "
+        "full fine-tuning of several policies); None: the trainer starts one server per "
+        "served model (see vllm_python) and stops them at the end.",
     )
     vllm_python: str | None = Field(
         None,
@@ -121,7 +123,7 @@ class BackendConfig(_Section):
     vllm_args: list[str] = Field(
         default_factory=list,
         description="Extra command-line arguments for a vLLM server the trainer starts, e.g. "
-        "['--gpu-memory-utilization', '0.5'].",
+        "['--gpu-memory-utilization', '0.5'] (each server the trainer starts gets them).",
     )
     request_timeout: float = Field(
         600.0, gt=0.0, description="Seconds any one request to a vLLM server may take."

@@ -266,8 +266,8 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
         }
         if cfg.backend.kind == "embedded":  # one engine per base (or per trained model)
             backend = training_backend(learner, **engine)
-        else:  # the server at vllm_url, or one started here (and stopped by stack.close)
-            backend = vllm_backend(cfg, len(learner.policies), run_dir / "vllm.log")
+        else:  # the servers at vllm_url, or ones started here (stopped by stack.close)
+            backend = vllm_backend(cfg, learner, run_dir)
         try:
             sync = WeightSync(learner, backend, run_dir / "sync")
             asyncio.run(sync.push(version=state.step))

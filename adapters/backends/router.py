@@ -1,7 +1,8 @@
 """One endpoint in front of several backends: each model name is served by its own backend.
 
 AT-GRPO's `separate` mode trains agents on different base models, and full fine-tuning
-per agent gives each agent its own weights; an inference engine serves one base model.
+per agent gives each agent its own weights; an inference engine or a vLLM server serves one
+base model.
 `RouterBackend` maps each name a request may carry (the agent's policy) to a `Route`: the
 backend that serves it and the name it has there (an adapter, or "" for that backend's
 base model), so the endpoint, the policy map and the trainer's weight sync stay unchanged.
@@ -56,12 +57,16 @@ class RouterBackend:
                 f"The routed models use {len(ids)} different tokenizers; one endpoint serves "
                 "one tokenizer. Use base models of one family (one tokenizer) per run."
             )
-        self.name = next(iter(self.routes))
+        self.default = next(iter(self.routes))  # where "" / "base" go
+        # Traces name the backend that sampled ("vllm", an engine's model), not a route.
+        names = {getattr(b, "name", type(b).__name__) for b in self.backends}
+        self.name = "+".join(sorted(names))
+        self.chat_template = getattr(self.backends[0], "chat_template", None)
 
     def route(self, model: str) -> Route:
         """The route of `model`; a 404 `BackendError` names the served names if none."""
         if model in BASE_NAMES:
-            return Route(self.routes[self.name].backend, "")
+            return Route(self.routes[self.default].backend, "")
         route = self.routes.get(model)
         if route is None:
             raise BackendError(
