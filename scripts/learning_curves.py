@@ -46,16 +46,28 @@ def main() -> None:
 
     runs = {run: read_run(run) for run in args.runs}
     agents = sorted(
-        {k.split("/", 2)[2] for rs in runs.values() for r in rs for k in r if k.startswith("val/reward/")}
+        {
+            k.split("/", 2)[2]
+            for rs in runs.values()
+            for r in rs
+            for k in r
+            if k.startswith("val/reward/")
+        }
     )
     fig, (ax_s, ax_r) = plt.subplots(1, 2, figsize=(11, 4), dpi=110)
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    print("| run | seed | val success (first -> last) | " + " | ".join(f"val reward {a}" for a in agents) + " |")
+    print(
+        "| run | seed | val success (first -> last) | "
+        + " | ".join(f"val reward {a}" for a in agents)
+        + " |"
+    )
     print("| --- | --- | --- | " + " | ".join("---" for _ in agents) + " |")
     for i, (run, records) in enumerate(runs.items()):
         vals = validations(records)
         steps = [v["step"] for v in vals]
-        ax_s.plot(steps, [v["val/success"] for v in vals], "o-", color=colors[i % 10], label=run.name)
+        ax_s.plot(
+            steps, [v["val/success"] for v in vals], "o-", color=colors[i % 10], label=run.name
+        )
         for j, agent in enumerate(agents):
             key = f"val/reward/{agent}"
             ax_r.plot(
@@ -65,7 +77,11 @@ def main() -> None:
                 color=colors[i % 10],
                 label=f"{run.name} {agent}",
             )
-        seed = json.loads((run / "config.json").read_text())["seed"] if (run / "config.json").exists() else "?"
+        seed = (
+            json.loads((run / "config.json").read_text())["seed"]
+            if (run / "config.json").exists()
+            else "?"
+        )
         first, last = vals[0], vals[-1]
         cells = [
             f"{first.get(f'val/reward/{a}', float('nan')):+.2f} -> {last.get(f'val/reward/{a}', float('nan')):+.2f}"
