@@ -40,8 +40,9 @@ class PlanPathConfig(EnvConfig):
     )
     show_offset: bool = Field(
         False,
-        description="Also state how many rows down/up and columns right/left the goal lies "
-        "from A: the arithmetic a small model gets wrong, done for it.",
+        description="Also state where G lies from A and the straight moves there (rows "
+        "first), e.g. 'G is 2 rows down and 1 column left of A: D, D, L if no wall is in the "
+        "way.': the arithmetic a small model gets wrong, done for it; walls still need detours.",
     )
 
 
@@ -180,17 +181,15 @@ SOLO_SYSTEM = (
 
 
 def offset_text(pos: grid.Cell, goal: grid.Cell) -> str:
-    """Where G lies from A, e.g. 'G is 2 rows down and 1 column left of A.'"""
+    """Where G lies from A and the straight moves there, e.g.
+    'G is 2 rows down and 1 column left of A: D, D, L if no wall is in the way.'"""
     dr, dc = goal[0] - pos[0], goal[1] - pos[1]
-    parts = [
-        f"{abs(d)} {unit}{'s' if abs(d) != 1 else ''} {word}"
-        for d, unit, word in (
-            (dr, "row", "down" if dr > 0 else "up"),
-            (dc, "column", "right" if dc > 0 else "left"),
-        )
-        if d
-    ]
-    return f"G is {' and '.join(parts) or 'at A'} of A."
+    steps = [("row", "down", "D", dr) if dr > 0 else ("row", "up", "U", -dr)]
+    steps.append(("column", "right", "R", dc) if dc > 0 else ("column", "left", "L", -dc))
+    steps = [s for s in steps if s[3]]
+    where = " and ".join(f"{n} {unit}{'s' if n != 1 else ''} {word}" for unit, word, _, n in steps)
+    moves = ", ".join(letter for _, _, letter, n in steps for _ in range(n))
+    return f"G is {where} of A: {moves} if no wall is in the way." if steps else "G is at A."
 
 
 @dataclass
