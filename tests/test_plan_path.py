@@ -160,8 +160,9 @@ def test_offset_line_says_where_the_goal_lies() -> None:
     env = masenvs.make("plan_path", show_offset=True)
     task = {"rows": ["....", "....", "....", "...."], "start": [1, 3], "goal": [3, 2]}
     _, infos = env.reset(options={"task": task})
-    assert "G is 2 rows down and 1 column left of A." in infos["plan"]["messages"][1]["content"]
+    text = "G is 2 rows down and 1 column left of A: D, D, L if no wall is in the way."
+    assert text in infos["plan"]["messages"][1]["content"]
     _, infos = env.reset(options={"task": {**task, "goal": [0, 3]}})
-    assert "G is 1 row up of A." in infos["plan"]["messages"][1]["content"]
+    assert "G is 1 row up of A: U if" in infos["plan"]["messages"][1]["content"]
     _, infos = masenvs.make("plan_path").reset(options={"task": task})
     assert "of A." not in infos["plan"]["messages"][1]["content"]
