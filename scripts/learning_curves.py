@@ -14,6 +14,7 @@ import json
 from pathlib import Path
 
 import matplotlib
+import yaml
 
 matplotlib.use("Agg")
 
@@ -77,11 +78,10 @@ def main() -> None:
                 color=colors[i % 10],
                 label=f"{run.name} {agent}",
             )
-        seed = (
-            json.loads((run / "config.json").read_text())["seed"]
-            if (run / "config.json").exists()
-            else "?"
-        )
+        config = yaml.safe_load((run / "config.yaml").read_text())
+        seed = config.get("seed", "?")
+        # config.yaml is written once the learner is loaded; the last metrics line ends the run.
+        wall = records[-1]["time"] - (run / "config.yaml").stat().st_mtime
         first, last = vals[0], vals[-1]
         cells = [
             f"{first.get(f'val/reward/{a}', float('nan')):+.2f} -> {last.get(f'val/reward/{a}', float('nan')):+.2f}"
@@ -89,7 +89,9 @@ def main() -> None:
         ]
         print(
             f"| {run.name} | {seed} | {first['val/success']:.0%} -> {last['val/success']:.0%} "
-            f"(step {first['step']} -> {last['step']}) | " + " | ".join(cells) + " |"
+            f"(step {first['step']} -> {last['step']}) | "
+            + " | ".join(cells)
+            + f" | {wall / 60:.1f} min |"
         )
     ax_s.set_title("Greedy validation success")
     ax_s.set_xlabel("training step")
