@@ -133,3 +133,36 @@ def test_bad_task_option_is_a_clear_error() -> None:
     env = masenvs.make("plan_path")
     with pytest.raises(ValueError, match="not reachable"):
         env.reset(options={"task": {"rows": [".#", "#."], "start": [0, 0], "goal": [1, 1]}})
+
+
+def test_proposing_tool_is_scored_on_a_copy_and_shown_to_plan() -> None:
+    env = masenvs.make("plan_path", tool_task="propose", max_rounds=2)
+    _, infos = env.reset(options={"task": TASK})
+    assert "####" in infos["tool"]["messages"][1]["content"]  # asked for moves, not a program
+    _, rewards, _, _, infos = env.step({"tool": "#### [R, R, R]"})
+    parts = infos["tool"]["reward_parts"]
+    assert parts["agent"] == pytest.approx(1.5)  # goal + optimal, on a copy of the board
+    assert env.state.pos == (0, 0) and not env.state.tool_runs  # no move made, no program run
+    assert "The tool agent proposes:\n#### [R, R, R]" in infos["plan"]["messages"][1]["content"]
+    _, rewards, terms, _, infos = env.step({"plan": "#### [R, R, R]"})
+    assert terms["plan"] and infos["plan"]["success"]
+
+
+def test_proposing_tool_without_moves_gets_the_format_penalty() -> None:
+    env = masenvs.make("plan_path", tool_task="propose")
+    env.reset(options={"task": TASK})
+    _, rewards, _, _, infos = env.step({"tool": "I cannot tell."})
+    assert rewards["tool"] == pytest.approx(-1.0)
+    assert "The tool agent proposes:\n(no moves)" in infos["plan"]["messages"][1]["content"]
+
+
+def test_offset_line_says_where_the_goal_lies() -> None:
+    env = masenvs.make("plan_path", show_offset=True)
+    task = {"rows": ["....", "....", "....", "...."], "start": [1, 3], "goal": [3, 2]}
+    _, infos = env.reset(options={"task": task})
+    text = "G is 2 rows down and 1 column left of A: D, D, L if no wall is in the way."
+    assert text in infos["plan"]["messages"][1]["content"]
+    _, infos = env.reset(options={"task": {**task, "goal": [0, 3]}})
+    assert "G is 1 row up of A: U if" in infos["plan"]["messages"][1]["content"]
+    _, infos = masenvs.make("plan_path").reset(options={"task": task})
+    assert "of A." not in infos["plan"]["messages"][1]["content"]

@@ -8,7 +8,7 @@ moves the team commits. Single-agent mode: `plan` alone, which may also write co
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -31,6 +31,19 @@ class PlanPathConfig(EnvConfig):
     optimal_bonus: float = Field(0.5, description="Extra when the whole path is BFS-optimal.")
     format_penalty: float = Field(-1.0, description="For an answer with no parsable moves.")
     tool_timeout: float = Field(5.0, gt=0, description="Wall seconds for the tool's program.")
+    tool_task: Literal["search", "propose"] = Field(
+        "search",
+        description="What the tool agent does: 'search', write a program that computes the path "
+        "(the paper's role; its output is scored); 'propose', answer with moves like the plan "
+        "agent, scored on a copy of the board and shown to the plan as a proposal: a role a "
+        "135M model can play (no program runs).",
+    )
+    show_offset: bool = Field(
+        False,
+        description="Also state where G lies from A and the straight moves there (rows "
+        "first), e.g. 'G is 2 rows down and 1 column left of A: D, D, L if no wall is in the "
+        "way.': the arithmetic a small model gets wrong, done for it; walls still need detours.",
+    )
 
 
 # --- reward --------------------------------------------------------------------------------
@@ -155,6 +168,11 @@ ASK = {
     "tool": "Answer with a ```python block that prints `Moves: [...]`.",
     "plan": "Answer with your moves after ####, for example: #### [R, D, D]",
 }
+PROPOSE_SYSTEM = (
+    "You are the tool agent of a path-planning team. Propose the moves that take the agent "
+    "from A to G in as few steps as possible; the plan agent sees your proposal and decides. "
+    "End your answer with `#### [moves]`, e.g. `#### [R, R, D]`. " + _RULES
+)
 SOLO_SYSTEM = (
     "You solve path-planning tasks. You may write a Python program in a ```python block; it "
     "runs and you see its output next round. End your answer with `#### [moves]`, e.g. "
@@ -162,11 +180,24 @@ SOLO_SYSTEM = (
 )
 
 
+def offset_text(pos: grid.Cell, goal: grid.Cell) -> str:
+    """Where G lies from A and the straight moves there, e.g.
+    'G is 2 rows down and 1 column left of A: D, D, L if no wall is in the way.'"""
+    dr, dc = goal[0] - pos[0], goal[1] - pos[1]
+    steps = [("row", "down", "D", dr) if dr > 0 else ("row", "up", "U", -dr)]
+    steps.append(("column", "right", "R", dc) if dc > 0 else ("column", "left", "L", -dc))
+    steps = [s for s in steps if s[3]]
+    where = " and ".join(f"{n} {unit}{'s' if n != 1 else ''} {word}" for unit, word, _, n in steps)
+    moves = ", ".join(letter for _, _, letter, n in steps for _ in range(n))
+    return f"G is {where} of A: {moves} if no wall is in the way." if steps else "G is at A."
+
+
 @dataclass
 class PlanPathState(EpisodeState):
     pos: grid.Cell = (0, 0)
     steps: int = 0  # valid moves taken so far
     tool_runs: list[ToolRun] = field(default_factory=list)
+    proposal: list[str] | None = None  # the tool's moves this round (tool_task "propose")
 
 
 class PlanPathEnv(MASEnv):
@@ -199,22 +230,29 @@ class PlanPathEnv(MASEnv):
         return ["".join(r) for r in rows]
 
     def prompt(self, agent: str) -> list[Message]:
-        system = SOLO_SYSTEM if self.config.single_agent else SYSTEM[agent]
+        cfg = self.config
+        propose = agent == "tool" and cfg.tool_task == "propose"
+        system = SOLO_SYSTEM if cfg.single_agent else PROPOSE_SYSTEM if propose else SYSTEM[agent]
         pos, goal = self.state.pos, self.task.goal
         lines = [
             f"Grid ({self.task.size}x{self.task.size}):",
             grid.grid_text(self.board()),
             f"You are at A (row {pos[0]}, column {pos[1]}); the goal G is at "
             f"(row {goal[0]}, column {goal[1]}).",
+            *([offset_text(pos, goal)] if self.config.show_offset else []),
             f"Round {self.round + 1} of {self.config.max_rounds}.",
         ]
         lines += round_context(
             agent,
             self.last_feedback.get(agent),
             self.state.tool_runs,
-            show_tool=not self.config.single_agent,
+            show_tool=not cfg.single_agent and cfg.tool_task == "search",
         )
-        lines += ["", ASK["tool" if agent == "tool" else "plan"]]
+        if agent == "plan" and cfg.tool_task == "propose" and not cfg.single_agent:
+            moves = self.state.proposal
+            lines += ["", "The tool agent proposes:"]
+            lines += [f"#### [{', '.join(moves)}]" if moves else "(no moves)"]
+        lines += ["", ASK["plan" if propose else agent]]
         return [
             {"role": "system", "content": system},
             {"role": "user", "content": "\n".join(lines)},
@@ -230,15 +268,21 @@ class PlanPathEnv(MASEnv):
     def _tool_turn(self, action: str) -> RewardParts:
         """The tool's printed moves are scored on a copy: the tool never moves the team."""
         cfg, task, state = self.config, self.task, self.state
-        run = run_tool(action, cfg.tool_timeout)
-        state.tool_runs.append(run)
-        moves = parse_moves(run.output, marker="Moves:") if run.ok else None
+        if cfg.tool_task == "propose":
+            moves = state.proposal = parse_moves(action)
+            head = "" if moves is None else "Your proposal was scored."
+            missing = "No moves found: end with `#### [moves]`."
+        else:
+            run = run_tool(action, cfg.tool_timeout)
+            state.tool_runs.append(run)
+            moves = parse_moves(run.output, marker="Moves:") if run.ok else None
+            head, missing = run.describe(), run.describe() + "\nNo moves found in the output."
         if moves is None:
-            self.last_feedback["tool"] = run.describe() + "\nNo moves found in the output."
+            self.last_feedback["tool"] = missing
             return RewardParts(agent=cfg.format_penalty)
         sim = score_moves(task, state.pos, moves, cfg)
         self.last_feedback["tool"] = (
-            run.describe()
+            head
             + f"\nYour moves {''.join(moves)} lead to {sim.end}"
             + (" — the goal." if sim.reached else ", not the goal.")
         )
