@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import json
 import random
 from typing import Any
@@ -12,7 +11,6 @@ import torch
 from peft import PeftModel
 from safetensors.torch import load_file
 
-from masenvs.adapters.models import load_model
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import TrainConfig, load_config
 from masenvs.trainer.learner import (
@@ -25,20 +23,6 @@ from masenvs.trainer.learner import (
 from masenvs.trainer.samples import Sample, tree_group
 
 VOCAB = 49152
-
-
-@pytest.fixture(scope="module")
-def tiny() -> Any:
-    return load_model("tiny").model
-
-
-@pytest.fixture
-def loader(tiny: Any) -> Any:
-    def load(name: str, device: torch.device, dtype: torch.dtype) -> Any:
-        assert name == "tiny"
-        return copy.deepcopy(tiny).to(device=device, dtype=dtype)
-
-    return load
 
 
 def config(*overrides: str) -> TrainConfig:

@@ -4,37 +4,18 @@ leave the loss and the gradients unchanged."""
 
 from __future__ import annotations
 
-import copy
 import random
 from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
+from test_learner import VOCAB, config
 
-from masenvs.adapters.models import cache_dir, load_model
+from masenvs.adapters.models import cache_dir
 from masenvs.trainer.atgrpo import group_advantages
-from masenvs.trainer.config import TrainConfig, load_config
 from masenvs.trainer.learner import Learner, prompt_units, unit_length
 from masenvs.trainer.samples import Sample, tree_group
-
-VOCAB = 49152
-
-
-@pytest.fixture(scope="module")
-def tiny() -> Any:
-    return load_model("tiny").model
-
-
-@pytest.fixture
-def loader(tiny: Any) -> Any:
-    return lambda name, device, dtype: copy.deepcopy(tiny).to(device=device, dtype=dtype)
-
-
-def config(*overrides: str) -> TrainConfig:
-    base = ["model.name=tiny", "lora.rank=4", "lora.alpha=8", "optim.warmup_steps=0"]
-    base += ["optim.lr=1e-2", "steps=10"]
-    return load_config(None, base + list(overrides))
 
 
 def branches(agent: str, n_prompts: int, k: int, seed: int, length: int = 12) -> list[Sample]:
