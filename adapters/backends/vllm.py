@@ -649,16 +649,27 @@ class VLLMProcess:
     command: list[str] = field(default_factory=list)
 
     def stop(self, timeout: float = 30.0) -> None:
-        """End the server and every process it started (its own process group)."""
+        """End the server and every process it started; return once they are all gone.
+
+        The server runs in its own process group; engine and worker processes that left
+        the group are found as descendants, so none outlives `stop()`."""
+        family = _descendants(self.process.pid)
         if self.process.poll() is None:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.process.pid, signal.SIGTERM)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.process.wait(timeout)
-        # Engine or worker processes that outlived the API server must not linger.
+        family |= _group_members(self.process.pid)
         with contextlib.suppress(ProcessLookupError, PermissionError):
             os.killpg(self.process.pid, signal.SIGKILL)
+        for pid in family:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.kill(pid, signal.SIGKILL)
         self.process.wait()
+        # SIGKILL is delivered asynchronously: wait until the kernel has ended each one.
+        deadline = time.monotonic() + 10.0
+        while any(_alive(pid) for pid in family) and time.monotonic() < deadline:
+            time.sleep(0.05)
 
     def log_tail(self, lines: int = 40) -> str:
         try:
@@ -671,6 +682,46 @@ class VLLMProcess:
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
+
+
+def _proc_stat(pid: int) -> list[str] | None:
+    """The fields of /proc/PID/stat after the command name, or None if it is gone."""
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().rpartition(")")[2].split()
+    except OSError:
+        return None
+
+
+def _alive(pid: int) -> bool:
+    """Whether `pid` still runs (a zombie waiting to be reaped has ended)."""
+    stat = _proc_stat(pid)
+    return stat is not None and stat[0] not in ("Z", "X")
+
+
+def _all_pids() -> list[int]:
+    try:
+        return [int(name) for name in os.listdir("/proc") if name.isdigit()]
+    except OSError:  # no /proc (macOS): killpg alone has to do
+        return []
+
+
+def _group_members(pgid: int) -> set[int]:
+    return {pid for pid in _all_pids() if (stat := _proc_stat(pid)) and stat[2] == str(pgid)}
+
+
+def _descendants(root: int) -> set[int]:
+    """`root`'s living descendants, by parent pid in /proc."""
+    children: dict[int, list[int]] = {}
+    for pid in _all_pids():
+        if stat := _proc_stat(pid):
+            children.setdefault(int(stat[1]), []).append(pid)
+    found, todo = set(), [root]
+    while todo:
+        for child in children.get(todo.pop(), []):
+            if child not in found:
+                found.add(child)
+                todo.append(child)
+    return found
 
 
 @dataclass(frozen=True)
