@@ -58,6 +58,7 @@ from masenvs.traces import CallRecord, ChoiceRecord, TraceStore
 log = logging.getLogger("masenvs.endpoint")
 
 MAX_BODY_BYTES = 32 << 20
+MAX_ENDED_ROLLOUTS = 1 << 16  # ended rollouts remembered to refuse their late calls
 _ANY = ["GET", "POST", "PUT", "PATCH", "DELETE"]  # wrong methods get a JSON 405 from _guard
 
 
@@ -122,6 +123,7 @@ class Endpoint:
         self._metadata: dict[str, dict[str, Any]] = {}
         self._counters: dict[tuple[str | None, str], int] = {}
         self._counter_lock = threading.Lock()
+        self._ended: dict[str, None] = {}  # insertion-ordered, oldest dropped first
         routes = []
         for prefix in ("/v1", "/r/{rollout_id}/v1"):
             routes += [
@@ -143,12 +145,18 @@ class Endpoint:
         """Attach `metadata` (task id, seed, ...) to every later record of `rollout_id`."""
         self._metadata[rollout_id] = dict(metadata)
 
-    def end_rollout(self, rollout_id: str) -> None:
-        """Forget a finished rollout's call counters and metadata."""
+    def end_rollout(self, rollout_id: str, *, refuse_late_calls: bool = False) -> None:
+        """Forget a finished rollout's call counters and metadata. With `refuse_late_calls`,
+        later calls under its id get a 409 error and no record (a timed-out workflow run
+        whose thread is still going must not add calls to the trace)."""
         self._metadata.pop(rollout_id, None)
         with self._counter_lock:
             for key in [k for k in self._counters if k[0] == rollout_id]:
                 del self._counters[key]
+            if refuse_late_calls:
+                self._ended[rollout_id] = None
+                if len(self._ended) > MAX_ENDED_ROLLOUTS:
+                    del self._ended[next(iter(self._ended))]
 
     def model_ids(self) -> list[str]:
         names = list(dict.fromkeys([*self.backend.model_names(), *self.served_model_names]))
@@ -232,6 +240,13 @@ class Endpoint:
     def _next_index(self, rollout_id: str | None, agent: str) -> int:
         # Requests the endpoint rejects get no index; one the backend rejects keeps its own.
         with self._counter_lock:
+            if rollout_id in self._ended:
+                raise APIError(
+                    409,
+                    f"Rollout {rollout_id!r} has ended (its run finished or timed out); "
+                    "calls made after the end are refused and not recorded.",
+                    code="rollout_ended",
+                )
             index = self._counters.get((rollout_id, agent), 0)
             self._counters[(rollout_id, agent)] = index + 1
         return index

@@ -8,6 +8,7 @@ test model writes gibberish, so none of them depends on what the model says.
 from __future__ import annotations
 
 import asyncio
+import time
 from typing import Any
 
 from masenvs.adapters.frameworks import WorkflowContext
@@ -179,3 +180,119 @@ def autogen_selector(ctx: WorkflowContext) -> Any:
         model_client=ctx.clients["selector"],
         termination_condition=MaxMessageTermination(3),
     )
+
+
+# -- programs that block instead of awaiting (only run 0 of seed 0) -------------------------
+
+BLOCK_S = 8.0  # longer than the tests' timeout_s
+LATE: dict[str, str] = {}  # rollout id -> what the hung run's call after its sleep got
+
+
+def _blocks(ctx: WorkflowContext) -> bool:
+    return ctx.seed == 0 and ctx.run_index == 0
+
+
+async def _late(ctx: WorkflowContext, make_call: Any) -> None:
+    """The call a hung run makes once its blocking call returns, past its deadline."""
+    try:
+        await make_call()
+        LATE[ctx.rollout_id] = "sent"
+    except BaseException as exc:  # cancelled, or refused by its revoked client
+        cause = exc.__cause__ or exc
+        LATE[ctx.rollout_id] = f"{type(cause).__name__}: {cause}"
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+
+
+def langgraph_blocking(ctx: WorkflowContext) -> Any:
+    """`time.sleep` in an async node (the user meant `await asyncio.sleep`)."""
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    solver = ctx.clients["solver"]
+
+    async def solve(state: MessagesState) -> dict:
+        if _blocks(ctx):
+            time.sleep(BLOCK_S)
+            await _late(ctx, lambda: solver.ainvoke(state["messages"]))
+        return {"messages": [await solver.ainvoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("solve", solve)
+    graph.add_edge(START, "solve")
+    graph.add_edge("solve", END)
+    return graph.compile()
+
+
+def autogen_blocking(ctx: WorkflowContext) -> Any:
+    """A custom AutoGen agent that looks something up with a blocking call."""
+    from autogen_agentchat.agents import AssistantAgent, BaseChatAgent
+    from autogen_agentchat.base import Response
+    from autogen_agentchat.conditions import MaxMessageTermination
+    from autogen_agentchat.messages import TextMessage
+    from autogen_agentchat.teams import RoundRobinGroupChat
+    from autogen_core.models import UserMessage
+
+    client = ctx.clients["coder"]
+
+    class Lookup(BaseChatAgent):
+        @property
+        def produced_message_types(self) -> tuple:
+            return (TextMessage,)
+
+        async def on_messages(self, messages: Any, cancellation_token: Any) -> Response:
+            if _blocks(ctx):
+                time.sleep(BLOCK_S)
+                await _late(ctx, lambda: client.create([UserMessage(content="hi", source="u")]))
+            return Response(chat_message=TextMessage(content="docs: none", source=self.name))
+
+        async def on_reset(self, cancellation_token: Any) -> None:
+            pass
+
+    coder = AssistantAgent("coder", model_client=client)
+    return RoundRobinGroupChat(
+        [Lookup("lookup", description="Looks things up."), coder],
+        termination_condition=MaxMessageTermination(3),
+    )
+
+
+def llamaindex_blocking(ctx: WorkflowContext) -> Any:
+    """A LlamaIndex step that blocks before its model call."""
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.workflow import StartEvent, StopEvent, Workflow, step
+
+    drafter = ctx.clients["drafter"]
+
+    class Draft(Workflow):
+        @step
+        async def draft(self, ev: StartEvent) -> StopEvent:
+            message = [ChatMessage(role="user", content=ev.user_msg)]
+            if _blocks(ctx):
+                time.sleep(BLOCK_S)
+                await _late(ctx, lambda: drafter.achat(message))
+            reply = await drafter.achat(message)
+            return StopEvent(result=reply.message.content or "")
+
+    return Draft(timeout=None)
+
+
+def own_client_blocking(ctx: WorkflowContext) -> Any:
+    """Ignores `ctx.clients`: a sync openai client of its own, and a blocking sleep."""
+    import openai
+
+    client = openai.OpenAI(base_url=ctx.base_url, api_key="-", max_retries=0)
+
+    def ask(messages: list[dict]) -> str:
+        reply = client.chat.completions.create(model="solver", messages=messages, max_tokens=4)
+        return reply.choices[0].message.content or ""
+
+    async def run(messages: list[dict]) -> str:
+        if _blocks(ctx):
+            time.sleep(BLOCK_S)
+            try:  # sync, so no cancellation can stop it: only the endpoint can refuse it
+                ask(messages)
+                LATE[ctx.rollout_id] = "sent"
+            except openai.APIStatusError as exc:
+                LATE[ctx.rollout_id] = f"{exc.status_code}: {exc.message}"
+        return ask(messages)
+
+    return run

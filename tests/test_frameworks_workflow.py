@@ -9,6 +9,7 @@ that agent's adapter, numbered 0, 1, ... per agent, and turned into samples grou
 from __future__ import annotations
 
 import asyncio
+import time
 from collections import defaultdict
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,12 +19,13 @@ from framework_support import random_lora, serve
 
 from masenvs.adapters.backends.embedded import EmbeddedBackend
 from masenvs.adapters.frameworks import Clients, ClientSettings, WorkflowSpec, load_factory
+from masenvs.adapters.frameworks.calls import read_calls
 from masenvs.adapters.frameworks.langgraph import answer_text
 from masenvs.adapters.frameworks.workflow import run_tasks, run_workflow
 from masenvs.adapters.policy import Sampling
 from masenvs.registry import make
 from masenvs.trainer.samples import workflow_group
-from masenvs.trainer.workflow import collect_workflow_samples
+from masenvs.trainer.workflow import collect_workflow_samples, workflow_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = ClientSettings(sampling=Sampling(max_tokens=12))
@@ -302,3 +304,100 @@ def test_clients_refuse_undeclared_agents_and_answers_are_read_from_state() -> N
         answer_text(state, "answer")
     with pytest.raises(ValueError, match="at least 1"):
         WorkflowSpec(factory="m:f", framework="langgraph", agents=[])
+
+
+BLOCKING = [
+    ("langgraph", "framework_programs:langgraph_blocking", ["solver"]),
+    ("autogen", "framework_programs:autogen_blocking", ["coder"]),
+    ("llamaindex", "framework_programs:llamaindex_blocking", ["drafter"]),
+]
+
+
+def _wait_for_late_call(rollout_id: str) -> str:
+    """What the hung run's call after its sleep got (the hung thread records it)."""
+    from framework_programs import LATE
+
+    deadline = time.monotonic() + 30
+    while rollout_id not in LATE and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return LATE[rollout_id]
+
+
+@pytest.mark.parametrize(("framework", "factory", "agents"), BLOCKING, ids=[c[0] for c in BLOCKING])
+def test_a_blocking_run_times_out_alone_and_its_late_calls_are_refused(
+    backend, tmp_path, framework, factory, agents
+) -> None:
+    """`time.sleep` in one run's async code: only that run times out, on time."""
+    from framework_programs import BLOCK_S, LATE
+
+    LATE.clear()
+    spec = WorkflowSpec(factory=factory, framework=framework, agents=agents, timeout_s=5)
+    with serve(backend, tmp_path) as served:
+        # A first run imports the framework (seconds on a busy CPU), inside its deadline.
+        options = dict(root_url=served.url, env_name="math", settings=SETTINGS)
+        asyncio.run(run_tasks(spec, seeds=[1], runs_per_task=1, prefix="warm", **options))
+        started = time.perf_counter()
+        samples, runs = asyncio.run(
+            collect_workflow_samples(
+                spec,
+                root_url=served.url,
+                store=served.store,
+                env_name="math",
+                seeds=[0, 1],
+                runs_per_task=2,
+                settings=SETTINGS,
+                endpoint=served.endpoint,
+            )
+        )
+        elapsed = time.perf_counter() - started
+        hung, others = runs[0], runs[1:]
+        late = _wait_for_late_call(hung.rollout_id)
+        calls = list(served.store.calls())
+    assert (hung.seed, hung.run_index) == (0, 0)
+    assert hung.error == "ProgramTimeout: the program ran past timeout_s=5"
+    assert [r.error for r in others] == [None, None, None]  # no other run was marked
+    assert elapsed < BLOCK_S  # the blocked thread stalled neither the other runs nor us
+    # Its call after the sleep was cancelled or refused: never sent, never trained.
+    assert late.startswith(("CancelledError", "RunEnded")), late
+    assert hung.rollout_id not in {c.rollout_id for c in calls}
+    assert {s.meta["rollout_id"] for s in samples} == {r.rollout_id for r in others}
+
+
+@pytest.mark.parametrize("with_endpoint", [True, False], ids=["endpoint", "no-endpoint"])
+def test_late_calls_of_a_timed_out_run_never_train(backend, tmp_path, with_endpoint) -> None:
+    """A program with its own client: the endpoint refuses its late call; without the
+    endpoint object (a remote server), the call is recorded but never becomes a sample."""
+    from framework_programs import LATE
+
+    LATE.clear()
+    spec = WorkflowSpec(
+        factory="framework_programs:own_client_blocking",
+        framework="langgraph",
+        agents=["solver"],
+        timeout_s=4,
+    )
+    with serve(backend, tmp_path) as served:
+        runs = asyncio.run(
+            run_tasks(
+                spec,
+                root_url=served.url,
+                env_name="math",
+                seeds=[0],
+                runs_per_task=2,
+                settings=SETTINGS,
+                endpoint=served.endpoint if with_endpoint else None,
+                prefix="ep" if with_endpoint else "remote",
+            )
+        )
+        late = _wait_for_late_call(runs[0].rollout_id)
+        calls = read_calls(served.store, [r.rollout_id for r in runs])
+    assert runs[0].error.startswith("ProgramTimeout") and runs[1].error is None
+    samples = workflow_samples(runs, calls)
+    assert {s.meta["rollout_id"] for s in samples} == {runs[1].rollout_id}
+    if with_endpoint:
+        assert late.startswith("409") and "Rollout 'ep-0-0' has ended" in late, late
+        assert runs[0].rollout_id not in {c.rollout_id for c in calls}
+    else:
+        assert late == "sent"  # it reached the server and is in the trace...
+        (recorded,) = [c for c in calls if c.rollout_id == runs[0].rollout_id]
+        assert recorded.started_at > runs[0].ended_at  # ...after the run ended: no sample

@@ -35,6 +35,8 @@ def workflow_samples(
         run = by_rollout.get(call.rollout_id or "")
         if run is None or not call.prompt_token_ids:
             continue
+        if run.ended_at and call.started_at > run.ended_at:
+            continue  # a late call of a timed-out run, whose thread went on: never trained
         for choice in call.choices:
             logprobs = choice.logprobs if len(choice.logprobs) == len(choice.token_ids) else []
             samples.append(

@@ -39,6 +39,10 @@ AUTOGEN_MODEL_INFO: dict[str, Any] = {
 }
 
 
+class RunEnded(RuntimeError):
+    """A call made by a run after it ended (timed out): refused, never sent."""
+
+
 class UnknownAgent(KeyError):
     """A client asked for an agent the workflow does not declare."""
 
@@ -207,10 +211,13 @@ class Clients(Mapping[str, Any]):
         self.settings = settings or ClientSettings()
         self._built: dict[str, Any] = {}
         self._extra: list[Any] = []
+        self._revoked: str | None = None
         timeout = httpx.Timeout(self.settings.timeout, connect=10.0)
         # Our own pools: frameworks that make their own cache one per base URL, which would
         # leak one pool per rollout.
-        self._http = httpx.AsyncClient(timeout=timeout, verify=_ssl_context())
+        self._http = httpx.AsyncClient(
+            timeout=timeout, verify=_ssl_context(), event_hooks={"request": [self._arefuse]}
+        )
         self._http_sync: httpx.Client | None = None
         self._sync_timeout = timeout
 
@@ -271,8 +278,24 @@ class Clients(Mapping[str, Any]):
     def _sync_client(self) -> httpx.Client:
         # Sync framework calls (a plain `def` LangGraph node) need a sync pool of their own.
         if self._http_sync is None:
-            self._http_sync = httpx.Client(timeout=self._sync_timeout, verify=_ssl_context())
+            self._http_sync = httpx.Client(
+                timeout=self._sync_timeout,
+                verify=_ssl_context(),
+                event_hooks={"request": [self._refuse]},
+            )
         return self._http_sync
+
+    def revoke(self, reason: str) -> None:
+        """Refuse every later request of these clients (a run past its deadline); safe to
+        call from any thread."""
+        self._revoked = reason
+
+    def _refuse(self, request: httpx.Request) -> None:
+        if self._revoked is not None:
+            raise RunEnded(f"call to {request.url.path} refused: {self._revoked}")
+
+    async def _arefuse(self, request: httpx.Request) -> None:
+        self._refuse(request)
 
     async def aclose(self) -> None:
         """Close every client built here and the shared connection pools."""

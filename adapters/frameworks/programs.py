@@ -8,16 +8,21 @@ agent, a LlamaIndex workflow, or, for anything else, an async function
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
+import logging
+import threading
+import traceback
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass
-from typing import Any
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
 from masenvs.adapters.frameworks.clients import FRAMEWORKS, Framework
 from masenvs.env import messages_to_text
 
 Messages = list[dict[str, Any]]
 AsyncProgram = Callable[[Messages], Awaitable[str]]
+T = TypeVar("T")
 
 
 class ProgramTimeout(TimeoutError):
@@ -113,3 +118,123 @@ def _module(framework: Framework) -> Any:
     else:
         from masenvs.adapters.frameworks import llamaindex as module
     return module
+
+
+# -- isolation: every run in its own thread with its own event loop ---------------------------
+
+# Frameworks whose own warnings (multi-line tracebacks) are kept in the run's record instead
+# of the log: masenvs logs each failed run once, in one line.
+CAPTURED_LOGGERS = ("autogen_core", "autogen_agentchat", "autogen_ext")
+_sinks: dict[int, list[str]] = {}  # thread id -> the log lines of the run on that thread
+
+
+class _RunLogs(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        sink = _sinks.get(threading.get_ident())
+        if sink is None or record.levelno < logging.WARNING:
+            return True
+        text = f"{record.levelname} {record.name}: {record.getMessage()}"
+        if record.exc_info:
+            text += "\n" + "".join(traceback.format_exception(*record.exc_info))
+        sink.append(text)
+        return False
+
+
+_filter = _RunLogs()
+
+
+def _capture_framework_logs() -> None:
+    for name in CAPTURED_LOGGERS:
+        logger = logging.getLogger(name)
+        if _filter not in logger.filters:
+            logger.addFilter(_filter)
+
+
+@dataclass
+class Isolation:
+    """What a program run in its own thread leaves behind: its captured framework logs, and
+    the callbacks that cut it off when it runs past its deadline."""
+
+    name: str
+    logs: list[str] = field(default_factory=list)
+    on_timeout: list[Callable[[], None]] = field(default_factory=list)
+
+
+async def run_isolated(
+    body: Callable[[Isolation], Awaitable[T]], timeout_s: float | None, isolation: Isolation
+) -> T:
+    """Run `body` in a thread of its own with its own event loop, within `timeout_s`.
+
+    A blocking call in the program (`time.sleep` in an async node) stalls only its own
+    thread: the caller's loop, the other runs and the trainer go on, and the deadline is
+    kept. A thread cannot be killed: at the deadline its task is cancelled (effective at its
+    next `await`) and `on_timeout` callbacks run (they revoke the run's clients, so its late
+    calls are refused); the thread ends whenever its blocking call returns. Raises what
+    `body` raised, or `ProgramTimeout`.
+    """
+    _capture_framework_logs()
+    caller = asyncio.get_running_loop()
+    done: asyncio.Future[T] = caller.create_future()
+    lock = threading.Lock()
+    inner: dict[str, Any] = {}  # the thread's loop and task, once running
+    abandoned = False
+
+    def deliver(result: Any, error: BaseException | None) -> None:
+        if abandoned or done.done():
+            return
+        if isinstance(error, asyncio.CancelledError):
+            done.cancel()
+        elif error is not None:
+            done.set_exception(error)
+        else:
+            done.set_result(result)
+
+    async def main() -> T:
+        with lock:
+            inner["loop"], inner["task"] = asyncio.get_running_loop(), asyncio.current_task()
+            cancelled = inner.get("cancelled", False)
+        if cancelled:
+            raise asyncio.CancelledError
+        return await body(isolation)
+
+    def target() -> None:
+        _sinks[threading.get_ident()] = isolation.logs
+        result, error = None, None
+        try:
+            result = asyncio.run(main())
+        except BaseException as exc:  # delivered to the caller, who decides
+            error = exc
+        finally:
+            _sinks.pop(threading.get_ident(), None)
+        with contextlib.suppress(RuntimeError):  # the caller's loop has closed meanwhile
+            caller.call_soon_threadsafe(deliver, result, error)
+
+    def cancel() -> None:
+        with lock:
+            inner["cancelled"] = True
+            loop, task = inner.get("loop"), inner.get("task")
+        if loop is not None and task is not None:
+            with contextlib.suppress(RuntimeError):  # its loop has just finished
+                loop.call_soon_threadsafe(task.cancel)
+
+    thread = threading.Thread(target=target, name=isolation.name, daemon=True)
+    thread.start()
+    try:
+        result = await asyncio.wait_for(asyncio.shield(done), timeout_s)
+    except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
+        abandoned = True
+        cancel()
+        for callback in isolation.on_timeout:
+            callback()
+        if isinstance(exc, asyncio.CancelledError):
+            raise
+        raise ProgramTimeout(f"the program ran past timeout_s={timeout_s:g}") from None
+    return result
+
+
+def error_detail(exc: BaseException, isolation: Isolation | None = None) -> str:
+    """The full story of a failed run for its record: the traceback and framework logs."""
+    parts = ["".join(traceback.format_exception(exc)).rstrip()]
+    if isolation is not None and isolation.logs:
+        parts += ["framework logs of this run:", *isolation.logs]
+    return "\n".join(parts)

@@ -15,6 +15,7 @@ as the action. `RolePolicy.act` and `act_all` have `ChatPolicy`'s signatures, so
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import inspect
 import logging
 import time
@@ -25,10 +26,12 @@ from typing import Any, Literal
 from masenvs.adapters.frameworks.calls import read_calls
 from masenvs.adapters.frameworks.clients import Clients, ClientSettings, Framework, rollout_url
 from masenvs.adapters.frameworks.programs import (
+    Isolation,
     Messages,
     RunLimits,
     check_program,
     failure_reason,
+    run_isolated,
     run_program,
 )
 from masenvs.adapters.policy import ChatPolicy, Reply
@@ -123,18 +126,27 @@ class RolePolicy:
     async def _run_role(
         self, rollout_id: str, agent: str, role: FrameworkRole, messages: Messages
     ) -> str:
-        clients = Clients(
-            role.framework,
-            rollout_url(self.base_url, rollout_id),
-            [agent],
-            role.settings or self.settings,
-        )
+        url = rollout_url(self.base_url, rollout_id)
+        settings = role.settings or self.settings
+        limits = dataclasses.replace(role.limits, timeout_s=None)  # the thread's deadline rules
+
+        async def body(isolation: Isolation) -> str:
+            # Runs in a thread and event loop of its own: a blocking program stalls only itself.
+            clients = Clients(role.framework, url, [agent], settings)
+            isolation.on_timeout.append(lambda: clients.revoke(f"role {agent} timed out"))
+            try:
+                program = role.build(clients[agent])
+                if inspect.isawaitable(program):
+                    program = await program
+                check_program(role.framework, program)
+                return await run_program(role.framework, program, messages, limits)
+            finally:
+                await clients.aclose()
+
         try:
-            program = role.build(clients[agent])
-            if inspect.isawaitable(program):
-                program = await program
-            check_program(role.framework, program)
-            return await run_program(role.framework, program, messages, role.limits)
+            return await run_isolated(
+                body, role.limits.timeout_s, Isolation(f"masenvs-role-{rollout_id}-{agent}")
+            )
         except Exception as exc:
             reason = failure_reason(exc)
             log.warning(
@@ -143,8 +155,6 @@ class RolePolicy:
             if self.on_failure == "empty":
                 return ""
             raise RoleFailure(agent, reason) from exc
-        finally:
-            await clients.aclose()
 
     def _completion_tokens(self, rollout_id: str, agent: str, since: float, n: int) -> int:
         if self.store is None:

@@ -19,6 +19,7 @@ training samples, K runs per task grouped by (task, agent, call index).
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import importlib.util
 import inspect
@@ -34,10 +35,13 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from masenvs.adapters.frameworks.clients import Clients, ClientSettings, rollout_url
 from masenvs.adapters.frameworks.programs import (
+    Isolation,
     Messages,
     RunLimits,
     check_program,
+    error_detail,
     failure_reason,
+    run_isolated,
     run_program,
 )
 from masenvs.env import messages_to_text
@@ -116,6 +120,7 @@ class WorkflowRun:
     error: str | None  # why the program failed, if it did
     seconds: float
     started_at: float  # unix time
+    ended_at: float = 0.0  # unix time; calls that start later (a hung run's) never train
 
 
 def load_factory(ref: str) -> Factory:
@@ -191,33 +196,45 @@ async def run_workflow(
         endpoint.set_rollout_metadata(
             rollout_id, {"task_id": task_id, "seed": seed, "run_index": run_index}
         )
-    started_at, started = time.time(), time.perf_counter()
-    clients = Clients(spec.framework, url, spec.agents, settings)
-    answer, error = "", None
-    try:
-        context = WorkflowContext(
-            clients=clients,
-            messages=messages,
-            task=messages_to_text(messages),
-            base_url=url,
-            rollout_id=rollout_id,
-            env=env.name,
-            seed=seed,
-            run_index=run_index,
-            task_info=dict(infos[solo].get("task", {})),
+    context_of = dict(
+        messages=messages,
+        task=messages_to_text(messages),
+        base_url=url,
+        rollout_id=rollout_id,
+        env=env.name,
+        seed=seed,
+        run_index=run_index,
+        task_info=dict(infos[solo].get("task", {})),
+    )
+    limits = dataclasses.replace(spec.limits(), timeout_s=None)  # the thread's deadline rules
+
+    async def body(isolation: Isolation) -> str:
+        # Runs in the run's own thread and event loop: clients, program and all.
+        clients = Clients(spec.framework, url, spec.agents, settings)
+        isolation.on_timeout.append(
+            lambda: clients.revoke(f"run {rollout_id} ended at its timeout_s={spec.timeout_s:g}")
         )
-        program = factory(context)
-        if inspect.isawaitable(program):
-            program = await program
-        check_program(spec.framework, program)
-        answer = await run_program(spec.framework, program, messages, spec.limits())
+        try:
+            program = factory(WorkflowContext(clients=clients, **context_of))
+            if inspect.isawaitable(program):
+                program = await program
+            check_program(spec.framework, program)
+            return await run_program(spec.framework, program, messages, limits)
+        finally:
+            await clients.aclose()
+
+    started_at, started = time.time(), time.perf_counter()
+    answer, error, detail = "", None, None
+    isolation = Isolation(f"masenvs-run-{rollout_id}")
+    try:
+        answer = await run_isolated(body, spec.timeout_s, isolation)
     except Exception as exc:  # the user's program failing ends this run, not the batch
-        error = failure_reason(exc)
+        error, detail = failure_reason(exc), error_detail(exc, isolation)
         log.warning("workflow run %s (%s) failed: %s", rollout_id, task_id, error)
     finally:
-        await clients.aclose()
         if endpoint is not None:
-            endpoint.end_rollout(rollout_id)
+            endpoint.end_rollout(rollout_id, refuse_late_calls=True)
+    ended_at = time.time()
     # Env steps may run sandboxed programs: keep them off the event loop.
     _, rewards, _, _, _ = await asyncio.to_thread(env.step, {solo: answer})
     reward = rewards[solo]
@@ -234,6 +251,7 @@ async def run_workflow(
         error=error,
         seconds=time.perf_counter() - started,
         started_at=started_at,
+        ended_at=ended_at,
     )
     if store is not None:
         store.append(
@@ -249,6 +267,7 @@ async def run_workflow(
                     "seed": seed,
                     "run_index": run_index,
                     "error": error,
+                    "error_detail": detail,
                     "answer": answer[:2000],
                 },
                 policy_version=getattr(endpoint, "policy_version", None),
