@@ -54,7 +54,7 @@ def langgraph_fails_first_run(ctx: WorkflowContext) -> Any:
 
     def post(state: MessagesState) -> dict:
         if ctx.run_index == 0:
-            raise ValueError("boom in the user's graph")
+            raise ValueError("boom in the user's graph\nwith a second line")
         return {}
 
     graph = StateGraph(MessagesState)
@@ -296,3 +296,47 @@ def own_client_blocking(ctx: WorkflowContext) -> Any:
         return ask(messages)
 
     return run
+
+
+# -- programs whose own code raises (run 0 of every task) -----------------------------------
+
+
+def autogen_fails(ctx: WorkflowContext) -> Any:
+    """A custom AutoGen agent that raises: AutoGen logs a many-line traceback of its own."""
+    from autogen_agentchat.agents import AssistantAgent, BaseChatAgent
+    from autogen_agentchat.conditions import MaxMessageTermination
+    from autogen_agentchat.messages import TextMessage
+    from autogen_agentchat.teams import RoundRobinGroupChat
+
+    class Lookup(BaseChatAgent):
+        @property
+        def produced_message_types(self) -> tuple:
+            return (TextMessage,)
+
+        async def on_messages(self, messages: Any, cancellation_token: Any) -> Any:
+            raise ValueError("boom in the user's agent\nwith a second line")
+
+        async def on_reset(self, cancellation_token: Any) -> None:
+            pass
+
+    coder = AssistantAgent("coder", model_client=ctx.clients["coder"])
+    return RoundRobinGroupChat(
+        [coder, Lookup("lookup", description="Looks things up.")],
+        termination_condition=MaxMessageTermination(4),
+    )
+
+
+def llamaindex_fails(ctx: WorkflowContext) -> Any:
+    """A LlamaIndex step that raises after one model call."""
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.workflow import StartEvent, StopEvent, Workflow, step
+
+    drafter = ctx.clients["drafter"]
+
+    class Draft(Workflow):
+        @step
+        async def draft(self, ev: StartEvent) -> StopEvent:
+            await drafter.achat([ChatMessage(role="user", content=ev.user_msg)])
+            raise ValueError("boom in the user's step\nwith a second line")
+
+    return Draft(timeout=None)

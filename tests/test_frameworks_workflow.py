@@ -9,6 +9,7 @@ that agent's adapter, numbered 0, 1, ... per agent, and turned into samples grou
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -401,3 +402,41 @@ def test_late_calls_of_a_timed_out_run_never_train(backend, tmp_path, with_endpo
         assert late == "sent"  # it reached the server and is in the trace...
         (recorded,) = [c for c in calls if c.rollout_id == runs[0].rollout_id]
         assert recorded.started_at > runs[0].ended_at  # ...after the run ended: no sample
+
+
+FAILING = [
+    ("langgraph", "framework_programs:langgraph_fails_first_run", ["solver"]),
+    ("autogen", "framework_programs:autogen_fails", ["coder"]),
+    ("llamaindex", "framework_programs:llamaindex_fails", ["drafter"]),
+]
+
+
+@pytest.mark.parametrize(("framework", "factory", "agents"), FAILING, ids=[c[0] for c in FAILING])
+def test_each_failed_run_is_logged_once_in_one_line_with_the_detail_in_its_record(
+    backend, tmp_path, caplog, framework, factory, agents
+) -> None:
+    spec = WorkflowSpec(factory=factory, framework=framework, agents=agents)
+    caplog.set_level(logging.WARNING)
+    with serve(backend, tmp_path) as served:
+        (run,) = asyncio.run(
+            run_tasks(
+                spec,
+                root_url=served.url,
+                env_name="math",
+                seeds=[0],
+                runs_per_task=1,
+                settings=SETTINGS,
+                store=served.store,
+            )
+        )
+        (episode,) = served.store.episodes(run.rollout_id)
+    assert run.error is not None and "boom in the user's" in run.error
+    # One log record in all, one line, naming the run; AutoGen's own traceback is not logged.
+    assert [r.getMessage().count("\n") for r in caplog.records] == [0], caplog.text
+    assert run.rollout_id in caplog.records[0].getMessage()
+    # The record holds the whole story: the traceback (and AutoGen's log of it).
+    detail = episode.extra["error_detail"]
+    assert episode.extra["error"] == run.error
+    assert "Traceback (most recent call last)" in detail and "with a second line" in detail
+    if framework == "autogen":
+        assert "framework logs of this run:" in detail and "autogen_core" in detail

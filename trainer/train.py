@@ -217,10 +217,8 @@ class WorkflowSource:
     async def collect(self, step: int, seeds: list[int]) -> tuple[list[Sample], dict[str, float]]:
         from masenvs.trainer.workflow import workflow_metrics
 
+        # Each failed run is logged once, by run_workflow; the detail is in its episode record.
         samples, runs = await self._runs(step, seeds, self.cfg.rollout.branches, self.settings)
-        for run in runs:
-            if run.error:
-                log.warning("workflow run %s failed: %s", run.rollout_id, run.error)
         return samples, workflow_metrics(runs, samples)
 
     async def validate(self, step: int) -> dict[str, float]:
