@@ -340,3 +340,59 @@ def llamaindex_fails(ctx: WorkflowContext) -> Any:
             raise ValueError("boom in the user's step\nwith a second line")
 
     return Draft(timeout=None)
+
+
+# -- programs whose answer is not text -------------------------------------------------------
+
+
+def returns_a_list(ctx: WorkflowContext) -> Any:
+    """`(messages) -> str` documented, a list returned: its repr holds a correct answer."""
+
+    async def run(messages: list[dict]) -> Any:
+        return ["\\boxed{9}", "\\boxed{9}"]
+
+    return run
+
+
+def langgraph_answer_dict(ctx: WorkflowContext) -> Any:
+    """The answer key holds a dict (the user meant its 'value')."""
+    from typing import TypedDict
+
+    from langgraph.graph import END, START, StateGraph
+
+    class State(TypedDict, total=False):
+        messages: list
+        answer: dict
+
+    async def solve(state: State) -> dict:
+        return {"answer": {"value": "\\boxed{9}", "confidence": 0.9}}
+
+    graph = StateGraph(State)
+    graph.add_node("solve", solve)
+    graph.add_edge(START, "solve")
+    graph.add_edge("solve", END)
+    return graph.compile()
+
+
+def autogen_returns_none(ctx: WorkflowContext) -> Any:
+    """An async function that runs an AutoGen agent and forgets to return its answer."""
+    from autogen_agentchat.agents import AssistantAgent
+
+    agent = AssistantAgent("coder", model_client=ctx.clients["coder"])
+
+    async def run(messages: list[dict]) -> Any:
+        await agent.run(task=messages[-1]["content"])
+
+    return run
+
+
+def llamaindex_stops_with_a_list(ctx: WorkflowContext) -> Any:
+    """A LlamaIndex workflow that stops with a list of drafts."""
+    from llama_index.core.workflow import StartEvent, StopEvent, Workflow, step
+
+    class Drafts(Workflow):
+        @step
+        async def draft(self, ev: StartEvent) -> StopEvent:
+            return StopEvent(result=["\\boxed{9}"])
+
+    return Drafts(timeout=None)

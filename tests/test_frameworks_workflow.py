@@ -440,3 +440,38 @@ def test_each_failed_run_is_logged_once_in_one_line_with_the_detail_in_its_recor
     assert "Traceback (most recent call last)" in detail and "with a second line" in detail
     if framework == "autogen":
         assert "framework logs of this run:" in detail and "autogen_core" in detail
+
+
+WRONG_TYPES = [
+    ("langgraph", "returns_a_list", "the program returned a list, not text"),
+    ("langgraph", "langgraph_answer_dict", "state key answer_from='answer' holds a dict"),
+    ("autogen", "autogen_returns_none", "the program returned None, not text"),
+    ("llamaindex", "llamaindex_stops_with_a_list", "the workflow stopped with a list"),
+]
+
+
+@pytest.mark.parametrize(
+    ("framework", "factory", "reason"), WRONG_TYPES, ids=[c[1] for c in WRONG_TYPES]
+)
+def test_an_answer_that_is_not_text_fails_the_run_instead_of_being_scored(
+    backend, tmp_path, framework, factory, reason
+) -> None:
+    """A list whose repr holds `\\boxed{9}` once scored as correct; now it fails the run."""
+    agents = {"langgraph": ["solver"], "autogen": ["coder"], "llamaindex": ["drafter"]}
+    answer_from = "answer" if factory == "langgraph_answer_dict" else None
+    spec = WorkflowSpec(
+        factory=f"framework_programs:{factory}",
+        framework=framework,
+        agents=agents[framework],
+        answer_from=answer_from,
+    )
+    with serve(backend, tmp_path) as served:
+        run = asyncio.run(
+            run_workflow(spec, root_url=served.url, env_name="math", seed=0, settings=SETTINGS)
+        )
+    assert run.error is not None and run.error.startswith(f"AnswerTypeError: {reason}")
+    assert run.answer == "" and not run.success
+    env = make("math", single_agent=True, max_rounds=1)
+    env.reset(seed=0)
+    _, rewards, *_ = env.step({"reasoner": ""})
+    assert run.reward == rewards["reasoner"]  # scored as no answer, not as its repr

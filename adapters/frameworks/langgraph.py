@@ -11,6 +11,8 @@ from typing import Any
 from langchain_core.messages import AIMessage, BaseMessage
 from langgraph.pregel import Pregel
 
+from masenvs.adapters.frameworks.programs import AnswerTypeError, kind_of
+
 
 def is_program(obj: Any) -> bool:
     return isinstance(obj, Pregel)
@@ -41,7 +43,7 @@ def answer_text(state: Any, answer_from: str | None = None) -> str:
         value = state[answer_from]
         if isinstance(value, list) and value and isinstance(value[-1], BaseMessage):
             value = value[-1]
-        return _text(value)
+        return _text(value, f"state key answer_from={answer_from!r}")
     messages = state.get("messages")
     if not isinstance(messages, list):
         raise KeyError(
@@ -54,9 +56,18 @@ def answer_text(state: Any, answer_from: str | None = None) -> str:
     return ""
 
 
-def _text(value: Any) -> str:
+def _text(value: Any, where: str = "the graph's final state") -> str:
+    """Text, a message (or a list ending in one) or a number; anything else (a list, a dict,
+    None) fails the run instead of being `str()`-ed and scored."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, (int, float)) and not isinstance(value, bool):
+        return str(value)
     if isinstance(value, BaseMessage):
         return str(value.text)
-    if isinstance(value, dict) and "content" in value:
-        return str(value["content"])
-    return "" if value is None else str(value)
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return value["content"]
+    raise AnswerTypeError(
+        f"{where} holds {kind_of(value)}, not the answer's text (a str, a message or a number); "
+        "store the final answer as text"
+    )

@@ -11,7 +11,11 @@ import asyncio
 import contextlib
 from typing import Any
 
+from llama_index.core.agent.workflow import AgentOutput
+from llama_index.core.llms import ChatMessage, ChatResponse
 from llama_index.core.workflow import Workflow
+
+from masenvs.adapters.frameworks.programs import AnswerTypeError, kind_of
 
 
 def is_program(obj: Any) -> bool:
@@ -36,8 +40,16 @@ async def run_workflow(program: Workflow, task: str, *, answer_from: str | None 
 
 
 def answer_text(result: Any) -> str:
-    response = getattr(result, "response", None)  # AgentOutput
-    if response is not None:
-        content = getattr(response, "content", response)
-        return "" if content is None else str(content)
-    return "" if result is None else str(result)
+    """An agent workflow's final response, or the text a custom workflow stopped with."""
+    if isinstance(result, AgentOutput):
+        return result.response.content or ""
+    if isinstance(result, str):
+        return result
+    if isinstance(result, ChatMessage):
+        return result.content or ""
+    if isinstance(result, ChatResponse):
+        return result.message.content or ""
+    raise AnswerTypeError(
+        f"the workflow stopped with {kind_of(result)}, not the answer's text; end it with "
+        "StopEvent(result=answer) where answer is a str"
+    )

@@ -29,6 +29,18 @@ class ProgramTimeout(TimeoutError):
     """The program ran past its time limit."""
 
 
+class AnswerTypeError(TypeError):
+    """The program's final answer is not text; the run fails instead of scoring `str(x)`."""
+
+
+def kind_of(value: Any) -> str:
+    """`a list`, `None`, `a dict`: how an error names a value's type."""
+    if value is None:
+        return "None"
+    name = type(value).__name__
+    return f"an {name}" if name[:1].lower() in "aeiou" else f"a {name}"
+
+
 @dataclass
 class RunLimits:
     """How a program runs: where its answer is, and when it is stopped."""
@@ -70,7 +82,10 @@ async def run_program(
         except asyncio.TimeoutError:
             raise ProgramTimeout(f"the program ran past timeout_s={limits.timeout_s:g}") from None
     if not isinstance(answer, str):
-        answer = "" if answer is None else str(answer)
+        raise AnswerTypeError(
+            f"the program returned {kind_of(answer)}, not text: an async function program "
+            "(messages) -> str must return its final answer as a str"
+        )
     return answer
 
 
