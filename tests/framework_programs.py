@@ -396,3 +396,71 @@ def llamaindex_stops_with_a_list(ctx: WorkflowContext) -> Any:
             return StopEvent(result=["\\boxed{9}"])
 
     return Drafts(timeout=None)
+
+
+# -- programs whose final answer is empty ----------------------------------------------------
+
+
+def langgraph_custom_key(ctx: WorkflowContext) -> Any:
+    """Keeps its answer in state["final"], not in an AI message."""
+    from typing import TypedDict
+
+    from langgraph.graph import END, START, StateGraph
+
+    solver = ctx.clients["solver"]
+
+    class State(TypedDict, total=False):
+        messages: list
+        final: str
+
+    async def solve(state: State) -> dict:
+        reply = await solver.ainvoke(state["messages"])
+        return {"final": reply.text}
+
+    graph = StateGraph(State)
+    graph.add_node("solve", solve)
+    graph.add_edge(START, "solve")
+    graph.add_edge("solve", END)
+    return graph.compile()
+
+
+def autogen_quiet_last_speaker(ctx: WorkflowContext) -> Any:
+    """The team's last speaker says nothing; the coder's answer came before."""
+    from autogen_agentchat.agents import AssistantAgent, BaseChatAgent
+    from autogen_agentchat.base import Response
+    from autogen_agentchat.conditions import MaxMessageTermination
+    from autogen_agentchat.messages import TextMessage
+    from autogen_agentchat.teams import RoundRobinGroupChat
+
+    class Approver(BaseChatAgent):
+        @property
+        def produced_message_types(self) -> tuple:
+            return (TextMessage,)
+
+        async def on_messages(self, messages: Any, cancellation_token: Any) -> Response:
+            return Response(chat_message=TextMessage(content="", source=self.name))
+
+        async def on_reset(self, cancellation_token: Any) -> None:
+            pass
+
+    coder = AssistantAgent("coder", model_client=ctx.clients["coder"])
+    return RoundRobinGroupChat(
+        [coder, Approver("approver", description="Approves.")],
+        termination_condition=MaxMessageTermination(3),
+    )
+
+
+def llamaindex_empty_result(ctx: WorkflowContext) -> Any:
+    """Stops with an empty text: the draft was left in an event field."""
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.workflow import StartEvent, StopEvent, Workflow, step
+
+    drafter = ctx.clients["drafter"]
+
+    class Draft(Workflow):
+        @step
+        async def draft(self, ev: StartEvent) -> StopEvent:
+            await drafter.achat([ChatMessage(role="user", content=ev.user_msg)])
+            return StopEvent(result="")
+
+    return Draft(timeout=None)

@@ -475,3 +475,35 @@ def test_an_answer_that_is_not_text_fails_the_run_instead_of_being_scored(
     env.reset(seed=0)
     _, rewards, *_ = env.step({"reasoner": ""})
     assert run.reward == rewards["reasoner"]  # scored as no answer, not as its repr
+
+
+EMPTY = [
+    ("langgraph", "langgraph_custom_key", ["solver"], "set answer_from to that key"),
+    ("autogen", "autogen_quiet_last_speaker", ["coder"], "set answer_from to the agent"),
+    ("llamaindex", "llamaindex_empty_result", ["drafter"], "StopEvent(result=answer_text)"),
+]
+
+
+@pytest.mark.parametrize(
+    ("framework", "factory", "agents", "hint"), EMPTY, ids=[c[0] for c in EMPTY]
+)
+def test_an_empty_answer_is_warned_about_once_naming_answer_from(
+    backend, tmp_path, caplog, framework, factory, agents, hint
+) -> None:
+    spec = WorkflowSpec(factory=f"framework_programs:{factory}", framework=framework, agents=agents)
+    caplog.set_level(logging.WARNING)
+    with serve(backend, tmp_path) as served:
+        runs = asyncio.run(
+            run_tasks(
+                spec,
+                root_url=served.url,
+                env_name="math",
+                seeds=[0, 1],
+                runs_per_task=2,
+                settings=SETTINGS,
+            )
+        )
+    assert [(r.error, r.answer) for r in runs] == [(None, "")] * 4
+    (warning,) = caplog.records  # once for the program, not once per run
+    assert "final answer is empty" in warning.getMessage() and hint in warning.getMessage()
+    assert spec.factory in warning.getMessage()

@@ -89,6 +89,41 @@ async def run_program(
     return answer
 
 
+log = logging.getLogger("masenvs.frameworks")
+_warned_empty: set[tuple[Any, ...]] = set()
+
+
+def warn_if_empty(
+    answer: str, kind: tuple[Any, ...], framework: Framework, answer_from: str | None, where: str
+) -> None:
+    """Warn once per kind of run (one workflow, one role) that its final answer is empty,
+    and say where masenvs looked for it: an empty answer is scored, silently, as no answer."""
+    if answer.strip() or kind in _warned_empty:
+        return
+    _warned_empty.add(kind)
+    if framework == "llamaindex":
+        hint = "end the workflow with StopEvent(result=answer_text) (answer_from does not apply)"
+    elif answer_from is not None:
+        owner = "state key" if framework == "langgraph" else "agent"
+        hint = f"answer_from={answer_from!r} gave empty text: check that {owner}"
+    elif framework == "langgraph":
+        hint = (
+            "masenvs read the last AI message; if the graph keeps its answer in a state "
+            "key, set answer_from to that key"
+        )
+    else:
+        hint = (
+            "masenvs read the last agent message; set answer_from to the agent that gives "
+            "the answer"
+        )
+    log.warning(
+        "%s: the program's final answer is empty, scored as no answer; %s "
+        "(an async function program must return the answer). Warned once for this program.",
+        where,
+        hint,
+    )
+
+
 def failure_reason(exc: BaseException, limit: int = 500) -> str:
     """One line naming the exception and its message (frameworks append whole tracebacks)."""
     lines = str(exc).strip().splitlines()

@@ -33,6 +33,7 @@ from masenvs.adapters.frameworks.programs import (
     failure_reason,
     run_isolated,
     run_program,
+    warn_if_empty,
 )
 from masenvs.adapters.policy import ChatPolicy, Reply
 from masenvs.traces import TraceStore
@@ -144,9 +145,13 @@ class RolePolicy:
                 await clients.aclose()
 
         try:
-            return await run_isolated(
+            answer = await run_isolated(
                 body, role.limits.timeout_s, Isolation(f"masenvs-role-{rollout_id}-{agent}")
             )
+            kind = ("role", agent, role.framework, role.limits.answer_from)
+            where = f"rollout {rollout_id}: role {agent} ({role.framework})"
+            warn_if_empty(answer, kind, role.framework, role.limits.answer_from, where)
+            return answer
         except Exception as exc:
             reason = failure_reason(exc)
             log.warning(

@@ -43,6 +43,7 @@ from masenvs.adapters.frameworks.programs import (
     failure_reason,
     run_isolated,
     run_program,
+    warn_if_empty,
 )
 from masenvs.env import messages_to_text
 from masenvs.registry import make
@@ -228,6 +229,9 @@ async def run_workflow(
     isolation = Isolation(f"masenvs-run-{rollout_id}")
     try:
         answer = await run_isolated(body, spec.timeout_s, isolation)
+        kind = ("workflow", spec.factory, spec.framework, spec.answer_from)
+        where = f"workflow run {rollout_id} ({spec.factory})"
+        warn_if_empty(answer, kind, spec.framework, spec.answer_from, where)
     except Exception as exc:  # the user's program failing ends this run, not the batch
         error, detail = failure_reason(exc), error_detail(exc, isolation)
         log.warning("workflow run %s (%s) failed: %s", rollout_id, task_id, error)
