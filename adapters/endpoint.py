@@ -119,6 +119,8 @@ class Endpoint:
         self.backend_name = backend_name or _backend_name(backend)
         self._tokenizer_id = backend.tokenizer_id()
         self._tool_parser = _choose_tool_parser(backend, tool_parser)
+        self._tools_unseen = tool_parser == "auto" and self._tool_parser is None
+        self._warned_tools: set[str] = set()  # agents told their tools go nowhere
         self._token_text = TokenText(backend.decode)
         self._metadata: dict[str, dict[str, Any]] = {}
         self._counters: dict[tuple[str | None, str], int] = {}
@@ -251,6 +253,21 @@ class Endpoint:
             self._counters[(rollout_id, agent)] = index + 1
         return index
 
+    def _warn_tools_dropped(self, agent: str) -> None:
+        # Once per agent: a framework sends its tools with every call.
+        if agent in self._warned_tools:
+            return
+        self._warned_tools.add(agent)
+        model = self.backend.model_names()[0]
+        log.warning(
+            "agent %r sends tools, but the chat template of model %r has no tool-call syntax "
+            "masenvs can parse: the model cannot call them and every answer comes back as "
+            "plain text, so the program never sees a tool call. Serve a model whose template "
+            "renders tools (Qwen2.5/Qwen3, Hermes, Mistral), or drop the tools.",
+            agent,
+            model,
+        )
+
     def _available(self) -> set[str]:
         return {*self.backend.model_names(), *self.served_model_names, BASE}
 
@@ -297,6 +314,8 @@ class Endpoint:
             stream=body.stream,
         )
         parser = self._tool_parser if body.parse_tool_calls else None
+        if body.parse_tool_calls and self._tools_unseen:
+            self._warn_tools_dropped(call.agent)
         if body.stream:
             events = await self._open_stream(call.request)
             return self._stream(self._chat_chunks(call, body, parser, events))

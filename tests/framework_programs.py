@@ -464,3 +464,38 @@ def llamaindex_empty_result(ctx: WorkflowContext) -> Any:
             return StopEvent(result="")
 
     return Draft(timeout=None)
+
+
+# -- programs with a tool (the tiny model's template renders none) ---------------------------
+
+
+def add(a: int, b: int) -> int:
+    """Add two integers."""
+    return a + b
+
+
+def langgraph_with_tool(ctx: WorkflowContext) -> Any:
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    llm = ctx.clients["solver"].bind_tools([add])
+
+    async def solve(state: MessagesState) -> dict:
+        return {"messages": [await llm.ainvoke(state["messages"])]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("solve", solve)
+    graph.add_edge(START, "solve")
+    graph.add_edge("solve", END)
+    return graph.compile()
+
+
+def autogen_with_tool(ctx: WorkflowContext) -> Any:
+    from autogen_agentchat.agents import AssistantAgent
+
+    return AssistantAgent("coder", model_client=ctx.clients["coder"], tools=[add])
+
+
+def llamaindex_with_tool(ctx: WorkflowContext) -> Any:
+    from llama_index.core.agent.workflow import FunctionAgent
+
+    return FunctionAgent(name="drafter", llm=ctx.clients["drafter"], tools=[add])

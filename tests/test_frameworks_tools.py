@@ -86,7 +86,7 @@ BUILDERS = {"langgraph": langgraph_agent, "autogen": autogen_agent, "llamaindex"
 
 
 @pytest.mark.parametrize("framework", list(BUILDERS))
-def test_tool_call_round_trips_through_the_endpoint(backend, tmp_path, framework) -> None:
+def test_tool_call_round_trips_through_the_endpoint(backend, tmp_path, caplog, framework) -> None:
     adder = Adder()
     with serve(backend, tmp_path) as served:
 
@@ -118,3 +118,4 @@ def test_tool_call_round_trips_through_the_endpoint(backend, tmp_path, framework
     assert "5" in tool_message["content"]
     assert second.choices[0].finish_reason == "stop"
     assert second.choices[0].text == FINAL_ANSWER
+    assert "no tool-call syntax" not in caplog.text  # this template renders tools

@@ -507,3 +507,41 @@ def test_an_empty_answer_is_warned_about_once_naming_answer_from(
     (warning,) = caplog.records  # once for the program, not once per run
     assert "final answer is empty" in warning.getMessage() and hint in warning.getMessage()
     assert spec.factory in warning.getMessage()
+
+
+TOOLS = [
+    ("langgraph", "langgraph_with_tool", "solver"),
+    ("autogen", "autogen_with_tool", "coder"),
+    ("llamaindex", "llamaindex_with_tool", "drafter"),
+]
+
+
+@pytest.mark.parametrize(("framework", "factory", "agent"), TOOLS, ids=[c[0] for c in TOOLS])
+def test_tools_a_template_cannot_render_are_warned_about_once(
+    backend, tmp_path, caplog, framework, factory, agent
+) -> None:
+    """SmolLM2's template has no tool syntax: say so once, naming the model and the agent."""
+    spec = WorkflowSpec(
+        factory=f"framework_programs:{factory}", framework=framework, agents=[agent]
+    )
+    caplog.set_level(logging.WARNING)
+    with serve(backend, tmp_path) as served:
+        runs = asyncio.run(
+            run_tasks(
+                spec,
+                root_url=served.url,
+                env_name="math",
+                seeds=[0],
+                runs_per_task=3,
+                settings=SETTINGS,
+                store=served.store,
+            )
+        )
+        calls = list(served.store.calls())
+    assert [r.error for r in runs] == [None] * 3
+    assert len(calls) >= 3 and all(c.tools for c in calls)  # every call sent the tool
+    warnings = [r.getMessage() for r in caplog.records if "sends tools" in r.getMessage()]
+    assert len(warnings) == 1, warnings
+    assert f"agent {agent!r} sends tools" in warnings[0]
+    assert f"model {backend.model_names()[0]!r}" in warnings[0]
+    assert "no tool-call syntax" in warnings[0]
