@@ -3,11 +3,28 @@
 from __future__ import annotations
 
 import asyncio
+import re
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 from openai import AsyncOpenAI
+
+_ROLLOUT_PATH = re.compile(r"/r/[^/]+/v1$")
+
+
+def server_root(url: str) -> str:
+    """The root of a masenvs server from its root or its OpenAI base URL (`.../v1`, what
+    `masenvs serve` prints); a rollout's own URL (`.../r/<id>/v1`) is refused."""
+    root = url.strip().rstrip("/")
+    if not root.startswith(("http://", "https://")):
+        raise ValueError(f"server URL {url!r} must start with http:// or https://")
+    if _ROLLOUT_PATH.search(root):
+        raise ValueError(
+            f"{url!r} is one rollout's URL; give the server's root (http://host:port) or its "
+            "/v1 URL, and masenvs makes a rollout URL for every run"
+        )
+    return root.removesuffix("/v1")
 
 
 @dataclass
@@ -38,8 +55,9 @@ class ChatPolicy:
     """Asks the endpoint for each agent's action; the request's `model` is the agent's name.
 
     Every rollout gets its own base URL (`/r/{rollout_id}/v1`) so the endpoint attributes
-    each call to its rollout, exactly as it does for framework agents. `agent_sampling`
-    gives some agents their own settings; the others use `sampling`.
+    each call to its rollout, exactly as it does for framework agents. `base_url` is the
+    server's OpenAI base URL (`http://host:port/v1`) or its root. `agent_sampling` gives
+    some agents their own settings; the others use `sampling`.
     """
 
     def __init__(
@@ -53,7 +71,8 @@ class ChatPolicy:
         max_concurrency: int = 64,
         timeout: float = 600.0,
     ) -> None:
-        self.base_url = base_url.rstrip("/")
+        self.root_url = server_root(base_url)
+        self.base_url = f"{self.root_url}/v1"
         self.api_key = api_key
         self.sampling = sampling or Sampling()
         self.agent_sampling = agent_sampling or {}  # per-agent settings over `sampling`
@@ -66,7 +85,7 @@ class ChatPolicy:
     def client(self, rollout_id: str) -> AsyncOpenAI:
         """An `openai` client whose calls land in `rollout_id`'s trace."""
         return AsyncOpenAI(
-            base_url=f"{self.base_url}/r/{rollout_id}/v1",
+            base_url=f"{self.root_url}/r/{rollout_id}/v1",
             api_key=self.api_key,
             http_client=self._http,
             max_retries=0,

@@ -1,9 +1,19 @@
-"""Run episodes of an env with a `ChatPolicy`; `masenvs rollout` on the command line."""
+"""Run episodes of an env with a `ChatPolicy`; `masenvs rollout` on the command line.
+
+    masenvs rollout --env math --model tiny --episodes 8
+    masenvs rollout --env math --url http://127.0.0.1:8000/v1 --workflow my_graph:build \
+        --framework langgraph --agents solver,checker --runs 2
+
+`--url` uses a running `masenvs serve` (its printed `/v1` URL or its root; it records the
+traces) instead of loading a model; `--workflow` runs your own program's factory instead of
+one `ChatPolicy` call per turn (workflow mode: the env's task, K runs, the env's score).
+"""
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import time
 import uuid
 from collections import defaultdict
@@ -14,6 +24,7 @@ from typing import Any
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
+from rich.text import Text
 
 from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.stack import add_engine_arguments
@@ -172,6 +183,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument("--traces", type=Path, help="trace directory (default runs/rollout-*)")
+    parser.add_argument(
+        "--url",
+        help="a running `masenvs serve` (its /v1 URL as printed, or its root): no model is "
+        "loaded here, and the server records the traces",
+    )
+    parser.add_argument(
+        "--api-key", default=os.environ.get("MASENVS_API_KEY"), help="for --url servers"
+    )
+    workflow = parser.add_argument_group("workflow mode (your own LangGraph/AutoGen/LlamaIndex)")
+    workflow.add_argument(
+        "--workflow", metavar="MODULE:FUNCTION", help="factory: WorkflowContext -> program"
+    )
+    workflow.add_argument("--framework", choices=["langgraph", "autogen", "llamaindex"])
+    workflow.add_argument("--agents", help="comma-separated model names the program's clients use")
+    workflow.add_argument("--answer-from", help="LangGraph state key / AutoGen agent")
+    workflow.add_argument("--runs", type=int, default=1, help="runs of each task (K)")
+    workflow.add_argument("--timeout-s", type=float, default=600.0, help="per run")
     return parser
 
 
@@ -181,6 +209,13 @@ def main(argv: list[str]) -> int:
 
     args = build_parser().parse_args(argv)
     console = Console()
+    spec = None
+    if args.workflow:
+        try:
+            spec = _workflow_spec(args)
+        except ValueError as exc:
+            console.print(f"[red]masenvs rollout: {exc}[/red]")
+            return 2
     env_config = parse_overrides(args.set)
     if args.single_agent:
         env_config["single_agent"] = True
@@ -191,6 +226,8 @@ def main(argv: list[str]) -> int:
     except (KeyError, ValueError, TypeError) as exc:
         console.print(f"[red]{exc}[/red]")
         return 2
+    if args.url:
+        return _remote(args, spec, env_config, console)
     traces = args.traces or Path("runs") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
         with console.status(f"loading {args.model} ({args.backend})"):
@@ -209,6 +246,12 @@ def main(argv: list[str]) -> int:
     sampling = Sampling(temperature=args.temperature, max_tokens=args.max_tokens)
     seeds = list(range(args.seed, args.seed + args.episodes))
     started = time.perf_counter()
+    if spec is not None:
+        try:
+            return _workflows(args, spec, env_config, console, stack.root_url, stack)
+        finally:
+            stack.close()
+            console.print(f"traces: {traces}")
     try:
         with Progress(
             TextColumn("[bold]{task.description}"),
@@ -218,7 +261,7 @@ def main(argv: list[str]) -> int:
             console=console,
         ) as progress:
             results = asyncio.run(
-                _run(stack.base_url, sampling, args, seeds, env_config, stack, progress)
+                _run(stack.root_url, sampling, args, seeds, env_config, stack, progress)
             )
     finally:
         stack.close()
@@ -244,3 +287,113 @@ async def _run(base_url, sampling, args, seeds, env_config, stack, progress):
         )
     finally:
         await policy.aclose()
+
+
+# -- `--url` and `--workflow` ------------------------------------------------------------------
+
+
+def _workflow_spec(args: argparse.Namespace) -> Any:
+    from masenvs.adapters.frameworks.workflow import WorkflowSpec, load_factory
+
+    if not args.framework or not args.agents:
+        raise ValueError("--workflow needs --framework and --agents (the model names it uses)")
+    spec = WorkflowSpec(
+        factory=args.workflow,
+        framework=args.framework,
+        agents=[a.strip() for a in args.agents.split(",") if a.strip()],
+        answer_from=args.answer_from,
+        timeout_s=args.timeout_s,
+    )
+    load_factory(spec.factory)  # a bad factory fails before any model loads
+    return spec
+
+
+def _remote(
+    args: argparse.Namespace, spec: Any, env_config: dict[str, Any], console: Console
+) -> int:
+    """Episodes or workflow runs against a running `masenvs serve`, which records them."""
+    if spec is not None:
+        return _workflows(args, spec, env_config, console, args.url, None)
+    sampling = Sampling(temperature=args.temperature, max_tokens=args.max_tokens)
+    seeds = list(range(args.seed, args.seed + args.episodes))
+    started = time.perf_counter()
+
+    async def run() -> list[EpisodeResult]:
+        policy = ChatPolicy(args.url, sampling=sampling, api_key=args.api_key or "masenvs")
+        try:
+            return await run_episodes(args.env, policy, seeds, env_config=env_config)
+        finally:
+            await policy.aclose()
+
+    try:
+        results = asyncio.run(run())
+    except ValueError as exc:
+        console.print(f"[red]masenvs rollout: {exc}[/red]")
+        return 2
+    console.print(summary_table(results, time.perf_counter() - started))
+    for r in results:
+        if r.error:
+            console.print(f"[yellow]{r.rollout_id} (seed {r.seed}) stopped: {r.error}[/yellow]")
+    return 0
+
+
+def _workflows(
+    args: argparse.Namespace,
+    spec: Any,
+    env_config: dict[str, Any],
+    console: Console,
+    url: str,
+    stack: Any,
+) -> int:
+    """K runs of the user's program per task; a table of the runs, 1 if every run failed."""
+    from masenvs.adapters.frameworks.clients import ClientSettings
+    from masenvs.adapters.frameworks.workflow import run_tasks
+
+    settings = ClientSettings(
+        sampling=Sampling(temperature=args.temperature, max_tokens=args.max_tokens),
+        api_key=args.api_key or "masenvs",
+    )
+    seeds = list(range(args.seed, args.seed + args.episodes))
+    started = time.perf_counter()
+    try:
+        runs = asyncio.run(
+            run_tasks(
+                spec,
+                root_url=url,
+                env_name=args.env,
+                seeds=seeds,
+                runs_per_task=args.runs,
+                env_options=env_config,
+                settings=settings,
+                store=stack.store if stack is not None else None,
+                endpoint=stack.endpoint if stack is not None else None,
+                prefix=new_rollout_id("wf"),
+                concurrency=args.concurrency,
+            )
+        )
+    except (ValueError, OSError) as exc:  # a bad URL or an unreachable server, up front
+        console.print(f"[red]masenvs rollout: {exc}[/red]")
+        return 2
+    table = Table(
+        title=f"{len(runs)} runs of {spec.factory} in {time.perf_counter() - started:.1f}s"
+    )
+    for column in ("rollout", "task", "reward", "success", "seconds", "answer / error"):
+        table.add_column(column, overflow="fold")
+    for r in runs:
+        # Text(): answers and errors are shown verbatim, never read as rich markup.
+        shown = Text(r.error, style="red") if r.error else Text(r.answer.replace("\n", " ")[:60])
+        table.add_row(
+            r.rollout_id,
+            r.task_id,
+            f"{r.reward:+.3f}",
+            "yes" if r.success else "no",
+            f"{r.seconds:.1f}",
+            shown,
+        )
+    console.print(table)
+    failed = sum(r.error is not None for r in runs)
+    console.print(
+        f"success {sum(r.success for r in runs) / len(runs):.0%}, mean reward "
+        f"{sum(r.reward for r in runs) / len(runs):+.3f}, failed runs {failed}/{len(runs)}"
+    )
+    return 1 if failed == len(runs) else 0

@@ -27,9 +27,14 @@ class Stack:
     api_key: str | None = None
 
     @property
-    def base_url(self) -> str:
-        """Root URL; OpenAI clients use `{base_url}/v1` or `{base_url}/r/{rollout_id}/v1`."""
+    def root_url(self) -> str:
+        """The server's root, `http://host:port`; rollouts call `{root_url}/r/{id}/v1`."""
         return self.server.url
+
+    @property
+    def base_url(self) -> str:
+        """The OpenAI base URL, `http://host:port/v1` (as everywhere in masenvs)."""
+        return self.server.base_url
 
     def close(self) -> None:
         self.server.stop()

@@ -10,6 +10,9 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import signal
+import subprocess
+import sys
 import time
 from collections import defaultdict
 from collections.abc import Iterator
@@ -21,10 +24,13 @@ from framework_support import random_lora, serve
 from masenvs.adapters.backends.embedded import EmbeddedBackend
 from masenvs.adapters.frameworks import Clients, ClientSettings, WorkflowSpec, load_factory
 from masenvs.adapters.frameworks.calls import read_calls
+from masenvs.adapters.frameworks.clients import rollout_url
 from masenvs.adapters.frameworks.langgraph import answer_text
 from masenvs.adapters.frameworks.workflow import run_tasks, run_workflow
-from masenvs.adapters.policy import Sampling
+from masenvs.adapters.policy import Sampling, server_root
+from masenvs.adapters.rollout import main as rollout_main
 from masenvs.registry import make
+from masenvs.traces import TraceStore
 from masenvs.trainer.samples import workflow_group
 from masenvs.trainer.workflow import collect_workflow_samples, workflow_samples
 
@@ -545,3 +551,93 @@ def test_tools_a_template_cannot_render_are_warned_about_once(
     assert f"agent {agent!r} sends tools" in warnings[0]
     assert f"model {backend.model_names()[0]!r}" in warnings[0]
     assert "no tool-call syntax" in warnings[0]
+
+
+def test_the_server_is_given_by_its_root_or_its_v1_url_and_checked_up_front(
+    backend, tmp_path
+) -> None:
+    root = "http://127.0.0.1:8000"
+    for url in (root, f"{root}/", f"{root}/v1", f"{root}/v1/"):
+        assert server_root(url) == root
+        assert rollout_url(url, "r1") == f"{root}/r/r1/v1"
+    with pytest.raises(ValueError, match="one rollout's URL"):
+        server_root(f"{root}/r/wf-0-0/v1")
+    with pytest.raises(ValueError, match="must start with http"):
+        server_root("127.0.0.1:8000")
+    spec = WorkflowSpec(
+        factory="framework_programs:langgraph_pair",
+        framework="langgraph",
+        agents=["solver", "checker"],
+    )
+    with serve(backend, tmp_path) as served:
+
+        def run(url: str) -> list:
+            return asyncio.run(
+                run_tasks(
+                    spec,
+                    root_url=url,
+                    env_name="math",
+                    seeds=[0],
+                    runs_per_task=1,
+                    settings=SETTINGS,
+                    store=served.store,
+                )
+            )
+
+        (ran,) = run(f"{served.url}/v1")  # what `masenvs serve` prints
+        assert ran.error is None and len(served.store.rollout(ran.rollout_id)) == 4
+        with pytest.raises(ValueError, match="answered 404 on a rollout URL"):
+            run(f"{served.url}/openai/v1")  # not a masenvs endpoint: refused before any run
+    with pytest.raises(ConnectionError, match="cannot reach the masenvs server"):
+        run(served.url)  # stopped
+
+
+def test_masenvs_rollout_runs_your_factory_against_masenvs_serve(tmp_path, capsys) -> None:
+    """The documented way: `masenvs serve`, then `masenvs rollout --workflow ... --url`
+    with the URL exactly as the server printed it."""
+    traces = tmp_path / "served"
+    command = [sys.executable, "-m", "masenvs.adapters.serve", "--model", "tiny", "--port", "0"]
+    server = subprocess.Popen(
+        [*command, "--traces", str(traces)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        banner = server.stdout.readline()  # "masenvs serve: tiny (embedded) at http://.../v1"
+        url = banner.split(" at ")[-1].strip()
+        assert url.endswith("/v1"), banner
+        code = rollout_main(
+            [
+                "--env",
+                "math",
+                "--set",
+                "level=1",
+                "--episodes",
+                "2",
+                "--runs",
+                "2",
+                "--max-tokens",
+                "8",
+                "--url",
+                url,
+                "--workflow",
+                "framework_programs:langgraph_pair",
+                "--framework",
+                "langgraph",
+                "--agents",
+                "solver,checker",
+            ]
+        )
+        out = capsys.readouterr().out
+    finally:
+        server.send_signal(signal.SIGINT)
+        server.wait(timeout=30)
+    assert code == 0, out
+    assert "4 runs of framework_programs:langgraph_pair" in out and "failed runs 0/4" in out
+    store = TraceStore(traces)
+    calls = list(store.calls())
+    assert len(calls) == 4 * 4  # 4 runs, 2 calls of each of 2 agents, all recorded by serve
+    assert {c.agent for c in calls} == {"solver", "checker"}
+    assert len({c.rollout_id for c in calls}) == 4
+    assert all(c.rollout_id.startswith("wf-") for c in calls)

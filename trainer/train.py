@@ -120,7 +120,7 @@ class TreeSource:
         self.cfg, self.stack, self.learner = cfg, stack, learner
         self.make_env = env_factory(cfg)
         self.policy = ChatPolicy(
-            stack.base_url,
+            stack.root_url,
             sampling=Sampling(
                 cfg.rollout.temperature, cfg.rollout.top_p, 0, cfg.rollout.max_tokens
             ),
@@ -149,7 +149,7 @@ class TreeSource:
         cfg = self.cfg
         sampling = Sampling(cfg.validation.temperature, 1.0, 0, cfg.rollout.max_tokens, cfg.seed)
         policy = ChatPolicy(
-            self.stack.base_url,
+            self.stack.root_url,
             sampling=sampling,
             agent_sampling=agent_sampling(cfg, self.learner.agents, validation=True),
             api_key=self.policy.api_key,
@@ -201,7 +201,7 @@ class WorkflowSource:
 
         return await collect_workflow_samples(
             self.spec,
-            root_url=self.stack.base_url,
+            root_url=self.stack.root_url,
             store=self.stack.store,
             env_name=self.cfg.env.name,
             seeds=seeds,

@@ -109,7 +109,7 @@ def main(
             samples, runs = asyncio.run(
                 collect_workflow_samples(
                     spec,
-                    root_url=stack.base_url,
+                    root_url=stack.root_url,
                     store=stack.store,
                     env_name=env,
                     env_options=env_options,

@@ -22,7 +22,7 @@ from typing import Any, Literal
 
 import httpx
 
-from masenvs.adapters.policy import Sampling
+from masenvs.adapters.policy import Sampling, server_root
 
 Framework = Literal["langgraph", "autogen", "llamaindex"]
 FRAMEWORKS: tuple[str, ...] = ("langgraph", "autogen", "llamaindex")
@@ -64,11 +64,12 @@ class ClientSettings:
         return self.agents.get(agent, self.sampling)
 
 
-def rollout_url(root_url: str, rollout_id: str) -> str:
-    """The OpenAI base URL whose calls the endpoint records under `rollout_id`."""
+def rollout_url(server_url: str, rollout_id: str) -> str:
+    """The OpenAI base URL whose calls the endpoint records under `rollout_id`; the server
+    is given by its root (`http://host:port`) or its base URL (`http://host:port/v1`)."""
     if not rollout_id or "/" in rollout_id:
         raise ValueError(f"rollout id {rollout_id!r} must be a non-empty string without '/'")
-    return f"{root_url.rstrip('/')}/r/{rollout_id}/v1"
+    return f"{server_root(server_url)}/r/{rollout_id}/v1"
 
 
 @functools.cache

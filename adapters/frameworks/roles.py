@@ -35,7 +35,7 @@ from masenvs.adapters.frameworks.programs import (
     run_program,
     warn_if_empty,
 )
-from masenvs.adapters.policy import ChatPolicy, Reply
+from masenvs.adapters.policy import ChatPolicy, Reply, server_root
 from masenvs.traces import TraceStore
 
 log = logging.getLogger("masenvs.frameworks")
@@ -83,7 +83,8 @@ class RolePolicy:
     ) -> None:
         if on_failure not in ("raise", "empty"):
             raise ValueError(f"on_failure must be 'raise' or 'empty', not {on_failure!r}")
-        self.base_url = base_url.rstrip("/")
+        self.root_url = server_root(base_url)
+        self.base_url = f"{self.root_url}/v1"
         self.roles = dict(roles)
         self.settings = settings or ClientSettings()
         self.on_failure = on_failure
@@ -127,7 +128,7 @@ class RolePolicy:
     async def _run_role(
         self, rollout_id: str, agent: str, role: FrameworkRole, messages: Messages
     ) -> str:
-        url = rollout_url(self.base_url, rollout_id)
+        url = rollout_url(self.root_url, rollout_id)
         settings = role.settings or self.settings
         limits = dataclasses.replace(role.limits, timeout_s=None)  # the thread's deadline rules
 

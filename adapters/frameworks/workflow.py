@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
+import httpx
 from pydantic import BaseModel, ConfigDict, Field
 
 from masenvs.adapters.frameworks.clients import Clients, ClientSettings, rollout_url
@@ -45,6 +46,7 @@ from masenvs.adapters.frameworks.programs import (
     run_program,
     warn_if_empty,
 )
+from masenvs.adapters.policy import server_root
 from masenvs.env import messages_to_text
 from masenvs.registry import make
 from masenvs.traces import EpisodeRecord, TraceStore
@@ -280,6 +282,34 @@ async def run_workflow(
     return run
 
 
+async def check_server(server_url: str, api_key: str = "masenvs") -> str:
+    """The server's root, once it answers on a rollout URL as a masenvs endpoint does; one
+    sentence naming the cause and the fix otherwise. Takes the root or the `/v1` URL."""
+    root = server_root(server_url)
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            response = await http.get(
+                f"{root}/r/check/v1/models", headers={"Authorization": f"Bearer {api_key}"}
+            )
+    except httpx.HTTPError as exc:
+        raise ConnectionError(
+            f"cannot reach the masenvs server at {root} ({type(exc).__name__}: {exc}); start "
+            "it (`masenvs serve`) or fix the URL"
+        ) from exc
+    if response.status_code == 401:
+        raise PermissionError(
+            f"the server at {root} refused the API key; pass the key it was started with "
+            "(--api-key, ClientSettings(api_key=...))"
+        )
+    if response.status_code != 200:
+        raise ValueError(
+            f"{root} answered {response.status_code} on a rollout URL (/r/<id>/v1/models): "
+            "workflow runs need a masenvs endpoint (`masenvs serve`, or the trainer's own) "
+            "to record their calls; check the URL"
+        )
+    return root
+
+
 async def run_tasks(
     spec: WorkflowSpec,
     *,
@@ -298,13 +328,16 @@ async def run_tasks(
 ) -> list[WorkflowRun]:
     """K = `runs_per_task` independent runs of every task, `concurrency` at a time.
 
-    Rollout ids are `{prefix}-{seed}-{k}`; runs come back ordered by (seed, k). `factory`
-    overrides `spec.factory` (a function instead of its import path).
+    `root_url` is the masenvs server, as its root or its `/v1` URL (what `masenvs serve`
+    prints); it is checked once, up front. Rollout ids are `{prefix}-{seed}-{k}`; runs come
+    back ordered by (seed, k). `factory` overrides `spec.factory` (a function instead of
+    its import path).
     """
     if runs_per_task < 1:
         raise ValueError(f"runs_per_task must be at least 1, got {runs_per_task}")
     factory = factory or load_factory(spec.factory)  # a bad factory fails once, up front
     make(env_name, **task_env_options(env_options or {}))  # and so does a bad env config
+    root_url = await check_server(root_url, (settings or ClientSettings()).api_key)
     limit = asyncio.Semaphore(concurrency)
 
     async def one(seed: int, k: int) -> WorkflowRun:
