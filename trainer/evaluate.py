@@ -112,6 +112,7 @@ class DirectPolicy(ChatPolicy):
         **options: Any,
     ) -> None:
         super().__init__(base_url, **options)
+        self.base_url = base_url.rstrip("/")  # any server's own base URL, used as given
         self.template_kwargs = template_kwargs or {}
 
     def client(self, rollout_id: str) -> AsyncOpenAI:
