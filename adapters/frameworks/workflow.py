@@ -274,6 +274,8 @@ async def run_workflow(
                     "run_index": run_index,
                     "error": error,
                     "error_detail": detail,
+                    # framework warnings of a run that went on (a failed run's are in detail)
+                    "framework_logs": isolation.logs if error is None else [],
                     "answer": answer[:2000],
                 },
                 policy_version=getattr(endpoint, "policy_version", None),
