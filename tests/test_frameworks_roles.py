@@ -164,3 +164,41 @@ def test_a_failing_role_ends_its_episode_and_the_next_one_runs(backend, tmp_path
         assert result.error is None and result.rounds == 2
         assert all(a["plan"] == "" for a in result.actions)
         assert result.rewards["plan"] <= 2 * make("plan_path").config.format_penalty + 1e-9
+
+
+def test_a_blocking_candidate_times_out_alone(backend, tmp_path) -> None:
+    """Role mode runs each act in its own thread too: of n concurrent candidates, the one
+    whose node blocks times out on time, and the other answers."""
+    import time
+
+    block_next = [False]
+
+    def blocking_planner(client):
+        from langgraph.graph import END, START, MessagesState, StateGraph
+
+        blocks, block_next[0] = block_next[0], False
+
+        async def plan(state: MessagesState) -> dict:
+            if blocks:
+                time.sleep(8)  # the user meant `await asyncio.sleep(8)`
+            return {"messages": [await client.ainvoke(state["messages"])]}
+
+        graph = StateGraph(MessagesState)
+        graph.add_node("plan", plan)
+        graph.add_edge(START, "plan")
+        graph.add_edge("plan", END)
+        return graph.compile()
+
+    env = make("plan_path")
+    _, infos = env.reset(seed=0)
+    messages = infos["plan"]["messages"]
+    with serve(backend, tmp_path) as served:
+        role = FrameworkRole("langgraph", blocking_planner, RunLimits(timeout_s=5))
+        policy = RolePolicy(served.url, {"plan": role}, settings=SETTINGS, on_failure="empty")
+        asyncio.run(policy.act("r-warm", "plan", messages))  # imports, outside the timing
+        block_next[0] = True
+        started = time.perf_counter()
+        replies = asyncio.run(policy.act("r-block", "plan", messages, n=2))
+        elapsed = time.perf_counter() - started
+    assert elapsed < 8
+    assert sorted(bool(r.text) for r in replies) == [False, True]  # "" for the timed-out one
