@@ -41,5 +41,6 @@ for _name, _entry in {
     "sokoban": "masenvs.envs.sokoban:SokobanEnv",
     "math": "masenvs.envs.math:MathEnv",
     "code": "masenvs.envs.code:CodeEnv",
+    "auto_mas": "masenvs.envs.auto_mas:AutoMASEnv",
 }.items():
     register(_name, _entry)
