@@ -195,6 +195,12 @@ class AlgorithmConfig(_Section):
         "the extra forward pass (the paper's setting).",
     )
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    caller_group: Literal["question", "design"] = Field(
+        "question",
+        description="Groups of the calls an env makes through the endpoint (auto-MAS's "
+        "executor): 'question' = all executions of a task's designs, 'design' = the M "
+        "executions of one design.",
+    )
     mini_batches: int = Field(
         1, ge=1, description="Optimizer steps per epoch; the batch is split into this many parts."
     )
@@ -351,6 +357,40 @@ class ValidationConfig(_Section):
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 is greedy).")
 
 
+class ScheduleConfig(_Section):
+    """Which roles train when: MetaAgent-X alternates the designer and the executor."""
+
+    alternate: list[str] = Field(
+        default_factory=list,
+        description="Roles that take turns training, in order, e.g. [executor, designer]; "
+        "empty: every role trains every step. Roles not listed always train.",
+    )
+    every: int = Field(
+        30, ge=1, description="Steps per phase (30 in MetaAgent-X; switching every step collapses)."
+    )
+    mode: Literal["phase", "lr"] = Field(
+        "phase",
+        description="'phase': only the phase's role trains; 'lr': every role trains, the "
+        "others at off_lr_scale times their learning rate.",
+    )
+    off_lr_scale: float = Field(
+        0.1, ge=0.0, le=1.0, description="'lr' mode: learning-rate factor of the roles off phase."
+    )
+
+    def phase(self, step: int) -> str | None:
+        """The role whose phase training step `step` (1-based) is in; None without a schedule."""
+        if not self.alternate:
+            return None
+        return self.alternate[((step - 1) // self.every) % len(self.alternate)]
+
+    def scale(self, step: int, agent: str) -> float:
+        """How much `agent` trains at `step`: 1, 0 (off phase) or off_lr_scale ('lr' mode)."""
+        phase = self.phase(step)
+        if phase is None or agent == phase or agent not in self.alternate:
+            return 1.0
+        return 0.0 if self.mode == "phase" else self.off_lr_scale
+
+
 class TrainConfig(_Section):
     """Everything one AT-GRPO run needs; YAML sections map to the fields below."""
 
@@ -377,6 +417,7 @@ class TrainConfig(_Section):
         description="Per-agent overrides by agent (role) name: sampling, chat template "
         "variables, learning rate, freezing.",
     )
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     workflow: WorkflowSpec | None = Field(
         None,
         description="Train a framework program (LangGraph, AutoGen, LlamaIndex) instead of "

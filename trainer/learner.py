@@ -377,7 +377,9 @@ class Learner:
 
     # -- one training step ------------------------------------------------------------------
 
-    def step(self, samples: list[Sample]) -> dict[str, float]:
+    def step(
+        self, samples: list[Sample], lr_scale: dict[str, float] | None = None
+    ) -> dict[str, float]:
         """Update every trained policy on its own samples (which carry advantages).
 
         Policies without samples this step keep their weights, but the LR schedule of every
@@ -401,6 +403,7 @@ class Learner:
         for name, policy in self.policies.items():
             if by_policy.get(name):
                 policy_lr = lr * policy.lr / self.cfg.optim.lr  # same schedule, own peak
+                policy_lr *= (lr_scale or {}).get(name, 1.0)  # a training schedule's phase
                 for key, value in self._update(policy, by_policy[name], policy_lr).items():
                     metrics[f"learner/{name}/{key}"] = value
                 tokens += sum(s.num_tokens for s in by_policy[name])

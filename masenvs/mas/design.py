@@ -178,7 +178,11 @@ def _main() -> None:
     except SyntaxError as exc:
         out["error"] = f"syntax error: {exc.msg} (line {exc.lineno})"
     else:
+        import masenvs.mas as library
+
+        # The blocks come imported, as the designer's prompt says.
         namespace: dict[str, Any] = {"__name__": "__design__"}
+        namespace.update({name: getattr(library, name) for name in library.__all__})
         try:
             with use(llm):
                 exec(code, namespace)
