@@ -255,8 +255,11 @@ class Sandbox:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # Plain try: at interpreter exit module globals such as `contextlib` may be gone.
+        try:
             self._stop_server()
+        except Exception:  # noqa: S110
+            pass
 
     def _stop_server(self) -> None:
         if self._ctrl is not None and self._owner_pid == os.getpid():

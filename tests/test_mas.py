@@ -160,7 +160,13 @@ def test_the_graph_names_nodes_edges_and_round_trips_through_json(tmp_path: Path
     )
     graph = mas.DesignGraph.of(system, {"a": ["c1"], "fix": ["c2", "c3"]})
     assert [n.name for n in graph.nodes] == ["a", "b", "j", "fix", "check"]
-    assert set(graph.edges) == {("a", "j"), ("b", "j"), ("j", "fix"), ("fix", "check"), ("check", "fix")}
+    assert set(graph.edges) == {
+        ("a", "j"),
+        ("b", "j"),
+        ("j", "fix"),
+        ("fix", "check"),
+        ("check", "fix"),
+    }
     assert graph.structure == "Sequential(Ensemble(a, b, j), Reflect(fix, check))"
     again = mas.DesignGraph.from_dict(json.loads(graph.to_json()))
     assert again == graph
