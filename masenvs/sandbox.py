@@ -256,9 +256,9 @@ class Sandbox:
 
     def __del__(self) -> None:
         # Plain try: at interpreter exit module globals such as `contextlib` may be gone.
-        try:
+        try:  # noqa: SIM105
             self._stop_server()
-        except Exception:  # noqa: S110
+        except Exception:
             pass
 
     def _stop_server(self) -> None:
