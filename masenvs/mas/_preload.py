@@ -19,7 +19,9 @@ from masenvs.mas import blocks, graph, llm  # noqa: F401
 _client = openai.AsyncOpenAI(
     base_url="http://gate/v1",
     api_key="-",
-    http_client=httpx.AsyncClient(transport=httpx.AsyncHTTPTransport(uds="/nonexistent")),
+    http_client=httpx.AsyncClient(
+        transport=httpx.AsyncHTTPTransport(uds="/nonexistent", verify=False)
+    ),
 )
 _client.chat.completions  # noqa: B018
 del _client

@@ -88,9 +88,10 @@ def connect(
         raise ValueError("connect() needs a base_url (e.g. http://127.0.0.1:8000/v1) or uds=")
     http_client = None
     if uds is not None:
-        http_client = httpx.AsyncClient(
-            transport=httpx.AsyncHTTPTransport(uds=uds), timeout=timeout
-        )
+        # verify=False: no TLS over a Unix socket, and no CA file to read (a sandboxed
+        # design may not see the one in site-packages).
+        transport = httpx.AsyncHTTPTransport(uds=uds, verify=False)
+        http_client = httpx.AsyncClient(transport=transport, timeout=timeout)
         base_url = base_url or "http://gate/v1"
     client = AsyncOpenAI(
         base_url=base_url, api_key=api_key, http_client=http_client, max_retries=0, timeout=timeout
