@@ -41,5 +41,6 @@ for _name, _entry in {
     "sokoban": "masenvs.envs.sokoban:SokobanEnv",
     "math": "masenvs.envs.math:MathEnv",
     "code": "masenvs.envs.code:CodeEnv",
+    "verilog": "masenvs.envs.verilog:VerilogEnv",
 }.items():
     register(_name, _entry)
