@@ -12,6 +12,7 @@ import json
 import os
 import re
 import selectors
+import shutil
 import subprocess
 import sys
 import time
@@ -90,6 +91,9 @@ def _run(argv: list[str], timeout: float, max_output: int) -> tuple[str, str, by
     if status:
         proc.kill()
     code = proc.wait()
+    sel.close()
+    proc.stdout.close()
+    proc.stderr.close()
     if status is None:
         status = "ok" if code == 0 else "error"
     message = err.decode("utf-8", "replace")
@@ -145,7 +149,13 @@ def simulate(sim: dict, timeout: float, max_output: int) -> dict:
 
 def main() -> None:
     request = json.loads(sys.stdin.read())
-    results = [simulate(sim, request["timeout"], request["max_output"]) for sim in request["sims"]]
+    results = []
+    for sim in request["sims"]:
+        try:
+            results.append(simulate(sim, request["timeout"], request["max_output"]))
+        except OSError as exc:  # e.g. the private /tmp is full: this sim fails, not the rest
+            results.append({"status": "error", "message": f"the simulation could not run: {exc}"})
+        shutil.rmtree(sim["dir"], ignore_errors=True)
     sys.stdout.write(json.dumps(results))
 
 

@@ -1,0 +1,374 @@
+"""Verilog env: goldens pass, wrong designs and fuzzed actions fail, hostile designs are
+contained and reported, the verifier's models are graded, loaders read their layouts."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import masenvs
+from masenvs.tasks.verilog_judge import Sim, VerilogJudge, VerilogTask, compare
+from masenvs.tasks.verilog_loaders import load_verilog_tasks, parse_module
+from masenvs.tasks.verilog_problems import PROBLEMS, build_task, builtin_tasks
+
+DATA = Path(__file__).parent / "data"
+TASKS = {t.id: t for t in builtin_tasks()}
+
+
+def fenced(code: str, lang: str = "verilog") -> str:
+    return f"Here it is.\n```{lang}\n{code}\n```\n"
+
+
+def env_on(task_id: str, **config) -> masenvs.MASEnv:
+    env = masenvs.make("verilog", **config)
+    env.reset(seed=0, options={"task": TASKS[task_id]})
+    return env
+
+
+# Reference models in Python, as a verifier would write them.
+MODELS = {
+    "adder_8bit": """
+class RefModel:
+    def step(self, i):
+        s = i["a"] + i["b"] + i["cin"]
+        return {"sum": s & 255, "cout": s >> 8}
+
+def stimulus():
+    return [{"a": 255, "b": 1, "cin": 0}, {"a": 100, "b": 27, "cin": 1}, {"a": 0, "b": 0}]
+""",
+    "priority_encoder_8": """
+class RefModel:
+    def step(self, i):
+        n = i["in"]
+        return {"pos": n.bit_length() - 1 if n else 0, "valid": int(n != 0)}
+""",
+    "decade_counter": """
+class RefModel:
+    def __init__(self):
+        self.q = 0
+    def step(self, i):
+        if i["reset"]:
+            self.q = 0
+        elif i["en"]:
+            self.q = 0 if self.q == 9 else self.q + 1
+        return {"q": self.q, "tc": int(self.q == 9)}
+
+def stimulus():
+    return [{"reset": 1}] + [{"en": 1}] * 12
+""",
+    "sequence_101": """
+class RefModel:
+    def __init__(self):
+        self.bits = []
+        self.found = 0
+    def step(self, i):
+        if i["reset"]:
+            self.bits, self.found = [], 0
+            return {"found": 0}
+        self.bits = (self.bits + [i["in"]])[-3:]
+        return {"found": int(self.bits == [1, 0, 1])}
+""",
+    "fifo_4x8": """
+class RefModel:
+    def __init__(self):
+        self.q = []
+    def step(self, i):
+        if i["reset"]:
+            self.q = []
+        else:
+            push = i["push"] and len(self.q) < 4
+            pop = i["pop"] and len(self.q) > 0
+            if pop:
+                self.q.pop(0)
+            if push:
+                self.q.append(i["din"])
+        return {"dout": self.q[0] if self.q else 0, "empty": int(not self.q),
+                "full": int(len(self.q) == 4)}
+""",
+    "round_robin_arbiter": """
+class RefModel:
+    def __init__(self):
+        self.next, self.grant = 0, 0
+    def step(self, i):
+        if i["reset"]:
+            self.next, self.grant = 0, 0
+            return {"grant": 0}
+        self.grant = 0
+        for k in range(4):
+            j = (self.next + k) % 4
+            if i["req"] >> j & 1:
+                self.grant, self.next = 1 << j, (j + 1) % 4
+                break
+        return {"grant": self.grant}
+""",
+}
+
+
+# --- the problems -------------------------------------------------------------------------------
+
+
+def test_problem_set_covers_the_kinds_of_design() -> None:
+    assert len(TASKS) >= 40 and len(TASKS) == len(PROBLEMS)
+    assert sum(t.sequential for t in TASKS.values()) >= 15
+    assert sum(not t.sequential for t in TASKS.values()) >= 15
+    for word in ("adder", "mux", "encoder", "counter", "shift_register", "sequence", "fifo"):
+        assert any(word in name for name in TASKS), word
+    # Every input of a small combinational design (a half adder has 4 vectors), else random.
+    for t in TASKS.values():
+        bits = sum(p.width for p in t.inputs)
+        want = 120 if t.sequential else 2**bits if bits <= 8 else 130
+        assert len(t.vectors) == len(t.expected) == want, t.id
+
+
+def test_every_golden_passes_its_hidden_vectors_as_a_design() -> None:
+    # The goldens go through the same rules and simulation as a designer's module.
+    tasks = list(TASKS.values())
+    results = VerilogJudge().simulate([Sim(t, t.golden, (t.vectors,)) for t in tasks])
+    checks = {t.id: compare(r, 0, t.vectors, t.expected) for t, r in zip(tasks, results)}
+    assert {i: c.status for i, c in checks.items() if c.status != "pass"} == {}
+
+
+def test_stored_vectors_are_what_the_goldens_give() -> None:
+    judge = VerilogJudge()
+    for problem in PROBLEMS[::7]:
+        assert build_task(problem, judge) == TASKS[problem.id]
+
+
+@pytest.mark.parametrize("task_id", sorted(MODELS))
+def test_golden_reference_models_agree_on_every_hidden_vector(task_id: str) -> None:
+    run = VerilogJudge().run_models(TASKS[task_id], MODELS[task_id], [TASKS[task_id].vectors])
+    assert run.status == "ok", run.message
+    check = compare_model(TASKS[task_id], run.outputs[0])
+    assert check == len(TASKS[task_id].vectors)
+
+
+def compare_model(task: VerilogTask, rows: list) -> int:
+    from masenvs.tasks.verilog_judge import bits_match
+
+    return sum(all(map(bits_match, g, w)) for g, w in zip(rows, task.expected))
+
+
+# --- one episode --------------------------------------------------------------------------------
+
+
+def test_golden_design_and_model_solve_the_task_in_one_round() -> None:
+    env = env_on("fifo_4x8")
+    _, rewards, terms, _, infos = masenvs.play_round(
+        env,
+        {
+            "designer": fenced(TASKS["fifo_4x8"].golden),
+            "verifier": fenced(MODELS["fifo_4x8"], "python"),
+        },
+    )
+    assert all(terms.values()) and infos["designer"]["success"]
+    assert infos["designer"]["reward_parts"] == {"process": 0.0, "agent": 1.0, "team": 1.0}
+    assert infos["verifier"]["reward_parts"] == {"process": 0.0, "agent": 1.0, "team": 1.0}
+    assert infos["verifier"]["verifier_agreement"] == 1.0
+
+
+def test_wrong_design_gets_its_pass_fraction_and_sees_the_models_disagreement() -> None:
+    env = env_on("adder_8bit")
+    wrong = TASKS["adder_8bit"].golden.replace("a + b + cin", "a + b")  # forgets the carry in
+    env.step({"designer": fenced(wrong)})
+    rate = env.state.pass_rate
+    assert 0.3 < rate < 0.7 and env.state.hidden_check.status == "wrong"
+    env.step({"verifier": fenced(MODELS["adder_8bit"], "python")})
+    feedback = env.last_feedback["designer"]
+    assert "first mismatch at vector 1: inputs a=100, b=27, cin=1" in feedback
+    assert "expected sum=128, cout=0, got sum=127, cout=0" in feedback
+    # Next round the verifier's stimulus counts too (the golden's outputs on it).
+    _, rewards, *_ = env.step({"designer": fenced(wrong)})
+    assert env.state.pass_rate < rate + 0.05
+    assert len(env.state.stimulus) == 3
+
+
+def test_verifier_rewards_full_partial_failed_and_missing() -> None:
+    wrong_model = MODELS["decade_counter"].replace("self.q == 9 else", "self.q == 8 else")
+    crashing = "class RefModel:\n    def step(self, i):\n        return 1 / 0\n"
+    looping = "class RefModel:\n    def step(self, i):\n        while True: pass\n"
+    rewards = {}
+    for name, action in {
+        "right": fenced(MODELS["decade_counter"], "python"),
+        "wrong": fenced(wrong_model, "python"),
+        "crash": fenced(crashing, "python"),
+        "loop": fenced(looping, "python"),
+        "none": "I think it counts to ten.",
+    }.items():
+        env = env_on("decade_counter", model_timeout=1.0)
+        env.step({"designer": "no design"})
+        _, _, _, _, infos = env.step({"verifier": action})
+        rewards[name] = infos["verifier"]["reward_parts"]["agent"]
+        if name == "crash":
+            assert "ZeroDivisionError" in env.last_feedback["verifier"]
+        if name == "loop":
+            assert "timeout" in env.last_feedback["verifier"]
+    assert rewards["right"] == 1.0 and rewards["none"] == -1.0
+    assert 0.0 < rewards["wrong"] < 0.5
+    assert rewards["crash"] == rewards["loop"] == 0.0
+
+
+def test_single_agent_designer_alone_succeeds_with_the_golden() -> None:
+    env = env_on("sequence_1101", single_agent=True)
+    assert env.agents == ["designer"]
+    _, rewards, terms, _, infos = env.step({"designer": fenced(TASKS["sequence_1101"].golden)})
+    assert terms["designer"] and infos["designer"]["success"] and rewards["designer"] == 2.0
+
+
+def test_snapshot_restore_replays_the_same_judgement() -> None:
+    env = env_on("popcount_8")
+    snap = env.snapshot()
+    first = env.step({"designer": fenced(TASKS["popcount_8"].golden.replace("+ in[i]", "+ 1"))})
+    env.restore(snap)
+    second = env.step({"designer": fenced(TASKS["popcount_8"].golden.replace("+ in[i]", "+ 1"))})
+    assert first[1] == second[1] and first[0] == second[0]
+
+
+@settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(
+    text=st.one_of(
+        st.text(max_size=200),
+        st.text(max_size=200).map(fenced),
+        st.text(
+            alphabet="module top_(); input output assign endmodule[]:0123456789+-&|^~", max_size=200
+        ).map(fenced),
+    )
+)
+def test_fuzzed_designs_fail(text: str) -> None:
+    env = env_on("mux2_8bit", single_agent=True)
+    _, rewards, _, _, infos = env.step({"designer": text})
+    assert not infos["designer"]["success"] and rewards["designer"] <= 0.5
+
+
+# --- hostile designs ----------------------------------------------------------------------------
+
+HEADER = "module top_module (input [7:0] a, input [7:0] b, input sel, output [7:0] y);\n"
+HOSTILE = {
+    "system": ('initial $system("touch /tmp/pwned");\nassign y = a;', "forbidden", "$system"),
+    "fopen": (
+        'integer f;\ninitial f = $fopen("/etc/passwd", "r");\nassign y = a;',
+        "forbidden",
+        "$fopen",
+    ),
+    "readmem": (
+        'reg [7:0] m [0:1];\ninitial $readmemh("/etc/hostname", m);\nassign y = a;',
+        "forbidden",
+        "$readmemh",
+    ),
+    "include": ('`include "/etc/passwd"\nassign y = a;', "forbidden", "outside the task"),
+    "include_up": ('`include "../../etc/passwd"\nassign y = a;', "forbidden", "outside the task"),
+    "include_macro": (
+        '`define P "/etc/passwd"\n`include `P\nassign y = a;',
+        "forbidden",
+        "outside the task",
+    ),
+    "macro_system": (
+        '`define S(x) $sys``x\ninitial `S(tem)("id");\nassign y = a;',
+        "forbidden",
+        "not allowed",
+    ),
+    "zero_delay_always": (
+        "reg r = 0;\nalways #0 r = ~r;\nassign y = a;",
+        "compile_error",
+        "infinite loop",
+    ),
+    "busy_loop": ("reg r = 0;\ninitial while (1) r = ~r;\nassign y = a;", "timeout", "timeout"),
+    "never_ends": ("reg r = 0;\nalways #1 r = ~r;\nassign y = sel ? b : a;", "pass", ""),
+    "flood": (
+        'initial while (1) $display("%0128d", 1);\nassign y = a;',
+        "output_limit",
+        "output limit",
+    ),
+    "chatty": ('always #1 $display("%0128d", 1);\nassign y = sel ? b : a;', "pass", ""),
+    "finish": ("initial #20 $finish;\nassign y = sel ? b : a;", "ended_early", ""),
+    "syntax": ("assign y = a +;", "compile_error", "syntax error"),
+    "comb_loop": ("wire [7:0] t = ~t;\nassign y = t;", "wrong", "got y='b"),
+}
+
+
+def test_hostile_designs_are_contained_and_named() -> None:
+    task = TASKS["mux2_8bit"]
+    judge = VerilogJudge(timeout=3.0)
+    start = time.monotonic()
+    designs = {name: HEADER + body + "\nendmodule\n" for name, (body, _, _) in HOSTILE.items()}
+    results = judge.simulate([Sim(task, d, (task.vectors,)) for d in designs.values()])
+    assert time.monotonic() - start < 60
+    for (name, (_, status, words)), result in zip(HOSTILE.items(), results):
+        check = compare(result, 0, task.vectors, task.expected)
+        assert check.status == status, (name, check.status, check.message[-300:])
+        assert words in check.describe(task), (name, check.describe(task))
+    assert not Path("/tmp/pwned").exists()
+
+
+def test_hostile_design_in_the_env_is_reported_to_the_designer() -> None:
+    env = env_on("mux2_8bit")
+    _, rewards, *_ = env.step({"designer": fenced(HEADER + HOSTILE["system"][0] + "\nendmodule")})
+    assert "rejected before compiling: $system is not allowed" in env.last_feedback["designer"]
+    assert rewards["designer"] == 0.0
+    env.step({"verifier": "none"})
+    env.step({"designer": fenced(HEADER + "assign y = a +;\nendmodule")})
+    assert "compile error" in env.last_feedback["designer"]
+    assert "syntax error" in env.last_feedback["designer"]
+
+
+# --- loaders ------------------------------------------------------------------------------------
+
+
+def test_verilogeval_layout_loads_and_its_references_pass() -> None:
+    tasks = {t.id: t for t in load_verilog_tasks(f"verilogeval:{DATA / 'verilogeval'}")}
+    assert sorted(tasks) == ["Prob001_zero", "Prob018_vector2", "Prob031_dff8r"]
+    dff = tasks["Prob031_dff8r"]
+    assert dff.module == "TopModule" and dff.clock == "clk" and "module TopModule" in dff.golden
+    assert [p.name for p in dff.inputs] == ["d", "reset"]
+    env = masenvs.make("verilog", source=f"verilogeval:{DATA / 'verilogeval'}", single_agent=True)
+    env.reset(seed=0, options={"task": dff})
+    assert "module TopModule (" in env.observe("designer")
+    _, rewards, *_ = env.step({"designer": fenced(dff.golden)})
+    assert env.state.success
+
+
+def test_rtllm_layout_loads_with_include_files_and_active_low_reset() -> None:
+    tasks = {t.id: t for t in load_verilog_tasks(f"rtllm:{DATA / 'rtllm'}")}
+    assert sorted(tasks) == ["Arithmetic/Adder/adder_8bit", "Control/Counter/counter_12"]
+    counter = tasks["Control/Counter/counter_12"]
+    assert set(counter.files) == {"defs.vh"} and counter.vectors[0][0] == 0  # rst_n asserted
+    assert [p.width for p in counter.outputs] == [4]
+    assert max(int(o[0], 2) for o in counter.expected) == 11
+    judge = VerilogJudge()
+    for task in tasks.values():
+        assert judge.check_design(task, task.golden).status == "pass", task.id
+    # A design may include the task's own files, and nothing else.
+    assert judge.check_design(counter, counter.golden.replace("defs.vh", "../defs.vh")).status == (
+        "forbidden"
+    )
+
+
+def test_parse_module_reads_ansi_non_ansi_and_parameters() -> None:
+    name, ports = parse_module(
+        "module m #(parameter W = 8, parameter D = W*2) (input clk, input [W-1:0] a, b,\n"
+        "  output reg [D-1:0] y, output z); endmodule"
+    )
+    assert name == "m"
+    assert [(p.name, p.direction, p.width) for p in ports] == [
+        ("clk", "input", 1),
+        ("a", "input", 8),
+        ("b", "input", 8),
+        ("y", "output", 16),
+        ("z", "output", 1),
+    ]
+    _, ports = parse_module(
+        "module n(x, y); // old style\n parameter N = 4;\n input [N:0] x;\n output y;\nendmodule"
+    )
+    assert [(p.name, p.width) for p in ports] == [("x", 5), ("y", 1)]
+    with pytest.raises(ValueError, match="not declared"):
+        parse_module("module k(x); endmodule")
+
+
+def test_unknown_source_fails_clearly() -> None:
+    with pytest.raises(Exception, match="unknown verilog source"):
+        masenvs.make("verilog", source="nope:/x")
+    with pytest.raises(Exception, match="does not exist"):
+        masenvs.make("verilog", source="rtllm:/no/such/dir")
