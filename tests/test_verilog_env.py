@@ -3,6 +3,7 @@ contained and reported, the verifier's models are graded, loaders read their lay
 
 from __future__ import annotations
 
+import json
 import time
 from pathlib import Path
 
@@ -265,10 +266,12 @@ HOSTILE = {
         "forbidden",
         "outside the task",
     ),
-    "macro_system": (
-        '`define S(x) $sys``x\ninitial `S(tem)("id");\nassign y = a;',
+    # Token pasting hides the call from the text; the preprocessed text shows it.
+    "macro_fopen": (
+        '`define CAT(p, q) p``q\ninteger f;\ninitial f = `CAT($, fopen)("/etc/passwd", "r");\n'
+        "assign y = a;",
         "forbidden",
-        "not allowed",
+        "$fopen is not allowed",
     ),
     "zero_delay_always": (
         "reg r = 0;\nalways #0 r = ~r;\nassign y = a;",
@@ -372,3 +375,39 @@ def test_unknown_source_fails_clearly() -> None:
         masenvs.make("verilog", source="nope:/x")
     with pytest.raises(Exception, match="does not exist"):
         masenvs.make("verilog", source="rtllm:/no/such/dir")
+
+
+# --- training -----------------------------------------------------------------------------------
+
+
+def test_two_tiny_training_steps_on_verilog(tmp_path: Path) -> None:
+    from masenvs.trainer.config import load_config
+    from masenvs.trainer.train import train
+
+    overrides = [
+        "env.name=verilog",
+        "env.options={kind: combinational}",
+        "model.name=tiny",
+        "model.device=cpu",
+        "backend.kind=embedded",
+        "steps=2",
+        "rollout.tasks_per_step=1",
+        "rollout.branches=2",
+        "rollout.max_tokens=8",
+        "rollout.max_rounds=1",
+        "rollout.concurrency=2",
+        "validation.episodes=1",
+        "logging.tensorboard=false",
+        "logging.plot_every=0",
+        f"run_dir={tmp_path / 'run'}",
+    ]
+    result = train(load_config(None, overrides))
+    rows = [
+        json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    trained = [r for r in rows if "time/update_s" in r]
+    assert [r["step"] for r in trained] == [1, 2]
+    # Random 8-token answers hold no module: both roles get the format penalty.
+    assert all(r["train/success"] == 0.0 for r in trained)
+    checkpoint = result.run_dir / "checkpoints" / "step_00000002"
+    assert json.loads((checkpoint / "state.json").read_text())["step"] == 2
