@@ -411,3 +411,14 @@ def test_two_tiny_training_steps_on_verilog(tmp_path: Path) -> None:
     assert all(r["train/success"] == 0.0 for r in trained)
     checkpoint = result.run_dir / "checkpoints" / "step_00000002"
     assert json.loads((checkpoint / "state.json").read_text())["step"] == 2
+
+
+def test_verilogeval_v1_jsonl_layout_loads() -> None:
+    tasks = {t.id: t for t in load_verilog_tasks(f"verilogeval:{DATA / 'verilogeval_v1'}")}
+    assert sorted(tasks) == ["dff8", "popcount3"]
+    assert "population count" in tasks["popcount3"].spec and tasks["dff8"].clock == "clk"
+    dff = tasks["dff8"]  # q takes d at every edge
+    assert [int(o[0], 2) for o in dff.expected] == [v[0] for v in dff.vectors]
+    judge = VerilogJudge()
+    for task in tasks.values():
+        assert judge.check_design(task, task.golden).status == "pass", task.id

@@ -1,7 +1,8 @@
 """Verilog task sources: our problems, VerilogEval and RTLLM from local files, our JSONL.
 
 * `builtin`: masenvs' own problems (`verilog_problems.py`).
-* `verilogeval:DIR`: VerilogEval v2 (spec-to-rtl): `ProbNNN_name_prompt.txt` (the spec) and
+* `verilogeval:DIR`: VerilogEval v2 (spec-to-rtl), or v1 (`VerilogEval_Human.jsonl`, see
+  `load_verilogeval_v1`): `ProbNNN_name_prompt.txt` (the spec) and
   `ProbNNN_name_ref.sv` (the reference module `RefModule`, renamed to the `TopModule` the
   prompt asks for). Its `_test.sv` testbenches are not used.
 * `rtllm:DIR`: RTLLM: one folder per design holding `design_description.txt` and
@@ -203,13 +204,16 @@ def with_vectors(tasks: list[VerilogTask], judge: VerilogJudge | None = None) ->
 
 
 def load_verilogeval(directory: str | Path) -> list[VerilogTask]:
-    """VerilogEval v2 spec-to-rtl problems from a local copy of its dataset folder."""
+    """VerilogEval problems from a local copy: v2's spec-to-rtl folder, or v1's JSONL."""
     root = Path(directory)
     prompts = sorted(root.rglob("*_prompt.txt"))
     if not prompts:
+        v1 = sorted(root.rglob("VerilogEval_*.jsonl"))
+        if v1:
+            return load_verilogeval_v1(v1[0])
         raise TaskSourceError(
-            f"no *_prompt.txt files under {root}: point verilogeval: at VerilogEval v2's "
-            "dataset_spec-to-rtl folder"
+            f"no *_prompt.txt or VerilogEval_*.jsonl under {root}: point verilogeval: at "
+            "VerilogEval v2's dataset_spec-to-rtl folder or v1's data folder"
         )
     tasks = []
     for prompt in prompts:
@@ -232,6 +236,28 @@ def load_verilogeval(directory: str | Path) -> list[VerilogTask]:
             )
         except ValueError as exc:
             warnings.warn(f"skipping {stem}: {exc}", stacklevel=2)
+    return tasks
+
+
+def load_verilogeval_v1(path: Path) -> list[VerilogTask]:
+    """VerilogEval v1: `VerilogEval_Human.jsonl` (task_id, prompt = the module header,
+    canonical_solution = the rest of the golden) with the spec from the
+    `VerilogDescription_*.jsonl` beside it or under a `descriptions` folder (else the header)."""
+    rows = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    specs: dict[str, str] = {}
+    for desc in sorted(path.parent.parent.rglob("VerilogDescription_*.jsonl")):
+        for line in desc.read_text().splitlines():
+            if line.strip():
+                row = json.loads(line)
+                specs.setdefault(row["task_id"], row.get("detail_description", ""))
+    tasks = []
+    for row in rows:
+        golden = row["prompt"] + row["canonical_solution"]
+        spec = specs.get(row["task_id"]) or row["prompt"]
+        try:
+            tasks.append(task_from_reference(row["task_id"], spec, golden, "verilogeval"))
+        except ValueError as exc:
+            warnings.warn(f"skipping {row['task_id']}: {exc}", stacklevel=2)
     return tasks
 
 
