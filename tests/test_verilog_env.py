@@ -422,3 +422,15 @@ def test_verilogeval_v1_jsonl_layout_loads() -> None:
     judge = VerilogJudge()
     for task in tasks.values():
         assert judge.check_design(task, task.golden).status == "pass", task.id
+
+
+def test_jsonl_source_round_trips_and_simulates_tasks_without_vectors(tmp_path: Path) -> None:
+    stored = TASKS["gray_to_binary"]
+    bare = {**TASKS["counter_4bit"].to_dict(), "id": "bare_counter", "vectors": [], "expected": []}
+    path = tmp_path / "tasks.jsonl"
+    path.write_text(json.dumps(stored.to_dict()) + "\n" + json.dumps(bare) + "\n")
+    tasks = {t.id: t for t in load_verilog_tasks(f"jsonl:{path}")}
+    assert tasks["gray_to_binary"] == stored
+    counter = tasks["bare_counter"]
+    assert len(counter.vectors) == 120 and counter.vectors[0] == (1,)  # starts in reset
+    assert VerilogJudge().check_design(counter, counter.golden).status == "pass"
