@@ -106,6 +106,209 @@ class RefModel:
                 break
         return {"grant": self.grant}
 """,
+    # Written from the specs alone, so they check the spec as much as the golden.
+    "rotate_right": """
+class RefModel:
+    def step(self, i):
+        x, n = i["in"], i["shamt"]
+        return {"out": ((x >> n) | (x << (8 - n))) & 255}
+""",
+    "absolute_value": """
+class RefModel:
+    def step(self, i):
+        v = i["in"] - 256 if i["in"] >= 128 else i["in"]
+        return {"out": abs(v)}
+""",
+    "leading_zeros": """
+class RefModel:
+    def step(self, i):
+        return {"count": 8 - i["in"].bit_length()}
+""",
+    "bcd_add_digit": """
+class RefModel:
+    def step(self, i):
+        r = i["a"] + i["b"] + i["cin"]
+        return {"sum": (r + 6) % 16 if r > 9 else r, "cout": int(r > 9)}
+""",
+    "loadable_down_counter": """
+class RefModel:
+    q = 0
+    def step(self, i):
+        if i["reset"]:
+            self.q = 0
+        elif i["load"]:
+            self.q = i["value"]
+        elif self.q:
+            self.q -= 1
+        return {"q": self.q, "zero": int(self.q == 0)}
+""",
+    "shift_register_piso": """
+class RefModel:
+    r = 0
+    def step(self, i):
+        if i["reset"]:
+            self.r = 0
+        elif i["load"]:
+            self.r = i["data"]
+        else:
+            self.r = (self.r << 1) & 255
+        return {"dout": self.r >> 7}
+""",
+    "shift_register_bidir": """
+class RefModel:
+    q = 0
+    def step(self, i):
+        m, s = i["mode"], i["sin"]
+        if i["reset"]:
+            self.q = 0
+        elif m == 1:
+            self.q = ((self.q << 1) | s) & 15
+        elif m == 2:
+            self.q = (self.q >> 1) | (s << 3)
+        elif m == 3:
+            self.q = i["d"]
+        return {"q": self.q}
+""",
+    "lfsr_8bit": """
+class RefModel:
+    q = 1
+    def step(self, i):
+        q = self.q
+        b = lambda k: q >> k & 1
+        self.q = 1 if i["reset"] else ((q << 1) & 255) | (b(7) ^ b(5) ^ b(4) ^ b(3))
+        return {"q": self.q}
+""",
+    "rising_edge_detector": """
+class RefModel:
+    prev = rise = 0
+    def step(self, i):
+        if i["reset"]:
+            self.prev = self.rise = 0
+        else:
+            self.rise, self.prev = int(i["in"] and not self.prev), i["in"]
+        return {"rise": self.rise}
+""",
+    "sequence_1101": """
+class RefModel:
+    def __init__(self):
+        self.seen = []
+    def step(self, i):
+        if i["reset"]:
+            self.seen = []
+            return {"found": 0}
+        self.seen.append(i["in"])
+        # the longest suffix that is a prefix of 1101 (no overlap after a match)
+        for k in range(min(4, len(self.seen)), 0, -1):
+            if self.seen[-k:] == [1, 1, 0, 1][:k]:
+                self.seen = self.seen[-k:]
+                break
+        else:
+            self.seen = []
+        if self.seen == [1, 1, 0, 1]:
+            self.seen = []
+            return {"found": 1}
+        return {"found": 0}
+""",
+    "traffic_light": """
+class RefModel:
+    light = timer = 0
+    def step(self, i):
+        if i["reset"]:
+            self.light = self.timer = 0
+        elif self.timer == (4, 2, 3)[self.light] - 1:
+            self.light, self.timer = (self.light + 1) % 3, 0
+        else:
+            self.timer += 1
+        return {"light": self.light, "timer": self.timer}
+""",
+    "moving_sum": """
+class RefModel:
+    def __init__(self):
+        self.h = [0] * 4
+    def step(self, i):
+        self.h = [0] * 4 if i["reset"] else [i["in"]] + self.h[:3]
+        return {"sum": sum(self.h)}
+""",
+    "clock_divider": """
+class RefModel:
+    c = out = 0
+    def step(self, i):
+        if i["reset"]:
+            self.c = self.out = 0
+        elif self.c == 2:
+            self.c, self.out = 0, 1 - self.out
+        else:
+            self.c += 1
+        return {"out": self.out}
+""",
+    "fifo_8x4_count": """
+class RefModel:
+    def __init__(self):
+        self.q = []
+    def step(self, i):
+        if i["reset"]:
+            self.q = []
+        else:
+            w = i["wr_en"] and len(self.q) < 8
+            r = i["rd_en"] and self.q
+            if r:
+                self.q.pop(0)
+            if w:
+                self.q.append(i["wdata"])
+        return {"rdata": self.q[0] if self.q else 0, "count": len(self.q)}
+""",
+    "stack_4x8": """
+class RefModel:
+    def __init__(self):
+        self.s = []
+    def step(self, i):
+        if i["reset"]:
+            self.s = []
+        elif i["push"]:
+            if len(self.s) < 4:
+                self.s.append(i["din"])
+        elif i["pop"] and self.s:
+            self.s.pop()
+        return {"top": self.s[-1] if self.s else 0, "empty": int(not self.s),
+                "full": int(len(self.s) == 4)}
+""",
+    "serial_adder": """
+class RefModel:
+    c = s = 0
+    def step(self, i):
+        if i["reset"]:
+            self.c = self.s = 0
+        else:
+            t = i["a"] + i["b"] + self.c
+            self.s, self.c = t & 1, t >> 1
+        return {"sum": self.s}
+""",
+    "debounce": """
+class RefModel:
+    out = c = 0
+    def step(self, i):
+        if i["reset"]:
+            self.out = self.c = 0
+        elif i["in"] == self.out:
+            self.c = 0
+        elif self.c == 2:
+            self.out, self.c = i["in"], 0
+        else:
+            self.c += 1
+        return {"out": self.out}
+""",
+    "vending_machine": """
+class RefModel:
+    credit = vend = 0
+    def step(self, i):
+        if i["reset"]:
+            self.credit = self.vend = 0
+        else:
+            total = self.credit + {1: 5, 2: 10}.get(i["coin"], 0)
+            self.vend = int(total >= 15)
+            self.credit = total - 15 if self.vend else total
+        return {"vend": self.vend, "credit": self.credit}
+""",
 }
 
 

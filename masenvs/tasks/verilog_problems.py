@@ -501,10 +501,10 @@ PROBLEMS: tuple[Problem, ...] = (
     ),
     P(
         "traffic_light",
-        "A traffic light FSM. light is 0 (green), 1 (yellow) or 2 (red). reset goes to green "
-        "with timer 0. Each cycle timer counts up; green lasts 4 cycles, yellow 2, red 3: when "
-        "the timer reaches the length minus 1 the light moves on (green to yellow to red to "
-        "green) and timer restarts at 0. Output timer too.",
+        "A traffic light FSM. light is 0 (green), 1 (yellow) or 2 (red); green lasts 4 cycles, "
+        "yellow 2, red 3. reset goes to green with timer 0. At each other edge: when timer "
+        "equals the current light's length minus 1, the light moves on (green to yellow to red "
+        "to green) and timer becomes 0; else timer goes up by 1. Output timer too.",
         "input clk, input reset, output reg [1:0] light, output reg [2:0] timer",
         "wire [2:0] len = light == 0 ? 3'd4 : light == 1 ? 3'd2 : 3'd3;\n"
         "always @(posedge clk)\n  if (reset) begin light <= 0; timer <= 0; end\n"
