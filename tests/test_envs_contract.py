@@ -147,6 +147,10 @@ def test_ansi_render_is_text(name: str) -> None:
     assert isinstance(env.render(), str) and env.render()
 
 
+def test_the_mission_envs_are_registered_and_so_under_contract() -> None:
+    assert {"plan_path", "sudoku", "sokoban", "math", "code", "verilog"} <= set(ENVS)
+
+
 def test_unknown_env_and_bad_config_fail_clearly() -> None:
     with pytest.raises(KeyError, match="known environments"):
         masenvs.make("no_such_env")
