@@ -622,6 +622,7 @@ def _setup_server(srv: _Server, namespaces: bool, preload: Sequence[str] = ()) -
     else:
         if srv.uid_per_run:
             _expose_interpreter(srv, preload)
+        _hide_task_data(srv)
         srv.readonly = _remount_readonly(srv)
         srv.mountns = True
     srv.pidns = _probe_run_namespaces(srv)
@@ -694,6 +695,25 @@ def _expose_interpreter(srv: _Server, preload: Sequence[str] = ()) -> None:
             for fd in fds:
                 os.close(fd)
         srv.notes.append(f"{closed} is hidden; only {', '.join(roots)} are visible, read-only")
+
+
+def _hide_task_data(srv: _Server) -> None:
+    """Cover masenvs' task directory (hidden tests, golden modules and vectors) with an empty
+    tmpfs, so a program cannot read the answers it is judged on. Judges send the harness
+    sources they need over the control socket; nothing in a run imports from there."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("masenvs")
+    except (ImportError, ValueError):
+        return
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        tasks = os.path.join(root, "tasks")
+        if os.path.isdir(tasks):
+            try:
+                _mount("tmpfs", tasks, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0555,size=16k")
+            except OSError as exc:
+                srv.notes.append(f"cannot hide {tasks} ({exc}); programs can read task data")
 
 
 def _package_dirs(names: Sequence[str]) -> set[str]:
