@@ -18,7 +18,7 @@ from rich.table import Table
 from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.stack import add_engine_arguments
 from masenvs.env import MASEnv
-from masenvs.registry import make
+from masenvs.registry import env_class, make
 from masenvs.traces import EpisodeRecord, TraceStore
 
 
@@ -206,6 +206,12 @@ def main(argv: list[str]) -> int:
     except StackError as exc:
         console.print(f"[red]{exc}[/red]")
         return 2
+    fields = env_class(args.env).config_class.model_fields
+    if "endpoint_url" in fields and not env_config.get("endpoint_url"):
+        # An env that calls the model itself (auto-MAS's executor) calls this stack.
+        env_config["endpoint_url"] = stack.base_url
+        if stack.api_key:
+            env_config.setdefault("endpoint_api_key", stack.api_key)
     sampling = Sampling(temperature=args.temperature, max_tokens=args.max_tokens)
     seeds = list(range(args.seed, args.seed + args.episodes))
     started = time.perf_counter()

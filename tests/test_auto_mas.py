@@ -252,3 +252,16 @@ def test_mas_graph_explains_a_run_without_designs(tmp_path, capsys) -> None:
     assert mas_graph([str(tmp_path), "--list"]) == 0
     assert "no design" in capsys.readouterr().out
     sys.stdout.flush()
+
+
+def test_masenvs_rollout_points_the_designs_at_its_own_endpoint(tmp_path, monkeypatch) -> None:
+    import masenvs.envs.auto_mas as auto_mas
+    from masenvs.adapters.rollout import main as rollout
+    from masenvs.traces import TraceStore
+
+    monkeypatch.setattr(auto_mas, "extract_design", lambda text: GOOD_DESIGN)
+    argv = ["--env", "auto_mas", "--model", "tiny", "--episodes", "1", "--max-tokens", "8"]
+    argv += ["--set", "max_rounds=1", "--set", "executions=1", "--set", "max_tokens=4"]
+    assert rollout([*argv, "--traces", str(tmp_path)]) == 0
+    agents = [c.agent for c in TraceStore(tmp_path).calls()]
+    assert agents.count("designer") == 1 and agents.count("executor") == 3  # a, b, judge
