@@ -1,0 +1,50 @@
+"""Training framework workflows (`masenvs train` with a `workflow:` section): the config,
+unknown agents, failed runs, group keys and the checkpoints written, with the real
+frameworks against the real endpoint and the tiny model."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from masenvs.adapters.frameworks import WorkflowSpec
+from masenvs.trainer.config import ConfigError, load_config
+
+WORKFLOW = {
+    "factory": "framework_programs:langgraph_pair",
+    "framework": "langgraph",
+    "agents": ["solver", "checker"],
+}
+
+
+def workflow_yaml(tmp_path: Path, **workflow: object) -> Path:
+    path = tmp_path / "workflow.yaml"
+    data = {"model": {"name": "tiny"}, "env": {"name": "math"}}
+    data["workflow"] = {**WORKFLOW, **workflow}
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def test_every_workflow_field_can_be_set_from_the_command_line(tmp_path: Path) -> None:
+    cfg = load_config(
+        workflow_yaml(tmp_path),
+        ["workflow.timeout_s=8", "workflow.agents=[a, b]", "workflow.failure_reward=-2"],
+    )
+    assert cfg.workflow is not None
+    assert (cfg.workflow.timeout_s, cfg.workflow.agents) == (8.0, ["a", "b"])
+    assert cfg.workflow.failure_reward == -2.0
+    # Each field, with a valid value, through --set (also on a config without the section).
+    spec = WorkflowSpec(**WORKFLOW).model_dump(mode="json")
+    for name, value in spec.items():
+        override = f"workflow.{name}={yaml.safe_dump(value, default_flow_style=True).strip()}"
+        cfg = load_config(workflow_yaml(tmp_path), [override])
+        assert cfg.workflow is not None and getattr(cfg.workflow, name) == getattr(
+            WorkflowSpec(**WORKFLOW), name
+        ), override
+    given = [f"workflow.{k}={v}" for k, v in WORKFLOW.items() if k != "agents"]
+    cfg = load_config(None, [*given, "workflow.agents=[solver]", "workflow.timeout_s=8"])
+    assert cfg.workflow is not None and cfg.workflow.timeout_s == 8.0
+    with pytest.raises(ConfigError, match=r"workflow.timeot_s: unknown field \(did you mean"):
+        load_config(workflow_yaml(tmp_path), ["workflow.timeot_s=8"])
