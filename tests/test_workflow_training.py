@@ -48,3 +48,14 @@ def test_every_workflow_field_can_be_set_from_the_command_line(tmp_path: Path) -
     assert cfg.workflow is not None and cfg.workflow.timeout_s == 8.0
     with pytest.raises(ConfigError, match=r"workflow.timeot_s: unknown field \(did you mean"):
         load_config(workflow_yaml(tmp_path), ["workflow.timeot_s=8"])
+
+
+def test_answer_from_with_llamaindex_is_refused_when_the_config_loads(tmp_path: Path) -> None:
+    path = workflow_yaml(
+        tmp_path, factory="framework_programs:llamaindex_pair", framework="llamaindex"
+    )
+    with pytest.raises(ConfigError, match="answer_from is not supported with framework 'llama"):
+        load_config(path, ["workflow.answer_from=answer"])
+    assert load_config(path).workflow.answer_from is None  # type: ignore[union-attr]
+    langgraph = load_config(workflow_yaml(tmp_path, answer_from="answer"))
+    assert langgraph.workflow is not None and langgraph.workflow.answer_from == "answer"

@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from masenvs.adapters.frameworks.clients import Clients, ClientSettings, rollout_url
 from masenvs.adapters.frameworks.programs import (
@@ -79,6 +79,16 @@ class WorkflowSpec(BaseModel):
         description="Reward of a failed run. None: what the env gives an empty answer (its "
         "format penalty).",
     )
+
+    @model_validator(mode="after")
+    def _answer_from_fits_the_framework(self) -> WorkflowSpec:
+        if self.framework == "llamaindex" and self.answer_from is not None:
+            raise ValueError(
+                "answer_from is not supported with framework 'llamaindex' (the answer is the "
+                "agent workflow's response or the StopEvent's result); remove answer_from, or "
+                "return the answer from a custom Workflow's StopEvent"
+            )
+        return self
 
     def limits(self) -> RunLimits:
         return RunLimits(self.answer_from, self.recursion_limit, self.timeout_s)
