@@ -13,6 +13,7 @@ import torch
 import yaml
 
 from masenvs.adapters.frameworks import WorkflowSpec
+from masenvs.traces import TraceStore
 from masenvs.trainer.config import ConfigError, load_config
 
 WORKFLOW = {
@@ -94,3 +95,126 @@ def test_adapters_name_their_real_base_so_peft_loads_them_elsewhere(
     (elsewhere / "mine").mkdir()
     assert model_reference("mine") == str(elsewhere.resolve() / "mine")
     assert model_reference("Qwen/Qwen3-0.6B") == "Qwen/Qwen3-0.6B"
+
+
+# -- training runs --------------------------------------------------------------------------
+
+
+def train_config(tmp_path: Path, *overrides: str) -> Any:
+    """One training step of a workflow on math: 1 task x 2 runs, short completions."""
+    return load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            "model.name=tiny",
+            "lora.rank=4",
+            "lora.alpha=8",
+            "steps=1",
+            "env.name=math",
+            "env.options={level: 1}",
+            "rollout.branches=2",
+            "rollout.tasks_per_step=1",
+            "rollout.max_tokens=8",
+            "validation.every=0",
+            "logging.tensorboard=false",
+            "logging.plot_every=0",
+            *overrides,
+        ],
+    )
+
+
+def workflow(factory: str, framework: str, agents: list[str], **more: object) -> list[str]:
+    out = [
+        f"workflow.factory={factory}",
+        f"workflow.framework={framework}",
+        f"workflow.agents=[{', '.join(agents)}]",
+    ]
+    return out + [f"workflow.{k}={v}" for k, v in more.items()]
+
+
+def last_metrics(run_dir: Path) -> dict[str, Any]:
+    from masenvs.trainer.metrics import read_metrics
+
+    return read_metrics(run_dir / "metrics.jsonl")[-1]
+
+
+def test_an_unknown_model_name_stops_training_with_its_name(tmp_path: Path) -> None:
+    from masenvs.trainer.train import train
+    from masenvs.trainer.workflow import UnknownAgentError
+
+    cfg = train_config(
+        tmp_path, *workflow("workflow_programs:langgraph_own_critic", "langgraph", ["solver"])
+    )
+    with pytest.raises(UnknownAgentError) as err:
+        train(cfg)
+    message = str(err.value)
+    assert "'critic_v2'" in message and "(solver)" in message
+    assert "workflow.unknown_agents" in message
+    assert not (tmp_path / "run" / "checkpoints").exists()  # no update, no checkpoint
+    # The run that made the call failed with the endpoint's answer, which names the fix too.
+    (episode, *_) = TraceStore(tmp_path / "run" / "traces").episodes()
+    assert "critic_v2" in episode.extra["error"] and "404" in episode.extra["error"]
+
+
+@pytest.mark.parametrize("mode", ["per_agent", "shared"])
+def test_unknown_agents_base_are_served_by_the_base_model_and_never_trained(
+    tmp_path: Path, mode: str
+) -> None:
+    """An AutoGen SelectorGroupChat whose selector is not an agent: the base model picks."""
+    from masenvs.trainer.train import train
+
+    agents = ["coder", "reviewer"]
+    cfg = train_config(
+        tmp_path,
+        "env.name=code",
+        "env.options={}",
+        f"policy.mode={mode}",
+        *workflow(
+            "framework_programs:autogen_selector", "autogen", agents, unknown_agents="base"
+        ),
+    )
+    train(cfg)
+    calls = list(TraceStore(tmp_path / "run" / "traces").calls())
+    selector = [c for c in calls if c.agent == "selector"]
+    assert selector and {c.model for c in selector} == {"base"}
+    by_agent = {a: sum(c.agent == a for c in calls) for a in agents}
+    metrics = last_metrics(tmp_path / "run")
+    if mode == "shared":  # only the agents' calls train the shared adapter
+        assert metrics["learner/shared/samples"] == sum(by_agent.values())
+    else:
+        for agent in agents:
+            if by_agent[agent]:
+                assert metrics[f"learner/{agent}/samples"] == by_agent[agent]
+        assert not any(k.startswith("learner/selector/") for k in metrics)
+
+
+def test_a_mapped_name_is_served_and_trained_as_its_agent(tmp_path: Path) -> None:
+    from masenvs.trainer.train import train
+
+    cfg = train_config(
+        tmp_path,
+        *workflow(
+            "workflow_programs:llamaindex_mapped_critic",
+            "llamaindex",
+            ["drafter", "critic"],
+            unknown_agents="map",
+            agent_map="{critic_v2: critic}",
+        ),
+    )
+    train(cfg)
+    calls = list(TraceStore(tmp_path / "run" / "traces").calls())
+    assert {c.agent for c in calls} == {"drafter", "critic", "critic_v2"}
+    assert {c.model for c in calls if c.agent == "critic_v2"} == {"critic"}  # its adapter
+    metrics = last_metrics(tmp_path / "run")
+    assert metrics["learner/critic/samples"] == 4  # 2 runs x (critic + critic_v2)
+    assert metrics["learner/drafter/samples"] == 2
+
+
+def test_unknown_agent_settings_are_checked_when_the_config_loads(tmp_path: Path) -> None:
+    path = workflow_yaml(tmp_path)
+    with pytest.raises(ConfigError, match="unknown_agents 'map' needs agent_map"):
+        load_config(path, ["workflow.unknown_agents=map"])
+    with pytest.raises(ConfigError, match="set unknown_agents: map"):
+        load_config(path, ["workflow.agent_map={critic_v2: checker}"])
+    with pytest.raises(ConfigError, match="not one of agents"):
+        load_config(path, ["workflow.unknown_agents=map", "workflow.agent_map={x: critic}"])

@@ -195,6 +195,9 @@ class WorkflowSource:
             agents=agent_sampling(cfg, learner.agents, validation=True),
             api_key=stack.api_key or "masenvs",
         )
+        for name, agent in self.spec.agent_map.items():  # a mapped name samples as its agent
+            self.settings.agents[name] = self.settings.agents[agent]
+            self.val_settings.agents[name] = self.val_settings.agents[agent]
 
     async def _runs(self, step, seeds, runs_per_task, settings):
         from masenvs.trainer.workflow import collect_workflow_samples
@@ -215,9 +218,10 @@ class WorkflowSource:
         )
 
     async def collect(self, step: int, seeds: list[int]) -> tuple[list[Sample], dict[str, float]]:
-        from masenvs.trainer.workflow import workflow_metrics
+        from masenvs.trainer.workflow import check_unknown_agents, workflow_metrics
 
         samples, runs = await self._runs(step, seeds, self.cfg.rollout.branches, self.settings)
+        check_unknown_agents(self.stack.endpoint.policy_map, runs)  # before any update
         for run in runs:
             if run.error:
                 log.warning("workflow run %s failed: %s", run.rollout_id, run.error)
@@ -275,6 +279,14 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
                 {agent: sync.served_as(learner.policy_of(agent)) for agent in agents},
                 chat_template_kwargs={a: cfg.agent(a).chat_template_kwargs for a in agents},
             )
+            if cfg.workflow is not None:  # and what other model names get (unknown_agents)
+                from masenvs.trainer.workflow import workflow_policy_map
+
+                routes = workflow_policy_map(
+                    cfg.workflow,
+                    lambda agent: sync.served_as(learner.policy_of(agent)),
+                    routes.chat_template_kwargs,
+                )
             stack = start_stack(backend=backend, traces=run_dir / "traces", policy_map=routes)
         except BaseException:
             getattr(backend, "shutdown", lambda: None)()  # a vLLM started here stops too

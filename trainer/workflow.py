@@ -13,9 +13,11 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 from masenvs.adapters.frameworks.calls import read_calls
-from masenvs.adapters.frameworks.clients import ClientSettings
+from masenvs.adapters.frameworks.clients import ClientSettings, UnknownAgent
 from masenvs.adapters.frameworks.workflow import Factory, WorkflowRun, WorkflowSpec, run_tasks
+from masenvs.adapters.policy_map import BASE, PolicyMap
 from masenvs.traces import CallRecord, TraceStore
+from masenvs.trainer.config import ConfigError
 from masenvs.trainer.samples import Sample, workflow_group
 
 
@@ -23,17 +25,23 @@ def workflow_samples(
     runs: Sequence[WorkflowRun],
     calls: Sequence[CallRecord],
     policy_of: Callable[[str], str] | None = None,
+    agent_of: Callable[[str], str | None] | None = None,
 ) -> list[Sample]:
     """One sample per sampled choice of every call the runs made.
 
     `policy_of(agent)` names the adapter a sample trains; without it, the adapter the
-    endpoint served the call with (`CallRecord.model`).
+    endpoint served the call with (`CallRecord.model`). `agent_of(model name)` is the agent
+    a call trains as (`WorkflowSpec.agent_of`); a call it gives None for (an unknown agent
+    the base model served) is no sample: no policy made it.
     """
     by_rollout = {run.rollout_id: run for run in runs}
     samples = []
     for call in calls:
         run = by_rollout.get(call.rollout_id or "")
         if run is None or not call.prompt_token_ids:
+            continue
+        agent = agent_of(call.agent) if agent_of else call.agent
+        if agent is None:
             continue
         for choice in call.choices:
             logprobs = choice.logprobs if len(choice.logprobs) == len(choice.token_ids) else []
@@ -42,8 +50,10 @@ def workflow_samples(
                     prompt_token_ids=list(call.prompt_token_ids),
                     completion_token_ids=list(choice.token_ids),
                     behavior_logprobs=list(logprobs),
-                    agent=call.agent,
-                    policy=policy_of(call.agent) if policy_of else call.model,
+                    agent=agent,
+                    policy=policy_of(agent) if policy_of else call.model,
+                    # keyed by the name the program used: a mapped name's calls are other
+                    # decisions than its agent's, trained by the same policy
                     group=workflow_group(run.task_id, call.agent, call.call_index),
                     reward=run.reward,
                     meta={
@@ -53,6 +63,7 @@ def workflow_samples(
                         "run_index": run.run_index,
                         "call_index": call.call_index,
                         "served_by": call.model,
+                        "model_name": call.agent,  # what the program asked for
                         "policy_version": call.policy_version,
                         "failed": run.error is not None,
                     },
@@ -98,7 +109,47 @@ async def collect_workflow_samples(
         factory=factory,
     )
     calls = read_calls(store, [r.rollout_id for r in runs], since=started)
-    return workflow_samples(runs, calls, policy_of), runs
+    return workflow_samples(runs, calls, policy_of, spec.agent_of), runs
+
+
+def workflow_policy_map(
+    spec: WorkflowSpec,
+    served_as: Callable[[str], str],
+    chat_template_kwargs: dict[str, dict[str, Any]] | None = None,
+) -> PolicyMap:
+    """The endpoint's routes for a workflow: each agent (and each `agent_map` name) to the
+    model `served_as(agent)`; other names to the base model ('base') or rejected."""
+    kwargs = chat_template_kwargs or {}
+    names = {**{a: a for a in spec.agents}, **spec.agent_map}
+    return PolicyMap(
+        {name: served_as(agent) for name, agent in names.items()},
+        default=BASE if spec.unknown_agents == "base" else None,
+        chat_template_kwargs={n: kwargs[a] for n, a in names.items() if a in kwargs},
+        adapters_by_name=False,
+        reject_hint=(
+            "; add it to workflow.agents, or set workflow.unknown_agents: base (the base model "
+            "answers it, never trained) or map (workflow.agent_map: {name: agent})"
+        ),
+    )
+
+
+def check_unknown_agents(policy_map: PolicyMap, runs: Sequence[WorkflowRun]) -> None:
+    """Stop training when the program used a model name `unknown_agents: reject` refuses."""
+    if policy_map.rejected:
+        names = ", ".join(sorted(map(repr, policy_map.rejected)))
+        known = ", ".join(sorted(policy_map.routes))
+        raise UnknownAgentError(
+            f"the workflow called model {names}, which is not one of its agents ({known}); "
+            "add it to workflow.agents, or set workflow.unknown_agents: base (the base model "
+            "answers it, never trained) or map (workflow.agent_map: {name: agent})"
+        )
+    for run in runs:
+        if run.error and run.error.startswith(f"{UnknownAgent.__name__}:"):
+            raise UnknownAgentError(f"workflow run {run.rollout_id}: {run.error}")
+
+
+class UnknownAgentError(ConfigError):
+    """The program used a model name the workflow's `unknown_agents` policy rejects."""
 
 
 def workflow_metrics(runs: Sequence[WorkflowRun], samples: Sequence[Sample]) -> dict[str, float]:

@@ -265,7 +265,8 @@ class Clients(Mapping[str, Any]):
         if self.agents is not None and agent not in self.agents:
             raise UnknownAgent(
                 f"agent {agent!r} is not one of this workflow's agents "
-                f"({', '.join(self.agents)}); add it to `agents` in the workflow config"
+                f"({', '.join(self.agents)}); add it to `agents` in the workflow config, or "
+                "set unknown_agents (base or map)"
             )
 
     def _sync_client(self) -> httpx.Client:

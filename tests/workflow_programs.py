@@ -1,0 +1,72 @@
+"""User programs for the workflow training tests (unknown agents, group keys), written as a
+user would write them. The tiny model writes gibberish: nothing depends on what it says."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from masenvs.adapters.frameworks import WorkflowContext
+
+
+def langgraph_own_critic(ctx: WorkflowContext) -> Any:
+    """solve -> critique, the critic a ChatOpenAI the user built with a model name of its own."""
+    from langchain_core.messages import HumanMessage
+    from langchain_openai import ChatOpenAI
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    solver = ctx.clients["solver"]
+    critic = ChatOpenAI(
+        model="critic_v2",
+        base_url=ctx.base_url,
+        api_key="masenvs",
+        max_tokens=8,
+        max_retries=0,
+        use_responses_api=False,
+    )
+
+    async def solve(state: MessagesState) -> dict:
+        return {"messages": [await solver.ainvoke(state["messages"])]}
+
+    async def critique(state: MessagesState) -> dict:
+        reply = await critic.ainvoke([HumanMessage(f"Critique: {state['messages'][-1].text}")])
+        return {"messages": [reply]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("solve", solve)
+    graph.add_node("critique", critique)
+    graph.add_edge(START, "solve")
+    graph.add_edge("solve", "critique")
+    graph.add_edge("critique", END)
+    return graph.compile()
+
+
+def llamaindex_mapped_critic(ctx: WorkflowContext) -> Any:
+    """draft -> critique (critic) -> second opinion (critic_v2, mapped to the critic)."""
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.workflow import Event, StartEvent, StopEvent, Workflow, step
+
+    drafter, critic, second = (ctx.clients[a] for a in ("drafter", "critic", "critic_v2"))
+
+    class Draft(Event):
+        text: str
+
+    class Critique(Event):
+        text: str
+
+    class DraftCritiqueSecondOpinion(Workflow):
+        @step
+        async def draft(self, ev: StartEvent) -> Draft:
+            reply = await drafter.achat([ChatMessage(role="user", content=ev.user_msg)])
+            return Draft(text=reply.message.content or "")
+
+        @step
+        async def critique(self, ev: Draft) -> Critique:
+            reply = await critic.achat([ChatMessage(role="user", content=f"Critique: {ev.text}")])
+            return Critique(text=reply.message.content or "")
+
+        @step
+        async def second_opinion(self, ev: Critique) -> StopEvent:
+            reply = await second.achat([ChatMessage(role="user", content=f"Again: {ev.text}")])
+            return StopEvent(result=reply.message.content or "")
+
+    return DraftCritiqueSecondOpinion(timeout=None)
