@@ -169,9 +169,7 @@ def test_unknown_agents_base_are_served_by_the_base_model_and_never_trained(
         "env.name=code",
         "env.options={}",
         f"policy.mode={mode}",
-        *workflow(
-            "framework_programs:autogen_selector", "autogen", agents, unknown_agents="base"
-        ),
+        *workflow("framework_programs:autogen_selector", "autogen", agents, unknown_agents="base"),
     )
     train(cfg)
     calls = list(TraceStore(tmp_path / "run" / "traces").calls())
