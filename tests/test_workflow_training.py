@@ -102,25 +102,26 @@ def test_adapters_name_their_real_base_so_peft_loads_them_elsewhere(
 
 def train_config(tmp_path: Path, *overrides: str) -> Any:
     """One training step of a workflow on math: 1 task x 2 runs, short completions."""
-    return load_config(
-        None,
-        [
-            f"run_dir={tmp_path / 'run'}",
-            "model.name=tiny",
-            "lora.rank=4",
-            "lora.alpha=8",
-            "steps=1",
-            "env.name=math",
-            "env.options={level: 1}",
-            "rollout.branches=2",
-            "rollout.tasks_per_step=1",
-            "rollout.max_tokens=8",
-            "validation.every=0",
-            "logging.tensorboard=false",
-            "logging.plot_every=0",
-            *overrides,
-        ],
-    )
+    return load_config(None, train_overrides(tmp_path, *overrides))
+
+
+def train_overrides(tmp_path: Path, *overrides: str) -> list[str]:
+    return [
+        f"run_dir={tmp_path / 'run'}",
+        "model.name=tiny",
+        "lora.rank=4",
+        "lora.alpha=8",
+        "steps=1",
+        "env.name=math",
+        "env.options={level: 1}",
+        "rollout.branches=2",
+        "rollout.tasks_per_step=1",
+        "rollout.max_tokens=8",
+        "validation.every=0",
+        "logging.tensorboard=false",
+        "logging.plot_every=0",
+        *overrides,
+    ]
 
 
 def workflow(factory: str, framework: str, agents: list[str], **more: object) -> list[str]:
@@ -216,3 +217,59 @@ def test_unknown_agent_settings_are_checked_when_the_config_loads(tmp_path: Path
         load_config(path, ["workflow.agent_map={critic_v2: checker}"])
     with pytest.raises(ConfigError, match="not one of agents"):
         load_config(path, ["workflow.unknown_agents=map", "workflow.agent_map={x: critic}"])
+
+
+FAILING = [
+    ("langgraph", "workflow_programs:langgraph_fails", ["solver"], "ValueError: no answer"),
+    ("autogen", "workflow_programs:autogen_fails", ["coder"], "sandbox unavailable"),
+    ("llamaindex", "workflow_programs:llamaindex_fails", ["drafter"], "citation index"),
+]
+
+
+@pytest.mark.parametrize(
+    ("framework", "factory", "agents", "reason"), FAILING, ids=[c[0] for c in FAILING]
+)
+def test_a_run_that_keeps_failing_stops_with_the_most_common_reason(
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    framework: str,
+    factory: str,
+    agents: list[str],
+    reason: str,
+) -> None:
+    from masenvs.trainer.cli import main
+
+    (tmp_path / "empty.yaml").write_text("{}\n")
+    overrides = train_overrides(tmp_path, *workflow(factory, framework, agents), "steps=3")
+    overrides += ["workflow.max_failure_rate=0.5", "workflow.failure_window=4"]
+    code = main([str(tmp_path / "empty.yaml"), *(f"--set={o}" for o in overrides)])
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert code == 1, out
+    assert "2 of the last 2 workflow runs failed" in out and reason in out
+    assert "(2 runs)" in out  # the most common reason, counted
+    assert "nan" not in out.lower()
+    assert not (tmp_path / "run" / "checkpoints").exists()  # stopped before the update
+
+
+def test_a_step_without_trainable_samples_says_why_and_does_not_update(tmp_path: Path) -> None:
+    from io import StringIO
+
+    from rich.console import Console
+
+    from masenvs.trainer.train import train
+
+    factory = "workflow_programs:langgraph_fails_at_once"
+    cfg = train_config(
+        tmp_path,
+        *workflow(factory, "langgraph", ["solver", "checker"], max_failure_rate=1.0),
+        "steps=2",
+    )
+    printed = StringIO()
+    train(cfg, console=Console(file=printed, width=200))
+    out = printed.getvalue()
+    assert out.count("no trainable sample, no update: all 2 runs failed") == 2, out
+    assert "FileNotFoundError: prompts.yaml" in out
+    assert "solver -  checker -" in out  # no reward to show, and no NaN either
+    assert "nan" not in out.lower()
+    raw = (tmp_path / "run" / "metrics.jsonl").read_text()
+    assert "NaN" not in raw and "learner/" not in raw  # no update was made

@@ -70,3 +70,81 @@ def llamaindex_mapped_critic(ctx: WorkflowContext) -> Any:
             return StopEvent(result=reply.message.content or "")
 
     return DraftCritiqueSecondOpinion(timeout=None)
+
+
+# -- programs that always fail ----------------------------------------------------------------
+
+
+def langgraph_fails(ctx: WorkflowContext) -> Any:
+    """One solver call, then the user's node raises."""
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    solver = ctx.clients["solver"]
+
+    async def solve(state: MessagesState) -> dict:
+        return {"messages": [await solver.ainvoke(state["messages"])]}
+
+    def parse(state: MessagesState) -> dict:
+        raise ValueError("no answer in the solver's reply")
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("solve", solve)
+    graph.add_node("parse", parse)
+    graph.add_edge(START, "solve")
+    graph.add_edge("solve", "parse")
+    graph.add_edge("parse", END)
+    return graph.compile()
+
+
+def langgraph_fails_at_once(ctx: WorkflowContext) -> Any:
+    """A graph that raises before any model call."""
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    def load(state: MessagesState) -> dict:
+        raise FileNotFoundError("prompts.yaml")
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("load", load)
+    graph.add_edge(START, "load")
+    graph.add_edge("load", END)
+    return graph.compile()
+
+
+def autogen_fails(ctx: WorkflowContext) -> Any:
+    """The coder answers, then a custom agent of the team raises."""
+    from autogen_agentchat.agents import AssistantAgent, BaseChatAgent
+    from autogen_agentchat.base import Response
+    from autogen_agentchat.conditions import MaxMessageTermination
+    from autogen_agentchat.messages import TextMessage
+    from autogen_agentchat.teams import RoundRobinGroupChat
+
+    class Runner(BaseChatAgent):
+        @property
+        def produced_message_types(self) -> tuple:
+            return (TextMessage,)
+
+        async def on_messages(self, messages: Any, cancellation_token: Any) -> Response:
+            raise RuntimeError("sandbox unavailable")
+
+        async def on_reset(self, cancellation_token: Any) -> None:
+            pass
+
+    coder = AssistantAgent("coder", model_client=ctx.clients["coder"])
+    runner = Runner("runner", description="Runs the code.")
+    return RoundRobinGroupChat([coder, runner], termination_condition=MaxMessageTermination(4))
+
+
+def llamaindex_fails(ctx: WorkflowContext) -> Any:
+    """A draft, then the workflow's own step raises."""
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.workflow import StartEvent, StopEvent, Workflow, step
+
+    drafter = ctx.clients["drafter"]
+
+    class DraftThenFail(Workflow):
+        @step
+        async def draft(self, ev: StartEvent) -> StopEvent:
+            await drafter.achat([ChatMessage(role="user", content=ev.user_msg)])
+            raise KeyError("citation index")
+
+    return DraftThenFail(timeout=None)

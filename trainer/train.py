@@ -143,7 +143,12 @@ class TreeSource:
         for r in results:
             if r.error:
                 log.warning("task %s dropped from step %d: %s", r.task_id, step, r.error)
+        self.last_errors = [r.error for r in results if r.error]
         return [s for r in results for s in r.samples], rollout_metrics(results)
+
+    def why_no_samples(self) -> str:
+        errors = getattr(self, "last_errors", [])
+        return f"every task failed ({errors[0]})" if errors else "the tasks gave no sample"
 
     async def validate(self, step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -195,6 +200,10 @@ class WorkflowSource:
             agents=agent_sampling(cfg, learner.agents, validation=True),
             api_key=stack.api_key or "masenvs",
         )
+        from masenvs.trainer.workflow import FailureWindow
+
+        self.failures = FailureWindow(self.spec.failure_window, self.spec.max_failure_rate)
+        self.last_runs: list[Any] = []
         for name, agent in self.spec.agent_map.items():  # a mapped name samples as its agent
             self.settings.agents[name] = self.settings.agents[agent]
             self.val_settings.agents[name] = self.val_settings.agents[agent]
@@ -222,10 +231,17 @@ class WorkflowSource:
 
         samples, runs = await self._runs(step, seeds, self.cfg.rollout.branches, self.settings)
         check_unknown_agents(self.stack.endpoint.policy_map, runs)  # before any update
+        self.last_runs = runs
+        self.failures.check(runs)  # too many failed runs: stop before training on them
         for run in runs:
             if run.error:
                 log.warning("workflow run %s failed: %s", run.rollout_id, run.error)
         return samples, workflow_metrics(runs, samples)
+
+    def why_no_samples(self) -> str:
+        from masenvs.trainer.workflow import why_no_samples
+
+        return why_no_samples(self.last_runs)
 
     async def validate(self, step: int) -> dict[str, float]:
         seeds = list(self.cfg.validation_seeds())
@@ -336,6 +352,15 @@ async def _loop(
             rollout_s = time.perf_counter() - started
             trained = [s for s in samples if learner.trains(s.policy)]  # frozen agents: none
             trainable, stats = group_advantages(trained, cfg.algorithm)
+            if not trainable:  # say why instead of an update over nothing
+                why = (
+                    source.why_no_samples()
+                    if not samples
+                    else "every sample is a frozen agent's"
+                    if not trained
+                    else "algorithm.drop_zero_std_groups / keep_top_groups dropped every group"
+                )
+                console.print(f"step {step}/{cfg.steps}: no trainable sample, no update: {why}")
             started = time.perf_counter()
             # The update runs on this thread: a worker thread would keep a second torch thread
             # pool that competes with the engine's once the next rollout starts.
@@ -365,7 +390,10 @@ async def _loop(
 
 
 def _progress_line(step: int, total: int, row: dict[str, Any], agents: list[str]) -> str:
-    rewards = "  ".join(f"{a} {row.get(f'train/reward/{a}', float('nan')):+.2f}" for a in agents)
+    rewards = "  ".join(
+        f"{a} {row[f'train/reward/{a}']:+.2f}" if f"train/reward/{a}" in row else f"{a} -"
+        for a in agents
+    )
     val = f"  [bold]val success {row['val/success']:.0%}[/bold]" if "val/success" in row else ""
     return (
         f"step {step}/{total}  success {row['train/success']:.0%}  {rewards}  "

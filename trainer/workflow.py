@@ -9,6 +9,7 @@ fewer calls simply has no member in the later groups (a group of one has advanta
 from __future__ import annotations
 
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -164,3 +165,37 @@ def workflow_metrics(runs: Sequence[WorkflowRun], samples: Sequence[Sample]) -> 
     for agent in sorted({s.agent for s in samples}):
         out[f"train/calls_per_run/{agent}"] = sum(s.agent == agent for s in samples) / n
     return out
+
+
+class TooManyFailures(RuntimeError):
+    """More than `workflow.max_failure_rate` of the recent runs failed: training stops."""
+
+
+class FailureWindow:
+    """The outcome of the last `size` runs; `check` stops training when too many failed."""
+
+    def __init__(self, size: int, max_rate: float) -> None:
+        self.max_rate = max_rate
+        self.errors: deque[str | None] = deque(maxlen=size)
+
+    def check(self, runs: Sequence[WorkflowRun]) -> None:
+        """Add this step's runs; raise `TooManyFailures` naming the most common reason."""
+        self.errors.extend(run.error for run in runs)
+        failed = [e for e in self.errors if e is not None]
+        if not self.errors or len(failed) / len(self.errors) <= self.max_rate:
+            return
+        reason, count = Counter(failed).most_common(1)[0]
+        raise TooManyFailures(
+            f"stopping: {len(failed)} of the last {len(self.errors)} workflow runs failed "
+            f"(more than workflow.max_failure_rate={self.max_rate:g}); most common reason "
+            f"({count} runs): {reason}"
+        )
+
+
+def why_no_samples(runs: Sequence[WorkflowRun]) -> str:
+    """One line saying why a step's runs gave no training sample."""
+    failed = [r.error for r in runs if r.error is not None]
+    if runs and len(failed) == len(runs):
+        reason, count = Counter(failed).most_common(1)[0]
+        return f"all {len(runs)} runs failed before a trainable call ({count}x {reason})"
+    return f"the {len(runs)} runs made no call as one of workflow.agents"

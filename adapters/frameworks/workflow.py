@@ -86,6 +86,16 @@ class WorkflowSpec(BaseModel):
     timeout_s: float | None = Field(
         600.0, gt=0, description="Wall seconds per run before it fails; None: no limit."
     )
+    max_failure_rate: float = Field(
+        0.9,
+        ge=0.0,
+        le=1.0,
+        description="Training stops (exit status 1, with the most common failure reason) when "
+        "more than this share of the last `failure_window` runs failed; 1.0: never.",
+    )
+    failure_window: int = Field(
+        32, ge=1, description="Runs (the latest, across steps) the failure share is taken over."
+    )
     failure_reward: float | None = Field(
         None,
         description="Reward of a failed run. None: what the env gives an empty answer (its "
