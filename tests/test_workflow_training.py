@@ -273,3 +273,79 @@ def test_a_step_without_trainable_samples_says_why_and_does_not_update(tmp_path:
     assert "nan" not in out.lower()
     raw = (tmp_path / "run" / "metrics.jsonl").read_text()
     assert "NaN" not in raw and "learner/" not in raw  # no update was made
+
+
+# -- group keys: named steps ---------------------------------------------------------------
+
+STEPS = [
+    ("langgraph", "workflow_programs:langgraph_steps", ["solver", "critic"]),
+    ("autogen", "workflow_programs:autogen_steps", ["coder", "critic"]),
+    ("llamaindex", "workflow_programs:llamaindex_steps", ["drafter", "critic"]),
+]
+
+
+@pytest.fixture(scope="module")
+def backend() -> Any:
+    from framework_support import random_lora
+
+    from masenvs.adapters.backends.embedded import EmbeddedBackend
+
+    engine = EmbeddedBackend.from_spec("tiny", max_batch_size=16, max_model_len=1024)
+    for seed, name in enumerate(("lora_a", "lora_b"), start=1):
+        random_lora(engine, name, seed)
+    yield engine
+    engine.shutdown()
+
+
+@pytest.mark.parametrize(("framework", "factory", "agents"), STEPS, ids=[s[0] for s in STEPS])
+def test_named_steps_group_like_decisions_together(
+    backend: Any, tmp_path: Path, framework: str, factory: str, agents: list[str]
+) -> None:
+    """Run 0 critiques once, run 1 twice, then each gives a verdict: by call index the
+    verdict of run 0 would share a group with the second critique of run 1."""
+    import asyncio
+    from collections import defaultdict
+
+    from framework_support import serve
+
+    from masenvs.adapters.frameworks import ClientSettings
+    from masenvs.adapters.policy import Sampling
+    from masenvs.trainer.workflow import collect_workflow_samples
+
+    routes = dict(zip(agents, ("lora_a", "lora_b")))
+    spec = WorkflowSpec(factory=factory, framework=framework, agents=agents)
+    with serve(backend, tmp_path / "traces", policy_map=routes) as served:
+        samples, runs = asyncio.run(
+            collect_workflow_samples(
+                spec,
+                root_url=served.url,
+                store=served.store,
+                env_name="math",
+                seeds=[0],
+                runs_per_task=2,
+                settings=ClientSettings(sampling=Sampling(max_tokens=6)),
+                policy_of=lambda agent: agent,
+            )
+        )
+        calls = list(served.store.calls())
+    assert [r.error for r in runs] == [None, None]
+    critic = [c for c in calls if c.agent == "critic"]
+    assert {c.model for c in critic} == {"lora_b"}  # the agent part picks the policy
+    steps = sorted((c.rollout_id, c.step, c.call_index) for c in critic)
+    assert steps == [
+        ("s0-0-0", "critique", 0),
+        ("s0-0-0", "verdict", 0),
+        ("s0-0-1", "critique", 0),
+        ("s0-0-1", "critique", 1),
+        ("s0-0-1", "verdict", 0),
+    ]
+    groups: dict[tuple, list[str]] = defaultdict(list)
+    for s in samples:
+        if s.agent == "critic":
+            groups[s.group].append(s.meta["rollout_id"])
+    assert groups == {
+        ("math:0", "critic", "critique", 0): ["s0-0-0", "s0-0-1"],
+        ("math:0", "critic", "critique", 1): ["s0-0-1"],
+        ("math:0", "critic", "verdict", 0): ["s0-0-0", "s0-0-1"],
+    }
+    assert all(s.policy == "critic" for s in samples if s.agent == "critic")

@@ -148,3 +148,79 @@ def llamaindex_fails(ctx: WorkflowContext) -> Any:
             raise KeyError("citation index")
 
     return DraftThenFail(timeout=None)
+
+
+# -- named steps: critiques then one verdict; run k critiques k + 1 times --------------------
+
+
+def langgraph_steps(ctx: WorkflowContext) -> Any:
+    """solve -> critique x (run_index + 1) -> verdict; steps named with the header."""
+    from langchain_core.messages import HumanMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    from masenvs.adapters.endpoint import STEP_HEADER
+
+    solver = ctx.clients["solver"]
+    critique_llm = ctx.clients["critic"].bind(extra_headers={STEP_HEADER: "critique"})
+    verdict_llm = ctx.clients["critic"].bind(extra_headers={STEP_HEADER: "verdict"})
+
+    class State(MessagesState):
+        critiques: int
+
+    async def solve(state: State) -> dict:
+        return {"messages": [await solver.ainvoke(state["messages"])]}
+
+    async def critique(state: State) -> dict:
+        reply = await critique_llm.ainvoke([HumanMessage("Critique the answer.")])
+        return {"messages": [reply], "critiques": state.get("critiques", 0) + 1}
+
+    async def verdict(state: State) -> dict:
+        return {"messages": [await verdict_llm.ainvoke([HumanMessage("Verdict?")])]}
+
+    graph = StateGraph(State)
+    for name, node in (("solve", solve), ("critique", critique), ("verdict", verdict)):
+        graph.add_node(name, node)
+    graph.add_edge(START, "solve")
+    graph.add_edge("solve", "critique")
+    graph.add_conditional_edges(
+        "critique", lambda s: "verdict" if s["critiques"] > ctx.run_index else "critique"
+    )
+    graph.add_edge("verdict", END)
+    return graph.compile()
+
+
+def autogen_steps(ctx: WorkflowContext) -> Any:
+    """coder, critique x (run_index + 1), verdict: one critic policy, two steps by model name."""
+    from autogen_agentchat.agents import AssistantAgent
+    from autogen_agentchat.conditions import MaxMessageTermination
+    from autogen_agentchat.teams import RoundRobinGroupChat
+
+    coder = AssistantAgent("coder", model_client=ctx.clients["coder"])
+    critiques = [
+        AssistantAgent(f"critique{k}", model_client=ctx.clients["critic@critique"])
+        for k in range(ctx.run_index + 1)
+    ]
+    judge = AssistantAgent("judge", model_client=ctx.clients["critic@verdict"])
+    team = [coder, *critiques, judge]
+    return RoundRobinGroupChat(team, termination_condition=MaxMessageTermination(len(team) + 1))
+
+
+def llamaindex_steps(ctx: WorkflowContext) -> Any:
+    """draft, critique x (run_index + 1), verdict; steps named in the model string."""
+    from llama_index.core.llms import ChatMessage
+    from llama_index.core.workflow import StartEvent, StopEvent, Workflow, step
+
+    drafter, critic, judge = (
+        ctx.clients[name] for name in ("drafter", "critic@critique", "critic@verdict")
+    )
+
+    class Critiqued(Workflow):
+        @step
+        async def run_all(self, ev: StartEvent) -> StopEvent:
+            await drafter.achat([ChatMessage(role="user", content=ev.user_msg)])
+            for _ in range(ctx.run_index + 1):
+                await critic.achat([ChatMessage(role="user", content="Critique it.")])
+            reply = await judge.achat([ChatMessage(role="user", content="Verdict?")])
+            return StopEvent(result=reply.message.content or "")
+
+    return Critiqued(timeout=None)

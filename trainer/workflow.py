@@ -55,7 +55,7 @@ def workflow_samples(
                     policy=policy_of(agent) if policy_of else call.model,
                     # keyed by the name the program used: a mapped name's calls are other
                     # decisions than its agent's, trained by the same policy
-                    group=workflow_group(run.task_id, call.agent, call.call_index),
+                    group=workflow_group(run.task_id, call.agent, call.call_index, call.step),
                     reward=run.reward,
                     meta={
                         "call_id": call.id,
@@ -63,6 +63,7 @@ def workflow_samples(
                         "seed": run.seed,
                         "run_index": run.run_index,
                         "call_index": call.call_index,
+                        "step": call.step,
                         "served_by": call.model,
                         "model_name": call.agent,  # what the program asked for
                         "policy_version": call.policy_version,
