@@ -207,6 +207,12 @@ def test_a_mapped_name_is_served_and_trained_as_its_agent(tmp_path: Path) -> Non
     metrics = last_metrics(tmp_path / "run")
     assert metrics["learner/critic/samples"] == 4  # 2 runs x (critic + critic_v2)
     assert metrics["learner/drafter/samples"] == 2
+    # The checkpoint's adapters name the real base model, not "tiny".
+    (config_file,) = (tmp_path / "run" / "checkpoints").glob(
+        "*/adapters/critic/adapter_config.json"
+    )
+    base = json.loads(config_file.read_text())["base_model_name_or_path"]
+    assert Path(base).is_absolute() and (Path(base) / "config.json").is_file()
 
 
 def test_unknown_agent_settings_are_checked_when_the_config_loads(tmp_path: Path) -> None:
