@@ -355,3 +355,19 @@ def test_named_steps_group_like_decisions_together(
         ("math:0", "critic", "verdict", 0): ["s0-0-0", "s0-0-1"],
     }
     assert all(s.policy == "critic" for s in samples if s.agent == "critic")
+
+
+def test_a_client_asked_for_an_undeclared_agent_stops_training_too(tmp_path: Path) -> None:
+    """The AutoGen selector's client taken from ctx.clients, the selector not an agent."""
+    from masenvs.trainer.train import train
+    from masenvs.trainer.workflow import UnknownAgentError
+
+    cfg = train_config(
+        tmp_path,
+        "env.name=code",
+        "env.options={}",
+        *workflow("framework_programs:autogen_selector", "autogen", ["coder", "reviewer"]),
+    )
+    with pytest.raises(UnknownAgentError, match=r"agent 'selector' is not one of .*unknown_agents"):
+        train(cfg)
+    assert not (tmp_path / "run" / "checkpoints").exists()
