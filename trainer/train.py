@@ -127,6 +127,7 @@ class TreeSource:
             agent_sampling=agent_sampling(cfg, learner.agents),
             api_key=stack.api_key or "masenvs",
         )
+        self.last_errors: list[str] = []  # the last step's failed tasks, for an empty step
 
     async def collect(self, step: int, seeds: list[int]) -> tuple[list[Sample], dict[str, float]]:
         cfg = self.cfg
@@ -147,7 +148,7 @@ class TreeSource:
         return [s for r in results for s in r.samples], rollout_metrics(results)
 
     def why_no_samples(self) -> str:
-        errors = getattr(self, "last_errors", [])
+        errors = self.last_errors
         return f"every task failed ({errors[0]})" if errors else "the tasks gave no sample"
 
     async def validate(self, step: int) -> dict[str, float]:
@@ -353,13 +354,7 @@ async def _loop(
             trained = [s for s in samples if learner.trains(s.policy)]  # frozen agents: none
             trainable, stats = group_advantages(trained, cfg.algorithm)
             if not trainable:  # say why instead of an update over nothing
-                why = (
-                    source.why_no_samples()
-                    if not samples
-                    else "every sample is a frozen agent's"
-                    if not trained
-                    else "algorithm.drop_zero_std_groups / keep_top_groups dropped every group"
-                )
+                why = _why_no_update(source, samples, trained)
                 console.print(f"step {step}/{cfg.steps}: no trainable sample, no update: {why}")
             started = time.perf_counter()
             # The update runs on this thread: a worker thread would keep a second torch thread
@@ -387,6 +382,14 @@ async def _loop(
             console.print(_progress_line(step, cfg.steps, row, learner.agents))
     finally:
         await source.aclose()
+
+
+def _why_no_update(source: Any, samples: list[Sample], trained: list[Sample]) -> str:
+    if not samples:
+        return source.why_no_samples()
+    if not trained:
+        return "every sample is a frozen agent's"
+    return "algorithm.drop_zero_std_groups / keep_top_groups dropped every group"
 
 
 def _progress_line(step: int, total: int, row: dict[str, Any], agents: list[str]) -> str:
