@@ -7,6 +7,8 @@ silently ignored setting). `load_config("run.yaml", ["optim.lr=1e-5"])` is the e
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -503,7 +505,9 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     _check_sections(parts, item)
     node = data
     for depth, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or an optional section left empty (`workflow:`)
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             where = ".".join(parts[: depth + 1])
             raise ConfigError(f"override {item!r}: {where} is a value, not a section")
@@ -520,7 +524,7 @@ def _check_sections(parts: list[str], item: str) -> None:
         field = section.model_fields.get(part)
         if field is None:
             return  # unknown name: validation reports it with a suggestion
-        annotation = field.annotation
+        annotation = _section_type(field.annotation)
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             section = annotation
         elif getattr(annotation, "__origin__", None) is dict:
@@ -528,6 +532,14 @@ def _check_sections(parts: list[str], item: str) -> None:
         else:
             where = ".".join(parts[: depth + 1])
             raise ConfigError(f"override {item!r}: {where} is a value, not a section")
+
+
+def _section_type(annotation: Any) -> Any:
+    """`X | None` -> X: an optional section (`workflow`) takes overrides like any other."""
+    members = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return members[0] if len(members) == 1 else annotation
+    return annotation
 
 
 def _explain(exc: ValidationError, source: str) -> str:
@@ -545,7 +557,7 @@ def _did_you_mean(loc: tuple[Any, ...]) -> str:
     section: type[BaseModel] = TrainConfig
     for part in loc[:-1]:
         field = section.model_fields.get(str(part))
-        annotation = field.annotation if field else None
+        annotation = _section_type(field.annotation) if field else None
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return ""
         section = annotation

@@ -27,6 +27,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
+from masenvs.adapters.models import model_reference
 from masenvs.trainer.atgrpo import LossSums, policy_loss
 from masenvs.trainer.config import OptimConfig, TrainConfig
 from masenvs.trainer.samples import Sample
@@ -711,7 +712,8 @@ class Learner:
         )
         config = copy.deepcopy(p.model.peft_config[policy])
         config.inference_mode = True
-        config.base_model_name_or_path = p.base_name
+        # The real base (a path or hub id), so peft and vLLM load the adapter elsewhere.
+        config.base_model_name_or_path = model_reference(p.base_name)
         if self.cfg.lora.target_modules == "all-linear":
             # peft resolves 'all-linear' to full module paths; peft and vLLM both match names
             # by their last part, and the short list reads better.

@@ -136,6 +136,7 @@ class TreeSource:
             agent_sampling=agent_sampling(cfg, learner.agents),
             api_key=stack.api_key or "masenvs",
         )
+        self.last_errors: list[str] = []  # the last step's failed tasks, for an empty step
 
     async def collect(self, step: int, seeds: list[int]) -> tuple[list[Sample], dict[str, float]]:
         cfg = self.cfg
@@ -153,6 +154,7 @@ class TreeSource:
         for r in results:
             if r.error:
                 log.warning("task %s dropped from step %d: %s", r.task_id, step, r.error)
+        self.last_errors = [r.error for r in results if r.error]
         samples = [s for r in results for s in r.samples]
         metrics = rollout_metrics(results)
         captured = [(r.task_id, c) for r in results for c in r.captured]
@@ -172,6 +174,10 @@ class TreeSource:
             failed = [d for d in designs if d["error"]]
             metrics["train/design_failure_rate"] = len(failed) / len(designs)
         return samples, metrics
+
+    def why_no_samples(self) -> str:
+        errors = self.last_errors
+        return f"every task failed ({errors[0]})" if errors else "the tasks gave no sample"
 
     async def validate(self, step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -223,6 +229,13 @@ class WorkflowSource:
             agents=agent_sampling(cfg, learner.agents, validation=True),
             api_key=stack.api_key or "masenvs",
         )
+        from masenvs.trainer.workflow import FailureWindow
+
+        self.failures = FailureWindow(self.spec.failure_window, self.spec.max_failure_rate)
+        self.last_runs: list[Any] = []
+        for name, agent in self.spec.agent_map.items():  # a mapped name samples as its agent
+            self.settings.agents[name] = self.settings.agents[agent]
+            self.val_settings.agents[name] = self.val_settings.agents[agent]
 
     async def _runs(self, step, seeds, runs_per_task, settings):
         from masenvs.trainer.workflow import collect_workflow_samples
@@ -243,13 +256,21 @@ class WorkflowSource:
         )
 
     async def collect(self, step: int, seeds: list[int]) -> tuple[list[Sample], dict[str, float]]:
-        from masenvs.trainer.workflow import workflow_metrics
+        from masenvs.trainer.workflow import check_unknown_agents, workflow_metrics
 
         samples, runs = await self._runs(step, seeds, self.cfg.rollout.branches, self.settings)
+        check_unknown_agents(self.stack.endpoint.policy_map, runs)  # before any update
+        self.last_runs = runs
+        self.failures.check(runs)  # too many failed runs: stop before training on them
         for run in runs:
             if run.error:
                 log.warning("workflow run %s failed: %s", run.rollout_id, run.error)
         return samples, workflow_metrics(runs, samples)
+
+    def why_no_samples(self) -> str:
+        from masenvs.trainer.workflow import why_no_samples
+
+        return why_no_samples(self.last_runs)
 
     async def validate(self, step: int) -> dict[str, float]:
         seeds = list(self.cfg.validation_seeds())
@@ -309,6 +330,14 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
                 {agent: sync.served_as(learner.policy_of(agent)) for agent in agents},
                 chat_template_kwargs={a: cfg.agent(a).chat_template_kwargs for a in agents},
             )
+            if cfg.workflow is not None:  # and what other model names get (unknown_agents)
+                from masenvs.trainer.workflow import workflow_policy_map
+
+                routes = workflow_policy_map(
+                    cfg.workflow,
+                    lambda agent: sync.served_as(learner.policy_of(agent)),
+                    routes.chat_template_kwargs,
+                )
             stack = start_stack(backend=backend, traces=run_dir / "traces", policy_map=routes)
         except BaseException:
             getattr(backend, "shutdown", lambda: None)()  # a vLLM started here stops too
@@ -359,6 +388,9 @@ async def _loop(
             trained = [s for s in samples if learner.trains(s.policy)]  # frozen agents: none
             trained = [s for s in trained if cfg.schedule.scale(step, s.agent) > 0]
             trainable, stats = group_advantages(trained, cfg.algorithm)
+            if not trainable:  # say why instead of an update over nothing
+                why = _why_no_update(source, samples, trained, cfg.schedule.phase(step))
+                console.print(f"step {step}/{cfg.steps}: no trainable sample, no update: {why}")
             lr_scale = _schedule_lr(cfg, learner, step, trainable)
             started = time.perf_counter()
             # The update runs on this thread: a worker thread would keep a second torch thread
@@ -413,8 +445,23 @@ def _schedule_lr(
     return out
 
 
+def _why_no_update(
+    source: Any, samples: list[Sample], trained: list[Sample], phase: str | None
+) -> str:
+    if not samples:
+        return source.why_no_samples()
+    if not trained:
+        if phase is not None:
+            return f"no sample of a frozen agent or of {phase!r}, whose phase this is (schedule)"
+        return "every sample is a frozen agent's"
+    return "algorithm.drop_zero_std_groups / keep_top_groups dropped every group"
+
+
 def _progress_line(step: int, total: int, row: dict[str, Any], agents: list[str]) -> str:
-    rewards = "  ".join(f"{a} {row.get(f'train/reward/{a}', float('nan')):+.2f}" for a in agents)
+    rewards = "  ".join(
+        f"{a} {row[f'train/reward/{a}']:+.2f}" if f"train/reward/{a}" in row else f"{a} -"
+        for a in agents
+    )
     val = f"  [bold]val success {row['val/success']:.0%}[/bold]" if "val/success" in row else ""
     return (
         f"step {step}/{total}  success {row['train/success']:.0%}  {rewards}  "
