@@ -196,12 +196,16 @@ def test_the_gate_forwards_only_its_rollouts_chat_calls_within_budget(served) ->
         assert post(gate, "/r/other/v1/chat/completions", chat).status_code == 403
         assert post(gate, "/v1/completions", chat).status_code == 404
         assert post(gate, "/v1/chat/completions", {**chat, "model": "designer"}).status_code == 400
+        bad_node = {**chat, "model": "executor@../../r/x"}
+        assert post(gate, "/v1/chat/completions", bad_node).status_code == 400
         assert post(gate, "/v1/chat/completions", {**chat, "stream": True}).status_code == 400
-        assert post(gate, "/v1/chat/completions", chat).status_code == 200
+        named = post(gate, "/v1/chat/completions", {**chat, "model": "executor@solver"})
+        assert named.status_code == 200
         over = post(gate, "/v1/chat/completions", chat)
         assert over.status_code == 429 and "budget" in over.json()["error"]["message"]
-        assert gate.calls == 2 and len(gate.refused) == 5
-    assert len(served.store.rollout("gated")) == 2
+        assert gate.calls == 2 and len(gate.refused) == 6
+    records = served.store.rollout("gated")
+    assert [(r.agent, r.step) for r in records] == [("executor", None), ("executor", "solver")]
     assert served.store.rollout("other") == []
 
 
@@ -270,7 +274,11 @@ def test_a_design_runs_in_the_sandbox_and_its_calls_are_recorded(served) -> None
     graph = mas.DesignGraph.from_dict(run.graph)
     assert graph.structure == "Reflect(solver, checker)"
     ids = [c for n in graph.nodes for c in n.calls]
-    assert sorted(ids) == sorted(r.id for r in served.store.rollout("design-ok"))
+    records = served.store.rollout("design-ok")
+    assert sorted(ids) == sorted(r.id for r in records)
+    # The trace names each call's node (its step); the policy is the executor's.
+    node_of = {c: n.name for n in graph.nodes for c in n.calls}
+    assert all(r.agent == "executor" and r.step == node_of[r.id] for r in records)
 
 
 @pytest.mark.parametrize("name", HOSTILE)

@@ -171,6 +171,7 @@ def _main() -> None:
         max_calls=job["max_calls"],
         max_tokens=job["max_tokens"],
         temperature=job["temperature"],
+        per_node=True,
     )
     system: Any = None
     try:

@@ -3,7 +3,8 @@
 A design runs with no network. Its LLM calls go to a Unix socket whose random name only
 this run is told; the gate behind it forwards `POST /v1/chat/completions` to the capture
 endpoint's `/r/{rollout_id}/v1` (so every call is recorded under that rollout), after
-checking the model name against the allowed ones and counting the call against the
+checking the model name against the allowed ones (`executor`, or `executor@node`, which
+the trace records as the call's step) and counting the call against the
 design's budget. Everything else is refused: other paths and rollouts (403/404), unknown
 models and streaming (400), calls over the budget (429).
 """
@@ -13,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import secrets
 import socketserver
 import threading
@@ -22,6 +24,7 @@ from typing import Any
 
 GATE_DIR = Path(os.environ.get("MASENVS_GATE_DIR", "/var/tmp/masenvs-gates"))
 MAX_BODY = 4 << 20  # bytes of one request
+_NODE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
@@ -88,9 +91,12 @@ class Gate:
             model = request["model"]
         except (ValueError, KeyError, TypeError):
             return self._refuse(400, "the body must be a JSON chat request with a model")
-        if model not in self.models:
+        name, _, node = str(model).partition("@")
+        if name not in self.models or (node and not _NODE.fullmatch(node)):
             return self._refuse(
-                400, f"unknown model {model!r}; this design may call {sorted(self.models)}"
+                400,
+                f"unknown model {model!r}; this design may call {sorted(self.models)}"
+                " (optionally as NAME@node)",
             )
         if request.get("stream"):
             return self._refuse(400, "streaming is not available to designs")
@@ -100,7 +106,9 @@ class Gate:
                     429, f"the design's budget of {self.max_calls} LLM calls is spent"
                 )
             self.calls += 1
-        request["model"] = self.models[model]
+        # The node's name travels as the call's step (`executor@solver`): the trace
+        # names the node of every call; the policy is the executor's either way.
+        request["model"] = f"{self.models[name]}@{node}" if node else self.models[name]
         try:
             reply = self._http.post(self.target, json=request)
         except Exception as exc:  # the endpoint is down: the design fails with this reason

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import re
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
@@ -39,6 +40,7 @@ class LLM:
     max_calls: int | None = None
     max_tokens: int | None = None
     temperature: float | None = None
+    per_node: bool = False  # send `model@node`: the endpoint records the node as the step
     calls: list[NodeCall] = field(default_factory=list)
 
     async def chat(self, node: str, messages: list[Message]) -> str:
@@ -53,8 +55,9 @@ class LLM:
         # Count before awaiting, so concurrent nodes cannot overrun the budget together.
         record = NodeCall(node, "")
         self.calls.append(record)
+        model = f"{self.model}@{_node_tag(node)}" if self.per_node else self.model
         response = await self.client.chat.completions.create(
-            model=self.model, messages=messages, **options
+            model=model, messages=messages, **options
         )
         record.call_id = response.id
         return response.choices[0].message.content or ""
@@ -69,6 +72,11 @@ class LLM:
         await self.client.close()
 
 
+def _node_tag(node: str) -> str:
+    """A node name as the step part of a model name: [A-Za-z0-9_.:-], at most 64 characters."""
+    return re.sub(r"[^A-Za-z0-9_.:-]", "_", node)[:64] or "node"
+
+
 def connect(
     base_url: str | None = None,
     *,
@@ -79,6 +87,7 @@ def connect(
     max_tokens: int | None = None,
     temperature: float | None = None,
     timeout: float = 300.0,
+    per_node: bool = False,
 ) -> LLM:
     """An LLM at an OpenAI base URL (`http://host:port/v1`), or behind a Unix socket (`uds`)."""
     import httpx
@@ -96,7 +105,7 @@ def connect(
     client = AsyncOpenAI(
         base_url=base_url, api_key=api_key, http_client=http_client, max_retries=0, timeout=timeout
     )
-    return LLM(client, model, max_calls, max_tokens, temperature)
+    return LLM(client, model, max_calls, max_tokens, temperature, per_node)
 
 
 _current: contextvars.ContextVar[LLM | None] = contextvars.ContextVar(
