@@ -62,6 +62,18 @@ MAX_ENDED_ROLLOUTS = 1 << 16  # ended rollouts remembered to refuse their late c
 _ANY = ["GET", "POST", "PUT", "PATCH", "DELETE"]  # wrong methods get a JSON 405 from _guard
 
 
+STEP_HEADER = "X-Masenvs-Step"
+
+
+def agent_and_step(model: str, header: str | None = None) -> tuple[str, str | None]:
+    """`"critic@verdict"` -> ("critic", "verdict"): the agent picks the policy, the step names
+    the decision (workflow groups key by it); without `@`, the X-Masenvs-Step header's."""
+    agent, sep, step = model.partition("@")
+    if not sep:
+        step = (header or "").strip()
+    return (agent, step or None) if agent else (model, None)
+
+
 def _dumps(body: Any) -> bytes:
     return json.dumps(body, ensure_ascii=False, separators=(",", ":")).encode()
 
@@ -88,6 +100,8 @@ class _Call:
     started_at: float
     request: GenerateRequest
     stream: bool
+    step: str | None = None
+    requested: str = ""  # the request's `model` as sent ("critic@verdict"), echoed back
 
 
 class Endpoint:
@@ -123,7 +137,7 @@ class Endpoint:
         self._warned_tools: set[str] = set()  # agents told their tools go nowhere
         self._token_text = TokenText(backend.decode)
         self._metadata: dict[str, dict[str, Any]] = {}
-        self._counters: dict[tuple[str | None, str], int] = {}
+        self._counters: dict[tuple[str | None, str, str | None], int] = {}
         self._counter_lock = threading.Lock()
         self._ended: dict[str, None] = {}  # insertion-ordered, oldest dropped first
         routes = []
@@ -239,7 +253,7 @@ class Endpoint:
         except UnknownModel as exc:
             raise APIError(404, str(exc), param="model", code="model_not_found") from None
 
-    def _next_index(self, rollout_id: str | None, agent: str) -> int:
+    def _next_index(self, rollout_id: str | None, agent: str, step: str | None) -> int:
         # Requests the endpoint rejects get no index; one the backend rejects keeps its own.
         with self._counter_lock:
             if rollout_id in self._ended:
@@ -249,8 +263,8 @@ class Endpoint:
                     "calls made after the end are refused and not recorded.",
                     code="rollout_ended",
                 )
-            index = self._counters.get((rollout_id, agent), 0)
-            self._counters[(rollout_id, agent)] = index + 1
+            index = self._counters.get((rollout_id, agent, step), 0)
+            self._counters[(rollout_id, agent, step)] = index + 1
         return index
 
     def _warn_tools_dropped(self, agent: str) -> None:
@@ -295,23 +309,26 @@ class Endpoint:
     async def _chat(self, request: Request) -> Response:
         started_at = time.time()
         body = parse(ChatRequest, await self._json_body(request))
-        model = self._resolve(body.model)
+        agent, step = agent_and_step(body.model, request.headers.get(STEP_HEADER))
+        model = self._resolve(agent)
         generate = body.to_generate(self._backend_model(model), self.default_max_tokens)
         # Framework programs cannot send per-agent template variables: the policy map does.
         generate.chat_template_kwargs = self.policy_map.template_kwargs(
-            body.model, generate.chat_template_kwargs
+            agent, generate.chat_template_kwargs
         )
         rollout_id = request.path_params.get("rollout_id")
         call = _Call(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             kind="chat",
             rollout_id=rollout_id,
-            agent=body.model,
+            agent=agent,
             model=model,
-            call_index=self._next_index(rollout_id, body.model),
+            call_index=self._next_index(rollout_id, agent, step),
             started_at=started_at,
             request=generate,
             stream=body.stream,
+            step=step,
+            requested=body.model,
         )
         parser = self._tool_parser if body.parse_tool_calls else None
         if body.parse_tool_calls and self._tools_unseen:
@@ -349,7 +366,7 @@ class Endpoint:
             "id": call.id,
             "object": "chat.completion",
             "created": int(call.started_at),
-            "model": call.agent,
+            "model": call.requested,
             "choices": choices,
             "usage": _usage(generation),
         }
@@ -360,19 +377,22 @@ class Endpoint:
     async def _completions(self, request: Request) -> Response:
         started_at = time.time()
         body = parse(CompletionRequest, await self._json_body(request))
-        model = self._resolve(body.model)
+        agent, step = agent_and_step(body.model, request.headers.get(STEP_HEADER))
+        model = self._resolve(agent)
         generate = body.to_generate(self._backend_model(model))
         rollout_id = request.path_params.get("rollout_id")
         call = _Call(
             id=f"cmpl-{uuid.uuid4().hex}",
             kind="completion",
             rollout_id=rollout_id,
-            agent=body.model,
+            agent=agent,
             model=model,
-            call_index=self._next_index(rollout_id, body.model),
+            call_index=self._next_index(rollout_id, agent, step),
             started_at=started_at,
             request=generate,
             stream=body.stream,
+            step=step,
+            requested=body.model,
         )
         if body.stream:
             events = await self._open_stream(call.request)
@@ -406,7 +426,7 @@ class Endpoint:
                 "id": call.id,
                 "object": "text_completion",
                 "created": int(call.started_at),
-                "model": call.agent,
+                "model": call.requested,
                 "choices": choices,
                 "usage": _usage(generation),
             }
@@ -472,7 +492,7 @@ class Endpoint:
                 "id": call.id,
                 "object": "chat.completion.chunk",
                 "created": int(call.started_at),
-                "model": call.agent,
+                "model": call.requested,
                 "choices": choices,
                 **extra,
             }
@@ -562,7 +582,7 @@ class Endpoint:
                 "id": call.id,
                 "object": "text_completion",
                 "created": int(call.started_at),
-                "model": call.agent,
+                "model": call.requested,
                 "choices": choices,
                 **extra,
             }
@@ -648,6 +668,7 @@ class Endpoint:
             started_at=call.started_at,
             finished_at=time.time(),
             metadata=self._metadata.get(call.rollout_id, {}) if call.rollout_id else {},
+            step=call.step,
         )
         await self.store.append_async(record)
 

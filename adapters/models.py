@@ -142,6 +142,16 @@ def load_model(
     return _load_dir(path, name, torch.device(device), torch_dtype)
 
 
+def model_reference(spec: str) -> str:
+    """Where peft and vLLM find `spec` on this machine: the cache directory of
+    "smollm2-135m" and "tiny", the absolute path of a model directory, else `spec` itself (a
+    hub id). Adapters record it as `base_model_name_or_path`."""
+    if spec in ("smollm2-135m", "tiny"):
+        return str(cache_dir().resolve() / spec)
+    path = Path(spec).expanduser()
+    return str(path.resolve()) if path.is_dir() else spec
+
+
 def load_tokenizer(spec: str = DEFAULT_MODEL) -> Any:
     """The tokenizer of `spec` alone (fast: no weights are read)."""
     from transformers import AutoTokenizer

@@ -26,6 +26,11 @@ class PolicyMap:
     routes: dict[str, str] = field(default_factory=dict)
     default: str | None = BASE
     chat_template_kwargs: dict[str, dict[str, Any]] = field(default_factory=dict)
+    # False: only `routes` name agents; any other name gets `default`, even one that names a
+    # loaded adapter (training: a call is a policy's only when its agent is declared).
+    adapters_by_name: bool = True
+    reject_hint: str = ""  # appended to the error for a rejected name: how to fix it
+    rejected: set[str] = field(default_factory=set, compare=False)  # names refused so far
 
     def template_kwargs(self, agent: str, requested: dict[str, Any]) -> dict[str, Any]:
         """The chat template variables of one call: the agent's defaults, then the request's."""
@@ -41,12 +46,18 @@ class PolicyMap:
                     f"loaded (loaded: {', '.join(sorted(available)) or 'none'})."
                 )
             return target
-        if agent in available:
+        if self.adapters_by_name and agent in available:
             return agent
         if self.default is None:
+            self.rejected.add(agent)
+            known = ", ".join(sorted(self.routes)) or "none"
+            if not self.adapters_by_name:
+                raise UnknownModel(
+                    f"The model {agent!r} is not an agent ({known}){self.reject_hint}."
+                )
             raise UnknownModel(
                 f"The model {agent!r} does not exist: it is neither an agent of the policy map "
-                f"({', '.join(sorted(self.routes)) or 'none'}) nor a loaded model."
+                f"({known}) nor a loaded model{self.reject_hint}."
             )
         if self.default != BASE and self.default not in available:
             raise UnknownModel(

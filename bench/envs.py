@@ -1,6 +1,7 @@
-"""Environment-side speed: env steps, sandboxed program runs and code test cases per second.
+"""Environment-side speed: env steps, sandboxed program runs, code test cases and iverilog
+judgements per second.
 
-Run: python bench/envs.py [--repeats 5] [--runs 100]
+Run: python bench/envs.py [--repeats 5] [--runs 100] [--only verilog]
 Figures depend on the machine and its load; compare the rows of one run, not across runs.
 """
 
@@ -140,6 +141,69 @@ def bench_code_tests(repeats: int = 5, console: Console | None = None) -> None:
     console.print(table)
 
 
+def bench_verilog(repeats: int = 3, console: Console | None = None) -> None:
+    """Verilog judgements/s: each golden module of our problems compiled with iverilog and
+    simulated on its hidden vectors, in the sandbox (serial and one thread per CPU) against
+    iverilog + vvp run directly with no sandbox."""
+    import tempfile
+
+    from masenvs.tasks.verilog_judge import Sim, SimResult, VerilogJudge, compare, testbench
+    from masenvs.tasks.verilog_problems import builtin_tasks
+
+    console = console or Console()
+    workers = os.cpu_count() or 2
+    tasks = builtin_tasks()
+    judge = VerilogJudge()
+    judge.check_design(tasks[0], tasks[0].golden)  # start the sandbox server outside the timing
+
+    def judged(task: object) -> bool:
+        return judge.check_design(task, task.golden).status == "pass"
+
+    def direct(task: object) -> bool:
+        with tempfile.TemporaryDirectory() as tmp:
+            design, tb, sim = (os.path.join(tmp, n) for n in ("design.v", "tb.v", "sim.vvp"))
+            with open(design, "w") as f:
+                f.write(task.golden)
+            with open(tb, "w") as f:
+                f.write(testbench(task, [task.vectors], "@m"))
+            subprocess.run(["iverilog", "-g2012", "-o", sim, tb, design], check=True)
+            out = subprocess.run(["vvp", "-n", sim, "+seq=0"], capture_output=True, text=True)
+        rows = [
+            tuple(ln.split()[2:]) for ln in out.stdout.splitlines() if ln.split()[1:2] != ["done"]
+        ]
+        return compare(SimResult("ok", "", [rows]), 0, task.vectors, task.expected).status == "pass"
+
+    pool = ThreadPoolExecutor(workers)
+    rows = {
+        "judge (sandbox), serial": lambda: [judged(t) for t in tasks],
+        f"judge (sandbox), {workers} threads": lambda: list(pool.map(judged, tasks)),
+        "judge (sandbox), all in one run": lambda: [
+            compare(r, 0, t.vectors, t.expected).status == "pass"
+            for t, r in zip(tasks, judge.simulate([Sim(t, t.golden, (t.vectors,)) for t in tasks]))
+        ],
+        "iverilog + vvp directly, serial": lambda: [direct(t) for t in tasks],
+        f"iverilog + vvp directly, {workers} threads": lambda: list(pool.map(direct, tasks)),
+    }
+    table = Table(
+        title=f"verilog: {len(tasks)} golden designs on {sum(len(t.vectors) for t in tasks)} "
+        f"hidden vectors, median of {repeats}"
+    )
+    for column in ("runner", "judgements/s", "ms each"):
+        table.add_column(column, justify="left" if column == "runner" else "right")
+    for name, fn in rows.items():
+        times = []
+        for _ in range(repeats):
+            start = time.perf_counter()
+            passed = fn()
+            times.append(time.perf_counter() - start)
+            if not all(passed):  # a fast wrong judgement is not a result
+                raise RuntimeError(f"{name}: {passed.count(False)} goldens failed")
+        rate = len(tasks) / statistics.median(times)
+        table.add_row(name, f"{rate:.1f}", f"{1000 / rate:.0f}")
+    pool.shutdown()
+    console.print(table)
+
+
 def bench_env_steps(repeats: int = 5, console: Console | None = None, steps: int = 200) -> None:
     """Env steps/s per task with canned text answers (no LLM, no tool code), and the
     snapshot + restore pairs/s the tree sampler does before every branch."""
@@ -180,12 +244,21 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--runs", type=int, default=100)
+    parser.add_argument(
+        "--only", choices=["sandbox", "code", "verilog", "steps"], help="run one benchmark"
+    )
     args = parser.parse_args()
     console = Console()
     console.print(f"{os.cpu_count()} CPUs, Python {sys.version.split()[0]}")
-    bench_sandbox(args.repeats, args.runs, console)
-    bench_code_tests(args.repeats, console)
-    bench_env_steps(args.repeats, console)
+    benches = {
+        "sandbox": lambda: bench_sandbox(args.repeats, args.runs, console),
+        "code": lambda: bench_code_tests(args.repeats, console),
+        "verilog": lambda: bench_verilog(args.repeats, console),
+        "steps": lambda: bench_env_steps(args.repeats, console),
+    }
+    for name, bench in benches.items():
+        if args.only in (None, name):
+            bench()
 
 
 if __name__ == "__main__":

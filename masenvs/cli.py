@@ -29,6 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "masenvs.trainer.evaluate:main",
         "avg@k and pass@k of base models, checkpoints and OpenAI URLs, side by side",
     ),
+    "mas-graph": ("masenvs.mas.cli:main", "draw or export an auto-MAS design (designs.jsonl)"),
 }
 
 END_OF_ACTION = "."

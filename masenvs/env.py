@@ -197,6 +197,12 @@ class MASEnv(ParallelEnv):
     def render_rgb(self) -> np.ndarray:
         raise ValueError(f"{self.name} has no rgb_array rendering")
 
+    @property
+    def callers(self) -> list[str]:
+        """Agents that act inside a step through the capture endpoint (auto-MAS's executor)
+        rather than through `step`; the trainer serves and trains them as well."""
+        return []
+
     def task_info(self) -> dict[str, Any]:
         """JSON-friendly facts about the task for `infos` (ids, sizes, optimal lengths)."""
         return {}

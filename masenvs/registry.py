@@ -41,5 +41,7 @@ for _name, _entry in {
     "sokoban": "masenvs.envs.sokoban:SokobanEnv",
     "math": "masenvs.envs.math:MathEnv",
     "code": "masenvs.envs.code:CodeEnv",
+    "auto_mas": "masenvs.envs.auto_mas:AutoMASEnv",
+    "verilog": "masenvs.envs.verilog:VerilogEnv",
 }.items():
     register(_name, _entry)

@@ -255,8 +255,11 @@ class Sandbox:
         self.close()
 
     def __del__(self) -> None:
-        with contextlib.suppress(Exception):
+        # Plain try: at interpreter exit module globals such as `contextlib` may be gone.
+        try:  # noqa: SIM105
             self._stop_server()
+        except Exception:
+            pass
 
     def _stop_server(self) -> None:
         if self._ctrl is not None and self._owner_pid == os.getpid():
@@ -509,7 +512,7 @@ def _server_main(ctrl_fd: int, config_json: str) -> None:
     config = json.loads(config_json)
     srv = _Server(pid=os.getpid())
     try:
-        _setup_server(srv, config["namespaces"])
+        _setup_server(srv, config["namespaces"], config["preload"])
     except Exception as exc:  # report, never crash silently
         ctrl.send(json.dumps({"error": f"setup failed: {exc!r}"}).encode())
         return
@@ -583,7 +586,7 @@ def _reap_supervisors(srv: _Server) -> None:
         srv.slots.pop(pid, None)
 
 
-def _setup_server(srv: _Server, namespaces: bool) -> None:
+def _setup_server(srv: _Server, namespaces: bool, preload: Sequence[str] = ()) -> None:
     """Pick the strongest mode this machine allows and set up the server's namespaces."""
     with contextlib.suppress(OSError, ValueError), open("/proc/sys/kernel/cap_last_cap") as f:
         srv.cap_last = int(f.read())
@@ -618,7 +621,8 @@ def _setup_server(srv: _Server, namespaces: bool) -> None:
         srv.notes.append(f"no mount namespace ({exc}); programs share the host's files and /tmp")
     else:
         if srv.uid_per_run:
-            _expose_interpreter(srv)
+            _expose_interpreter(srv, preload)
+        _hide_task_data(srv)
         srv.readonly = _remount_readonly(srv)
         srv.mountns = True
     srv.pidns = _probe_run_namespaces(srv)
@@ -658,15 +662,17 @@ def _others_can_enter(path: str) -> bool:
         return False
 
 
-def _expose_interpreter(srv: _Server) -> None:
+def _expose_interpreter(srv: _Server, preload: Sequence[str] = ()) -> None:
     """Make the Python installation readable by the sandbox uid even if it lives in a
     private home (e.g. /root/.pyenv): cover the closed directory with a tmpfs that holds
-    only read-only bind mounts of the interpreter's directories. This also hides the home."""
+    only read-only bind mounts of the interpreter's directories and of the preloaded
+    packages (an editable install lives outside sys.path). This also hides the home."""
     needed = {
         os.path.realpath(p)
         for p in (sys.base_prefix, sys.base_exec_prefix, sys.prefix, sys.exec_prefix, *sys.path)
         if p and os.path.isdir(p)
     }
+    needed |= _package_dirs(preload)
     needed.add(os.path.dirname(os.path.realpath(sys.executable)))
     covers: dict[str, set[str]] = {}
     for path in needed:
@@ -689,6 +695,43 @@ def _expose_interpreter(srv: _Server) -> None:
             for fd in fds:
                 os.close(fd)
         srv.notes.append(f"{closed} is hidden; only {', '.join(roots)} are visible, read-only")
+
+
+def _hide_task_data(srv: _Server) -> None:
+    """Cover masenvs' task directory (hidden tests, golden modules and vectors) with an empty
+    tmpfs, so a program cannot read the answers it is judged on. Judges send the harness
+    sources they need over the control socket; nothing in a run imports from there."""
+    import importlib.util
+
+    try:
+        spec = importlib.util.find_spec("masenvs")
+    except (ImportError, ValueError):
+        return
+    for root in (spec.submodule_search_locations or []) if spec else []:
+        tasks = os.path.join(root, "tasks")
+        if os.path.isdir(tasks):
+            try:
+                _mount("tmpfs", tasks, "tmpfs", MS_NOSUID | MS_NODEV, "mode=0555,size=16k")
+            except OSError as exc:
+                srv.notes.append(f"cannot hide {tasks} ({exc}); programs can read task data")
+
+
+def _package_dirs(names: Sequence[str]) -> set[str]:
+    """Where the top-level packages of `names` live, found without importing them."""
+    import importlib.util
+
+    dirs = set()
+    for top in {name.split(".")[0] for name in names}:
+        try:
+            spec = importlib.util.find_spec(top)
+        except (ImportError, ValueError):
+            continue
+        if spec is None:
+            continue
+        for path in spec.submodule_search_locations or [os.path.dirname(spec.origin or "")]:
+            if path and os.path.isdir(path):
+                dirs.add(os.path.realpath(path))
+    return dirs
 
 
 def _remount_readonly(srv: _Server) -> bool:

@@ -84,7 +84,7 @@ class CallRecord:
     rollout_id: str | None  # None for calls to the plain /v1 API
     agent: str  # the request's `model` field: who called
     model: str  # the adapter or model the policy map sent the call to
-    call_index: int  # 0, 1, 2, ... per (rollout_id, agent), in order of arrival
+    call_index: int  # 0, 1, 2, ... per (rollout_id, agent, step), in order of arrival
     kind: Literal["chat", "completion"]
     prompt_token_ids: list[int]
     choices: list[ChoiceRecord]
@@ -99,6 +99,9 @@ class CallRecord:
     started_at: float = 0.0  # unix time the request arrived
     finished_at: float = 0.0  # unix time generation ended
     metadata: dict[str, Any] = field(default_factory=dict)  # per-rollout metadata
+    # The decision the program named (`model="critic@verdict"` or the X-Masenvs-Step header);
+    # workflow training groups calls by it.
+    step: str | None = None
 
     @property
     def latency_s(self) -> float:
@@ -127,6 +130,7 @@ class CallRecord:
             "finished_at": self.finished_at,
             "latency_s": self.latency_s,
             "metadata": self.metadata,
+            "step": self.step,
         }
 
     @classmethod
@@ -151,6 +155,7 @@ class CallRecord:
             started_at=data.get("started_at", 0.0),
             finished_at=data.get("finished_at", 0.0),
             metadata=data.get("metadata") or {},
+            step=data.get("step"),
         )
 
 

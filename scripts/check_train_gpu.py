@@ -227,10 +227,10 @@ def measured_learner(cfg: Any, shape: ModelShape, updates: list[Update]) -> type
     from masenvs.trainer.learner import Learner
 
     class MeasuredLearner(Learner):
-        def step(self, samples: list) -> dict[str, float]:
+        def step(self, samples: list, **options: Any) -> dict[str, float]:
             synchronize(cfg.model.device)
             started = time.perf_counter()
-            metrics = super().step(samples)
+            metrics = super().step(samples, **options)
             synchronize(cfg.model.device)
             ended = time.perf_counter()
             fed = [s for s in samples if s.completion_token_ids]

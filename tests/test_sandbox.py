@@ -517,3 +517,15 @@ def test_isolation_is_reported(sb: Sandbox) -> None:
         assert iso.uid_per_run and iso.network_namespace and iso.pid_namespace
         assert iso.mount_namespace and iso.readonly_filesystem and iso.nproc_per_run
     assert iso.mode in str(iso)
+
+
+def test_programs_cannot_read_the_hidden_tests_and_golden_vectors(sb: Sandbox) -> None:
+    import masenvs.tasks
+
+    tasks = Path(masenvs.tasks.__file__).parent
+    secrets = [tasks / "code_problems.py", tasks / "data" / "verilog_problems.json"]
+    assert all(p.is_file() for p in secrets)  # readable here, in the trainer
+    program = "import sys\nfor path in sys.argv[1:]:\n    try:\n        open(path).read(1)\n        print('READ', path)\n    except OSError as exc:\n        print('refused', type(exc).__name__)\n"
+    result = sb.run(program, args=[str(p) for p in secrets])
+    assert result.ok and "READ" not in result.stdout, result.stdout
+    assert result.stdout.count("refused") == 2

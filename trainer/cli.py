@@ -53,12 +53,16 @@ def main(argv: list[str]) -> int:
     cfg.checkpoint.resume = args.resume
 
     from masenvs.trainer.train import train  # loads torch; keep --help and config errors fast
+    from masenvs.trainer.workflow import TooManyFailures
 
     try:
         result = train(cfg, console=console)
     except (StackError, ConfigError, BackendError) as exc:  # e.g. vLLM unreachable
         console.print(f"[red]{exc}[/red]")
         return 2
+    except TooManyFailures as exc:  # workflow runs failing: the most common reason
+        console.print(f"[red]{exc}[/red]")
+        return 1
     if result.validation:
         first, last = result.validation[0], result.validation[-1]
         console.print(f"validation, step {first['step']} -> step {last['step']}:")

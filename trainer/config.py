@@ -7,6 +7,8 @@ silently ignored setting). `load_config("run.yaml", ["optim.lr=1e-5"])` is the e
 from __future__ import annotations
 
 import difflib
+import types
+import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -195,6 +197,12 @@ class AlgorithmConfig(_Section):
         "the extra forward pass (the paper's setting).",
     )
     ppo_epochs: int = Field(1, ge=1, description="Passes over each rollout batch.")
+    caller_group: Literal["question", "design"] = Field(
+        "question",
+        description="Groups of the calls an env makes through the endpoint (auto-MAS's "
+        "executor): 'question' = all executions of a task's designs, 'design' = the M "
+        "executions of one design.",
+    )
     mini_batches: int = Field(
         1, ge=1, description="Optimizer steps per epoch; the batch is split into this many parts."
     )
@@ -351,6 +359,40 @@ class ValidationConfig(_Section):
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 is greedy).")
 
 
+class ScheduleConfig(_Section):
+    """Which roles train when: MetaAgent-X alternates the designer and the executor."""
+
+    alternate: list[str] = Field(
+        default_factory=list,
+        description="Roles that take turns training, in order, e.g. [executor, designer]; "
+        "empty: every role trains every step. Roles not listed always train.",
+    )
+    every: int = Field(
+        30, ge=1, description="Steps per phase (30 in MetaAgent-X; switching every step collapses)."
+    )
+    mode: Literal["phase", "lr"] = Field(
+        "phase",
+        description="'phase': only the phase's role trains; 'lr': every role trains, the "
+        "others at off_lr_scale times their learning rate.",
+    )
+    off_lr_scale: float = Field(
+        0.1, ge=0.0, le=1.0, description="'lr' mode: learning-rate factor of the roles off phase."
+    )
+
+    def phase(self, step: int) -> str | None:
+        """The role whose phase training step `step` (1-based) is in; None without a schedule."""
+        if not self.alternate:
+            return None
+        return self.alternate[((step - 1) // self.every) % len(self.alternate)]
+
+    def scale(self, step: int, agent: str) -> float:
+        """How much `agent` trains at `step`: 1, 0 (off phase) or off_lr_scale ('lr' mode)."""
+        phase = self.phase(step)
+        if phase is None or agent == phase or agent not in self.alternate:
+            return 1.0
+        return 0.0 if self.mode == "phase" else self.off_lr_scale
+
+
 class TrainConfig(_Section):
     """Everything one AT-GRPO run needs; YAML sections map to the fields below."""
 
@@ -377,6 +419,7 @@ class TrainConfig(_Section):
         description="Per-agent overrides by agent (role) name: sampling, chat template "
         "variables, learning rate, freezing.",
     )
+    schedule: ScheduleConfig = Field(default_factory=ScheduleConfig)
     workflow: WorkflowSpec | None = Field(
         None,
         description="Train a framework program (LangGraph, AutoGen, LlamaIndex) instead of "
@@ -462,7 +505,9 @@ def _apply_override(data: dict[str, Any], item: str) -> None:
     _check_sections(parts, item)
     node = data
     for depth, part in enumerate(parts[:-1]):
-        child = node.setdefault(part, {})
+        if node.get(part) is None:  # absent, or an optional section left empty (`workflow:`)
+            node[part] = {}
+        child = node[part]
         if not isinstance(child, dict):
             where = ".".join(parts[: depth + 1])
             raise ConfigError(f"override {item!r}: {where} is a value, not a section")
@@ -479,7 +524,7 @@ def _check_sections(parts: list[str], item: str) -> None:
         field = section.model_fields.get(part)
         if field is None:
             return  # unknown name: validation reports it with a suggestion
-        annotation = field.annotation
+        annotation = _section_type(field.annotation)
         if isinstance(annotation, type) and issubclass(annotation, BaseModel):
             section = annotation
         elif getattr(annotation, "__origin__", None) is dict:
@@ -487,6 +532,14 @@ def _check_sections(parts: list[str], item: str) -> None:
         else:
             where = ".".join(parts[: depth + 1])
             raise ConfigError(f"override {item!r}: {where} is a value, not a section")
+
+
+def _section_type(annotation: Any) -> Any:
+    """`X | None` -> X: an optional section (`workflow`) takes overrides like any other."""
+    members = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
+        return members[0] if len(members) == 1 else annotation
+    return annotation
 
 
 def _explain(exc: ValidationError, source: str) -> str:
@@ -504,7 +557,7 @@ def _did_you_mean(loc: tuple[Any, ...]) -> str:
     section: type[BaseModel] = TrainConfig
     for part in loc[:-1]:
         field = section.model_fields.get(str(part))
-        annotation = field.annotation if field else None
+        annotation = _section_type(field.annotation) if field else None
         if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
             return ""
         section = annotation

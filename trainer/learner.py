@@ -27,6 +27,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 from torch.utils.checkpoint import checkpoint
 
+from masenvs.adapters.models import model_reference
 from masenvs.trainer.atgrpo import LossSums, policy_loss
 from masenvs.trainer.config import OptimConfig, TrainConfig
 from masenvs.trainer.samples import Sample
@@ -377,7 +378,9 @@ class Learner:
 
     # -- one training step ------------------------------------------------------------------
 
-    def step(self, samples: list[Sample]) -> dict[str, float]:
+    def step(
+        self, samples: list[Sample], lr_scale: dict[str, float] | None = None
+    ) -> dict[str, float]:
         """Update every trained policy on its own samples (which carry advantages).
 
         Policies without samples this step keep their weights, but the LR schedule of every
@@ -401,6 +404,7 @@ class Learner:
         for name, policy in self.policies.items():
             if by_policy.get(name):
                 policy_lr = lr * policy.lr / self.cfg.optim.lr  # same schedule, own peak
+                policy_lr *= (lr_scale or {}).get(name, 1.0)  # a training schedule's phase
                 for key, value in self._update(policy, by_policy[name], policy_lr).items():
                     metrics[f"learner/{name}/{key}"] = value
                 tokens += sum(s.num_tokens for s in by_policy[name])
@@ -708,7 +712,8 @@ class Learner:
         )
         config = copy.deepcopy(p.model.peft_config[policy])
         config.inference_mode = True
-        config.base_model_name_or_path = p.base_name
+        # The real base (a path or hub id), so peft and vLLM load the adapter elsewhere.
+        config.base_model_name_or_path = model_reference(p.base_name)
         if self.cfg.lora.target_modules == "all-linear":
             # peft resolves 'all-linear' to full module paths; peft and vLLM both match names
             # by their last part, and the short list reads better.

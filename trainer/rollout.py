@@ -35,6 +35,10 @@ class TaskRollout:
     samples: list[Sample] = field(default_factory=list)
     completion_tokens: int = 0
     error: str | None = None
+    # Runs the env made through the endpoint (auto-MAS executions), from every candidate:
+    # their calls are samples too (trainer/captured.py).
+    captured: list[dict[str, Any]] = field(default_factory=list)
+    designs: list[dict[str, Any]] = field(default_factory=list)  # auto-MAS: every candidate's
 
 
 @dataclass
@@ -95,6 +99,7 @@ async def tree_rollout(
         )
         for s in scored:
             result.completion_tokens += len(s.reply.token_ids)
+            _keep_captured(result, s.infos.get(agent, {}), s.reward, round_)
             if s.reply.token_ids and s.reply.prompt_token_ids:
                 result.samples.append(_sample(s, agent, policy_of, task_id, round_, seed))
 
@@ -115,6 +120,16 @@ def _play(branch: MASEnv, snapshot: Snapshot, agent: str, reply: Reply) -> Score
     branch.restore(snapshot)
     _, rewards, _, _, infos = branch.step({agent: reply.text})
     return Scored(reply, rewards[agent], infos[agent]["reward_parts"]["team"], rewards, infos)
+
+
+def _keep_captured(result: TaskRollout, info: dict[str, Any], reward: float, round_: int) -> None:
+    result.captured += info.get("captured", [])
+    if "design_id" in info:
+        keys = ("design_id", "design", "error", "executions", "graph")
+        record = {k: info.get(k) for k in keys}
+        result.designs.append(
+            {"task_id": result.task_id, "round": round_, "reward": reward, **record}
+        )
 
 
 def _sample(

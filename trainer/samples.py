@@ -19,9 +19,15 @@ def tree_group(task_id: Hashable, round: int, agent: str) -> GroupKey:
     return (task_id, round, agent)
 
 
-def workflow_group(task_id: Hashable, agent: str, call_index: int) -> GroupKey:
-    """Framework workflows (no branching): the same call of K independent runs of one task."""
-    return (task_id, agent, call_index)
+def workflow_group(
+    task_id: Hashable, agent: str, call_index: int, step: str | None = None
+) -> GroupKey:
+    """Framework workflows (no branching): the same call of K independent runs of one task.
+
+    Without a step, the c-th call of the agent; with one (`model="critic@verdict"`), the
+    c-th call of the agent at that step, so like decisions group together.
+    """
+    return (task_id, agent, call_index) if step is None else (task_id, agent, step, call_index)
 
 
 @dataclass

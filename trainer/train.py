@@ -25,8 +25,10 @@ from masenvs.adapters.policy_map import PolicyMap
 from masenvs.adapters.rollout import run_episodes
 from masenvs.adapters.stack import Stack, start_stack
 from masenvs.env import MASEnv
+from masenvs.registry import env_class as make_class
 from masenvs.registry import make
 from masenvs.trainer.atgrpo import group_advantages
+from masenvs.trainer.captured import captured_samples, write_designs
 from masenvs.trainer.checkpoint import TrainState, load_latest, save_checkpoint
 from masenvs.trainer.config import ConfigError, TrainConfig, save_config
 from masenvs.trainer.learner import Learner
@@ -54,8 +56,15 @@ def seed_everything(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def env_options(cfg: TrainConfig) -> dict[str, Any]:
+def env_options(cfg: TrainConfig, stack: Stack | None = None) -> dict[str, Any]:
+    """The env's config: `env.options`, the rollout's turn order and rounds, and for envs
+    that call the endpoint themselves (auto-MAS) its URL and key, unless set."""
     options = dict(cfg.env.options)
+    fields = make_class(cfg.env.name).config_class.model_fields
+    if stack is not None and "endpoint_url" in fields and not options.get("endpoint_url"):
+        options["endpoint_url"] = stack.root_url
+        if "endpoint_api_key" in fields and stack.api_key:
+            options.setdefault("endpoint_api_key", stack.api_key)
     if options.get("turn_order", cfg.rollout.turn_order) != cfg.rollout.turn_order:
         raise ValueError(
             f"env.options.turn_order={options['turn_order']!r} contradicts rollout.turn_order="
@@ -67,8 +76,8 @@ def env_options(cfg: TrainConfig) -> dict[str, Any]:
     return options
 
 
-def env_factory(cfg: TrainConfig) -> Callable[[], MASEnv]:
-    options = env_options(cfg)
+def env_factory(cfg: TrainConfig, stack: Stack | None = None) -> Callable[[], MASEnv]:
+    options = env_options(cfg, stack)
     make(cfg.env.name, **options)  # a bad env name or option fails here, before any model loads
     return lambda: make(cfg.env.name, **options)
 
@@ -118,7 +127,7 @@ class TreeSource:
 
     def __init__(self, cfg: TrainConfig, stack: Stack, learner: Learner) -> None:
         self.cfg, self.stack, self.learner = cfg, stack, learner
-        self.make_env = env_factory(cfg)
+        self.make_env = env_factory(cfg, stack)
         self.policy = ChatPolicy(
             stack.root_url,
             sampling=Sampling(
@@ -127,9 +136,11 @@ class TreeSource:
             agent_sampling=agent_sampling(cfg, learner.agents),
             api_key=stack.api_key or "masenvs",
         )
+        self.last_errors: list[str] = []  # the last step's failed tasks, for an empty step
 
     async def collect(self, step: int, seeds: list[int]) -> tuple[list[Sample], dict[str, float]]:
         cfg = self.cfg
+        started = time.time()
         results = await collect_tree_batch(
             self.make_env,
             seeds,
@@ -143,7 +154,30 @@ class TreeSource:
         for r in results:
             if r.error:
                 log.warning("task %s dropped from step %d: %s", r.task_id, step, r.error)
-        return [s for r in results for s in r.samples], rollout_metrics(results)
+        self.last_errors = [r.error for r in results if r.error]
+        samples = [s for r in results for s in r.samples]
+        metrics = rollout_metrics(results)
+        captured = [(r.task_id, c) for r in results for c in r.captured]
+        if captured and self.stack.store is not None:
+            samples += captured_samples(
+                self.stack.store,
+                [c for _, c in captured],
+                task_of={c["rollout_id"]: task for task, c in captured},
+                policy_of=self.learner.policy_of,
+                group_by=cfg.algorithm.caller_group,
+                since=started,
+            )
+            metrics["train/captured_runs"] = float(len(captured))
+        designs = [d for r in results for d in r.designs]
+        if designs:
+            write_designs(Path(cfg.run_dir) / "designs.jsonl", step, designs)
+            failed = [d for d in designs if d["error"]]
+            metrics["train/design_failure_rate"] = len(failed) / len(designs)
+        return samples, metrics
+
+    def why_no_samples(self) -> str:
+        errors = self.last_errors
+        return f"every task failed ({errors[0]})" if errors else "the tasks gave no sample"
 
     async def validate(self, step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -159,7 +193,7 @@ class TreeSource:
                 cfg.env.name,
                 policy,
                 list(cfg.validation_seeds()),
-                env_config=env_options(cfg),
+                env_config=env_options(cfg, self.stack),
                 store=self.stack.store,
                 concurrency=cfg.rollout.concurrency,
                 rollout_prefix=f"val{step}",
@@ -195,6 +229,13 @@ class WorkflowSource:
             agents=agent_sampling(cfg, learner.agents, validation=True),
             api_key=stack.api_key or "masenvs",
         )
+        from masenvs.trainer.workflow import FailureWindow
+
+        self.failures = FailureWindow(self.spec.failure_window, self.spec.max_failure_rate)
+        self.last_runs: list[Any] = []
+        for name, agent in self.spec.agent_map.items():  # a mapped name samples as its agent
+            self.settings.agents[name] = self.settings.agents[agent]
+            self.val_settings.agents[name] = self.val_settings.agents[agent]
 
     async def _runs(self, step, seeds, runs_per_task, settings):
         from masenvs.trainer.workflow import collect_workflow_samples
@@ -215,11 +256,19 @@ class WorkflowSource:
         )
 
     async def collect(self, step: int, seeds: list[int]) -> tuple[list[Sample], dict[str, float]]:
-        from masenvs.trainer.workflow import workflow_metrics
+        from masenvs.trainer.workflow import check_unknown_agents, workflow_metrics
 
         # Each failed run is logged once, by run_workflow; the detail is in its episode record.
         samples, runs = await self._runs(step, seeds, self.cfg.rollout.branches, self.settings)
+        check_unknown_agents(self.stack.endpoint.policy_map, runs)  # before any update
+        self.last_runs = runs
+        self.failures.check(runs)  # too many failed runs: stop before training on them
         return samples, workflow_metrics(runs, samples)
+
+    def why_no_samples(self) -> str:
+        from masenvs.trainer.workflow import why_no_samples
+
+        return why_no_samples(self.last_runs)
 
     async def validate(self, step: int) -> dict[str, float]:
         seeds = list(self.cfg.validation_seeds())
@@ -243,8 +292,14 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
         agents = list(cfg.workflow.agents)
         make(cfg.env.name, **cfg.env.options)  # fail on a bad env before loading models
     else:
-        agents = env_factory(cfg)().possible_agents
-    agent_sampling(cfg, agents)  # a misspelt agents.<name> fails here, before models load
+        env = env_factory(cfg)()
+        agents = list(dict.fromkeys([*env.possible_agents, *env.callers]))
+    agent_sampling(cfg, agents)
+    off = sorted(set(cfg.schedule.alternate) - set(agents))
+    if off:
+        raise ConfigError(
+            f"schedule.alternate names {off[0]!r}, not an agent of this run ({', '.join(agents)})"
+        )  # a misspelt agents.<name> fails here, before models load
 
     with console.status(f"loading {cfg.model.name} for the learner"):
         learner = Learner(cfg, agents)
@@ -273,6 +328,14 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
                 {agent: sync.served_as(learner.policy_of(agent)) for agent in agents},
                 chat_template_kwargs={a: cfg.agent(a).chat_template_kwargs for a in agents},
             )
+            if cfg.workflow is not None:  # and what other model names get (unknown_agents)
+                from masenvs.trainer.workflow import workflow_policy_map
+
+                routes = workflow_policy_map(
+                    cfg.workflow,
+                    lambda agent: sync.served_as(learner.policy_of(agent)),
+                    routes.chat_template_kwargs,
+                )
             stack = start_stack(backend=backend, traces=run_dir / "traces", policy_map=routes)
         except BaseException:
             getattr(backend, "shutdown", lambda: None)()  # a vLLM started here stops too
@@ -321,11 +384,16 @@ async def _loop(
             samples, row = await source.collect(step, seeds)
             rollout_s = time.perf_counter() - started
             trained = [s for s in samples if learner.trains(s.policy)]  # frozen agents: none
+            trained = [s for s in trained if cfg.schedule.scale(step, s.agent) > 0]
             trainable, stats = group_advantages(trained, cfg.algorithm)
+            if not trainable:  # say why instead of an update over nothing
+                why = _why_no_update(source, samples, trained, cfg.schedule.phase(step))
+                console.print(f"step {step}/{cfg.steps}: no trainable sample, no update: {why}")
+            lr_scale = _schedule_lr(cfg, learner, step, trainable)
             started = time.perf_counter()
             # The update runs on this thread: a worker thread would keep a second torch thread
             # pool that competes with the engine's once the next rollout starts.
-            update = learner.step(trainable) if trainable else {}
+            update = learner.step(trainable, lr_scale=lr_scale) if trainable else {}
             update_s = time.perf_counter() - started
             await sync.push(step)
             stack.endpoint.policy_version = step
@@ -334,6 +402,10 @@ async def _loop(
             row.update(sample_metrics(samples))
             row.update(group_metrics(stats))
             row.update(update)
+            if cfg.schedule.alternate:
+                row["schedule/phase"] = float(
+                    cfg.schedule.alternate.index(cfg.schedule.phase(step))
+                )
             row["time/rollout_s"] = rollout_s
             row["time/update_s"] = update_s
             row["throughput/rollout_tokens_per_s"] = tokens / max(rollout_s, 1e-9)
@@ -350,8 +422,44 @@ async def _loop(
         await source.aclose()
 
 
+def _schedule_lr(
+    cfg: TrainConfig, learner: Learner, step: int, samples: list[Sample]
+) -> dict[str, float] | None:
+    """'lr' schedule: a policy that only off-phase roles use trains at `off_lr_scale` of its
+    learning rate; in a policy shared with the phase's role, the off-phase roles' samples
+    have their advantages scaled instead (one optimizer cannot take two learning rates)."""
+    if cfg.schedule.mode != "lr" or not cfg.schedule.alternate:
+        return None
+    scales: dict[str, set[float]] = defaultdict(set)
+    for agent in learner.agents:
+        scales[learner.policy_of(agent)].add(cfg.schedule.scale(step, agent))
+    out = {}
+    for policy, values in scales.items():
+        if len(values) == 1:
+            out[policy] = values.pop()
+    for s in samples:
+        if s.policy not in out and s.advantage is not None:
+            s.advantage *= cfg.schedule.scale(step, s.agent)
+    return out
+
+
+def _why_no_update(
+    source: Any, samples: list[Sample], trained: list[Sample], phase: str | None
+) -> str:
+    if not samples:
+        return source.why_no_samples()
+    if not trained:
+        if phase is not None:
+            return f"no sample of a frozen agent or of {phase!r}, whose phase this is (schedule)"
+        return "every sample is a frozen agent's"
+    return "algorithm.drop_zero_std_groups / keep_top_groups dropped every group"
+
+
 def _progress_line(step: int, total: int, row: dict[str, Any], agents: list[str]) -> str:
-    rewards = "  ".join(f"{a} {row.get(f'train/reward/{a}', float('nan')):+.2f}" for a in agents)
+    rewards = "  ".join(
+        f"{a} {row[f'train/reward/{a}']:+.2f}" if f"train/reward/{a}" in row else f"{a} -"
+        for a in agents
+    )
     val = f"  [bold]val success {row['val/success']:.0%}[/bold]" if "val/success" in row else ""
     return (
         f"step {step}/{total}  success {row['train/success']:.0%}  {rewards}  "

@@ -9,13 +9,16 @@ fewer calls simply has no member in the later groups (a group of one has advanta
 from __future__ import annotations
 
 import time
+from collections import Counter, deque
 from collections.abc import Callable, Sequence
 from typing import Any
 
 from masenvs.adapters.frameworks.calls import read_calls
-from masenvs.adapters.frameworks.clients import ClientSettings
+from masenvs.adapters.frameworks.clients import ClientSettings, UnknownAgent
 from masenvs.adapters.frameworks.workflow import Factory, WorkflowRun, WorkflowSpec, run_tasks
+from masenvs.adapters.policy_map import BASE, PolicyMap
 from masenvs.traces import CallRecord, TraceStore
+from masenvs.trainer.config import ConfigError
 from masenvs.trainer.samples import Sample, workflow_group
 
 
@@ -23,11 +26,14 @@ def workflow_samples(
     runs: Sequence[WorkflowRun],
     calls: Sequence[CallRecord],
     policy_of: Callable[[str], str] | None = None,
+    agent_of: Callable[[str], str | None] | None = None,
 ) -> list[Sample]:
     """One sample per sampled choice of every call the runs made.
 
     `policy_of(agent)` names the adapter a sample trains; without it, the adapter the
-    endpoint served the call with (`CallRecord.model`).
+    endpoint served the call with (`CallRecord.model`). `agent_of(model name)` is the agent
+    a call trains as (`WorkflowSpec.agent_of`); a call it gives None for (an unknown agent
+    the base model served) is no sample: no policy made it.
     """
     by_rollout = {run.rollout_id: run for run in runs}
     samples = []
@@ -37,6 +43,9 @@ def workflow_samples(
             continue
         if run.ended_at and call.started_at > run.ended_at:
             continue  # a late call of a timed-out run, whose thread went on: never trained
+        agent = agent_of(call.agent) if agent_of else call.agent
+        if agent is None:
+            continue
         for choice in call.choices:
             logprobs = choice.logprobs if len(choice.logprobs) == len(choice.token_ids) else []
             samples.append(
@@ -44,9 +53,11 @@ def workflow_samples(
                     prompt_token_ids=list(call.prompt_token_ids),
                     completion_token_ids=list(choice.token_ids),
                     behavior_logprobs=list(logprobs),
-                    agent=call.agent,
-                    policy=policy_of(call.agent) if policy_of else call.model,
-                    group=workflow_group(run.task_id, call.agent, call.call_index),
+                    agent=agent,
+                    policy=policy_of(agent) if policy_of else call.model,
+                    # keyed by the name the program used: a mapped name's calls are other
+                    # decisions than its agent's, trained by the same policy
+                    group=workflow_group(run.task_id, call.agent, call.call_index, call.step),
                     reward=run.reward,
                     meta={
                         "call_id": call.id,
@@ -54,7 +65,9 @@ def workflow_samples(
                         "seed": run.seed,
                         "run_index": run.run_index,
                         "call_index": call.call_index,
+                        "step": call.step,
                         "served_by": call.model,
+                        "model_name": call.agent,  # what the program asked for
                         "policy_version": call.policy_version,
                         "failed": run.error is not None,
                     },
@@ -100,7 +113,47 @@ async def collect_workflow_samples(
         factory=factory,
     )
     calls = read_calls(store, [r.rollout_id for r in runs], since=started)
-    return workflow_samples(runs, calls, policy_of), runs
+    return workflow_samples(runs, calls, policy_of, spec.agent_of), runs
+
+
+def workflow_policy_map(
+    spec: WorkflowSpec,
+    served_as: Callable[[str], str],
+    chat_template_kwargs: dict[str, dict[str, Any]] | None = None,
+) -> PolicyMap:
+    """The endpoint's routes for a workflow: each agent (and each `agent_map` name) to the
+    model `served_as(agent)`; other names to the base model ('base') or rejected."""
+    kwargs = chat_template_kwargs or {}
+    names = {**{a: a for a in spec.agents}, **spec.agent_map}
+    return PolicyMap(
+        {name: served_as(agent) for name, agent in names.items()},
+        default=BASE if spec.unknown_agents == "base" else None,
+        chat_template_kwargs={n: kwargs[a] for n, a in names.items() if a in kwargs},
+        adapters_by_name=False,
+        reject_hint=(
+            "; add it to workflow.agents, or set workflow.unknown_agents: base (the base model "
+            "answers it, never trained) or map (workflow.agent_map: {name: agent})"
+        ),
+    )
+
+
+def check_unknown_agents(policy_map: PolicyMap, runs: Sequence[WorkflowRun]) -> None:
+    """Stop training when the program used a model name `unknown_agents: reject` refuses."""
+    if policy_map.rejected:
+        names = ", ".join(sorted(map(repr, policy_map.rejected)))
+        known = ", ".join(sorted(policy_map.routes))
+        raise UnknownAgentError(
+            f"the workflow called model {names}, which is not one of its agents ({known}); "
+            "add it to workflow.agents, or set workflow.unknown_agents: base (the base model "
+            "answers it, never trained) or map (workflow.agent_map: {name: agent})"
+        )
+    for run in runs:
+        if run.error and run.error.startswith(f"{UnknownAgent.__name__}:"):
+            raise UnknownAgentError(f"workflow run {run.rollout_id}: {run.error}")
+
+
+class UnknownAgentError(ConfigError):
+    """The program used a model name the workflow's `unknown_agents` policy rejects."""
 
 
 def workflow_metrics(runs: Sequence[WorkflowRun], samples: Sequence[Sample]) -> dict[str, float]:
@@ -115,3 +168,37 @@ def workflow_metrics(runs: Sequence[WorkflowRun], samples: Sequence[Sample]) -> 
     for agent in sorted({s.agent for s in samples}):
         out[f"train/calls_per_run/{agent}"] = sum(s.agent == agent for s in samples) / n
     return out
+
+
+class TooManyFailures(RuntimeError):
+    """More than `workflow.max_failure_rate` of the recent runs failed: training stops."""
+
+
+class FailureWindow:
+    """The outcome of the last `size` runs; `check` stops training when too many failed."""
+
+    def __init__(self, size: int, max_rate: float) -> None:
+        self.max_rate = max_rate
+        self.errors: deque[str | None] = deque(maxlen=size)
+
+    def check(self, runs: Sequence[WorkflowRun]) -> None:
+        """Add this step's runs; raise `TooManyFailures` naming the most common reason."""
+        self.errors.extend(run.error for run in runs)
+        failed = [e for e in self.errors if e is not None]
+        if not self.errors or len(failed) / len(self.errors) <= self.max_rate:
+            return
+        reason, count = Counter(failed).most_common(1)[0]
+        raise TooManyFailures(
+            f"stopping: {len(failed)} of the last {len(self.errors)} workflow runs failed "
+            f"(more than workflow.max_failure_rate={self.max_rate:g}); most common reason "
+            f"({count} runs): {reason}"
+        )
+
+
+def why_no_samples(runs: Sequence[WorkflowRun]) -> str:
+    """One line saying why a step's runs gave no training sample."""
+    failed = [r.error for r in runs if r.error is not None]
+    if runs and len(failed) == len(runs):
+        reason, count = Counter(failed).most_common(1)[0]
+        return f"all {len(runs)} runs failed before a trainable call ({count}x {reason})"
+    return f"the {len(runs)} runs made no call as one of workflow.agents"

@@ -30,7 +30,11 @@ from masenvs.adapters.frameworks.workflow import Factory, WorkflowRun, WorkflowS
 from masenvs.adapters.policy import Sampling
 from masenvs.traces import CallRecord
 from masenvs.trainer.samples import Sample
-from masenvs.trainer.workflow import collect_workflow_samples, workflow_metrics
+from masenvs.trainer.workflow import (
+    collect_workflow_samples,
+    workflow_metrics,
+    workflow_policy_map,
+)
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -85,7 +89,7 @@ def main(
     try:
         with console.status(f"loading {args.model}"):
             backend = make_backend(args.model)
-            routes: dict[str, str] = {}
+            routes: Any = {}
             if args.train_steps > 0:
                 from masenvs.trainer.learner import Learner
                 from masenvs.trainer.sync import WeightSync
@@ -94,7 +98,7 @@ def main(
                 sync = WeightSync(learner, backend, traces / "sync")
                 # every agent is served by its own (fresh) adapter
                 asyncio.run(sync.push(version=0))
-                routes = {agent: learner.policy_of(agent) for agent in spec.agents}
+                routes = workflow_policy_map(spec, learner.policy_of)
             stack = start_stack(backend=backend, traces=traces, policy_map=routes)
     except StackError as exc:
         console.print(f"[red]{exc}[/red]")

@@ -270,10 +270,12 @@ class Clients(Mapping[str, Any]):
         return made
 
     def _check(self, agent: str) -> None:
-        if self.agents is not None and agent not in self.agents:
+        # "critic@verdict": the agent is the part before '@' (the step names the decision).
+        if self.agents is not None and agent.partition("@")[0] not in self.agents:
             raise UnknownAgent(
                 f"agent {agent!r} is not one of this workflow's agents "
-                f"({', '.join(self.agents)}); add it to `agents` in the workflow config"
+                f"({', '.join(self.agents)}); add it to `agents` in the workflow config, or "
+                "set unknown_agents (base or map)"
             )
 
     def _sync_client(self) -> httpx.Client:

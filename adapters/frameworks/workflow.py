@@ -32,7 +32,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import httpx
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from masenvs.adapters.frameworks.clients import Clients, ClientSettings, rollout_url
 from masenvs.adapters.frameworks.programs import (
@@ -71,6 +71,18 @@ class WorkflowSpec(BaseModel):
         description="Model names the program's clients use, one per agent; each is routed by "
         "the policy map and trains its own adapter (or the shared one).",
     )
+    unknown_agents: Literal["reject", "base", "map"] = Field(
+        "reject",
+        description="Model names the program uses that are not in `agents`: 'reject' fails the "
+        "run at the first such call and stops training with the name; 'base' serves them "
+        "with the base model and never trains on them; 'map' routes each name of "
+        "`agent_map` to that agent's policy and trains it as that agent (other names are "
+        "rejected).",
+    )
+    agent_map: dict[str, str] = Field(
+        default_factory=dict,
+        description="With unknown_agents 'map': {model name: agent}, e.g. {critic_v2: critic}.",
+    )
     answer_from: str | None = Field(
         None,
         description="Where the final answer is: LangGraph state key or AutoGen agent name. "
@@ -81,11 +93,65 @@ class WorkflowSpec(BaseModel):
     timeout_s: float | None = Field(
         600.0, gt=0, description="Wall seconds per run before it fails; None: no limit."
     )
+    max_failure_rate: float = Field(
+        0.9,
+        ge=0.0,
+        le=1.0,
+        description="Training stops (exit status 1, with the most common failure reason) when "
+        "more than this share of the last `failure_window` runs failed; 1.0: never.",
+    )
+    failure_window: int = Field(
+        32, ge=1, description="Runs (the latest, across steps) the failure share is taken over."
+    )
     failure_reward: float | None = Field(
         None,
         description="Reward of a failed run. None: what the env gives an empty answer (its "
         "format penalty).",
     )
+
+    @model_validator(mode="after")
+    def _answer_from_fits_the_framework(self) -> WorkflowSpec:
+        if self.framework == "llamaindex" and self.answer_from is not None:
+            raise ValueError(
+                "answer_from is not supported with framework 'llamaindex' (the answer is the "
+                "agent workflow's response or the StopEvent's result); remove answer_from, or "
+                "return the answer from a custom Workflow's StopEvent"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _agent_map_names_agents(self) -> WorkflowSpec:
+        if self.unknown_agents == "map" and not self.agent_map:
+            raise ValueError(
+                "unknown_agents 'map' needs agent_map, e.g. {critic_v2: critic}: which agent's "
+                "policy each extra model name trains"
+            )
+        if self.agent_map and self.unknown_agents != "map":
+            raise ValueError(
+                f"agent_map is set but unknown_agents is {self.unknown_agents!r}; set "
+                "unknown_agents: map to use it"
+            )
+        for name, agent in self.agent_map.items():
+            if agent not in self.agents:
+                raise ValueError(
+                    f"agent_map sends {name!r} to {agent!r}, which is not one of agents "
+                    f"({', '.join(self.agents)})"
+                )
+            if name in self.agents:
+                raise ValueError(f"agent_map maps {name!r}, which already is an agent")
+        return self
+
+    def agent_of(self, name: str) -> str | None:
+        """The agent whose policy a call of model `name` trains; None: no policy's call."""
+        if name in self.agents:
+            return name
+        return self.agent_map.get(name)
+
+    def client_names(self) -> list[str] | None:
+        """The agent names `ctx.clients` accepts; None: any (unknown_agents 'base')."""
+        if self.unknown_agents == "base":
+            return None
+        return [*self.agents, *self.agent_map]
 
     def limits(self) -> RunLimits:
         return RunLimits(self.answer_from, self.recursion_limit, self.timeout_s)
@@ -213,7 +279,7 @@ async def run_workflow(
 
     async def body(isolation: Isolation) -> str:
         # Runs in the run's own thread and event loop: clients, program and all.
-        clients = Clients(spec.framework, url, spec.agents, settings)
+        clients = Clients(spec.framework, url, spec.client_names(), settings)
         isolation.on_timeout.append(
             lambda: clients.revoke(f"run {rollout_id} ended at its timeout_s={spec.timeout_s:g}")
         )

@@ -1,0 +1,219 @@
+"""Run a designed multi-agent system: its code in the sandbox, its LLM calls through a gate.
+
+The designer's action is Python (in `<code>` tags or a ```python block) that builds a block
+named `system` from `masenvs.mas` (or defines `async def solve(messages) -> str`). Each
+execution runs it in a fresh sandbox process with no network; the only way out is the
+Unix socket of a `Gate` that records its calls under the execution's rollout id. What comes
+back is a `DesignRun`: the answer, the executed graph, or the cause of the failure.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+import threading
+import time
+from dataclasses import dataclass, field, replace
+from typing import Any
+
+from masenvs.mas.llm import EXECUTOR, Message
+
+RESULT_MARKER = "@@masenvs-design-result@@ "
+MAX_ANSWER_CHARS = 20_000
+# Imported once by the design sandbox's zygote: a design run needs nothing else.
+PRELOAD = ("asyncio", "masenvs.mas._preload")
+
+_CODE_TAG = re.compile(r"<code>(.*?)(?:</code>|$)", re.DOTALL)
+_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
+_RUNNER = "from masenvs.mas.design import _main\n_main()\n"
+
+
+def extract_design(text: str) -> str | None:
+    """The design's code: the last `<code>...</code>` block, else the last ```python fence."""
+    for pattern in (_CODE_TAG, _FENCE):
+        blocks = [b.strip() for b in pattern.findall(text) if b.strip()]
+        if blocks:
+            return _FENCE.sub(lambda m: m.group(1), blocks[-1]).strip()  # a fence inside <code>
+    return None
+
+
+@dataclass
+class DesignRun:
+    """One execution of a design."""
+
+    answer: str | None = None  # the system's final text
+    graph: dict[str, Any] | None = None  # DesignGraph.to_dict() of the executed system
+    error: str | None = None  # why it failed: "syntax error: ...", "timeout", ...
+    calls: int = 0  # LLM calls the gate forwarded
+    seconds: float = 0.0
+    refused: list[str] = field(default_factory=list)  # requests the gate refused
+
+    @property
+    def ok(self) -> bool:
+        return self.error is None
+
+
+@dataclass
+class DesignRunner:
+    """Runs designs against the capture endpoint at `endpoint_url` (its root URL)."""
+
+    endpoint_url: str | None
+    models: dict[str, str] = field(default_factory=lambda: {EXECUTOR: EXECUTOR})
+    api_key: str | None = None
+    max_calls: int = 32  # per execution; more is refused (429) and fails the design
+    max_tokens: int | None = None
+    temperature: float | None = None
+    seconds: float = 120.0  # wall time of one execution
+    memory_mb: int = 1024
+
+    def run(self, source: str, messages: list[Message], rollout_id: str) -> DesignRun:
+        from masenvs.mas.gate import Gate
+        from masenvs.sandbox import Verdict
+
+        if self.endpoint_url is None:
+            return DesignRun(error="no endpoint to call: set the env's endpoint_url")
+        started = time.monotonic()
+        gate = Gate(
+            self.endpoint_url,
+            rollout_id,
+            self.models,
+            max_calls=self.max_calls,
+            api_key=self.api_key,
+        )
+        try:
+            job = {
+                "source": source,
+                "messages": messages,
+                "socket": gate.path,
+                "model": next(iter(self.models)),
+                "max_calls": self.max_calls,
+                "max_tokens": self.max_tokens,
+                "temperature": self.temperature,
+            }
+            sandbox = design_sandbox()
+            limits = replace(
+                sandbox.limits,
+                wall_seconds=self.seconds,
+                cpu_seconds=self.seconds,
+                memory_mb=self.memory_mb,
+            )
+            result = sandbox.run(_RUNNER, stdin=json.dumps(job), limits=limits)
+        finally:
+            gate.close()
+        run = DesignRun(calls=gate.calls, seconds=time.monotonic() - started, refused=gate.refused)
+        report = _report(result.stdout)
+        if result.verdict == Verdict.TIMEOUT:
+            run.error = f"timeout: the design ran past {self.seconds:g} s"
+        elif result.verdict == Verdict.MEMORY:
+            run.error = f"memory: the design went over {self.memory_mb} MB"
+        elif result.verdict == Verdict.OUTPUT_LIMIT:
+            run.error = "output limit: the design printed too much"
+        elif report is None:
+            tail = result.stderr.strip().splitlines()[-1:] or [f"exit code {result.returncode}"]
+            run.error = f"crashed: {tail[0][:300]}"
+        else:
+            run.answer, run.graph, run.error = (
+                report.get("answer"),
+                report.get("graph"),
+                report.get("error"),
+            )
+            if run.error is None and not (run.answer or "").strip():
+                run.error = "no answer: the system returned empty text"
+        return run
+
+
+_sandbox = None
+_sandbox_lock = threading.Lock()
+
+
+def design_sandbox() -> Any:
+    """The sandbox designs run in (shared, started once, openai and masenvs.mas preloaded)."""
+    global _sandbox
+    from masenvs.sandbox import DEFAULT_PRELOAD, Sandbox, SandboxLimits
+
+    with _sandbox_lock:
+        if _sandbox is None:
+            limits = SandboxLimits(
+                cpu_seconds=120, wall_seconds=120, memory_mb=1024, max_output_bytes=256 << 10
+            )
+            _sandbox = Sandbox(limits, preload=(*DEFAULT_PRELOAD, *PRELOAD))
+        return _sandbox
+
+
+def _report(stdout: str) -> dict[str, Any] | None:
+    for line in reversed(stdout.splitlines()):
+        if line.startswith(RESULT_MARKER):
+            try:
+                return json.loads(line[len(RESULT_MARKER) :])
+            except ValueError:
+                return None
+    return None
+
+
+# --- inside the sandbox ----------------------------------------------------------------------
+
+
+def _main() -> None:
+    """Run one design (stdin: the job as JSON) and print the result line."""
+    import asyncio
+    import inspect
+
+    from masenvs.mas.blocks import Block
+    from masenvs.mas.graph import DesignGraph, Node
+    from masenvs.mas.llm import BudgetExceeded, connect, use
+
+    job = json.loads(sys.stdin.read())
+    out: dict[str, Any] = {"answer": None, "graph": None, "error": None}
+    llm = connect(
+        uds=job["socket"],
+        model=job["model"],
+        max_calls=job["max_calls"],
+        max_tokens=job["max_tokens"],
+        temperature=job["temperature"],
+        per_node=True,
+    )
+    system: Any = None
+    try:
+        code = compile(job["source"], "<design>", "exec")
+    except SyntaxError as exc:
+        out["error"] = f"syntax error: {exc.msg} (line {exc.lineno})"
+    else:
+        import masenvs.mas as library
+
+        # The blocks come imported, as the designer's prompt says.
+        namespace: dict[str, Any] = {"__name__": "__design__"}
+        namespace.update({name: getattr(library, name) for name in library.__all__})
+        try:
+            with use(llm):
+                exec(code, namespace)
+                system = namespace.get("system") or namespace.get("solve")
+                if system is None or not callable(system):
+                    raise LookupError(
+                        "the design defines no `system` block (or `async def solve(messages)`)"
+                    )
+
+                async def go() -> Any:
+                    try:
+                        result = system(job["messages"])
+                        return await result if inspect.isawaitable(result) else result
+                    finally:
+                        await llm.aclose()
+
+                answer = asyncio.run(go())
+            if not isinstance(answer, str):
+                raise TypeError(f"the system returned {type(answer).__name__}, not text")
+            out["answer"] = answer[:MAX_ANSWER_CHARS]
+        except BudgetExceeded as exc:
+            out["error"] = f"budget: {exc}"
+        except BaseException as exc:  # the design's own failure, reported, never raised
+            out["error"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+    calls = llm.calls_by_node()
+    if isinstance(system, Block):
+        out["graph"] = DesignGraph.of(system, calls).to_dict()
+    elif calls:
+        out["graph"] = DesignGraph(
+            "solve()", [Node(n, "", ids) for n, ids in calls.items()], []
+        ).to_dict()
+    sys.stdout.flush()
+    print(RESULT_MARKER + json.dumps(out), flush=True)

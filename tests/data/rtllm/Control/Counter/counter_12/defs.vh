@@ -1,0 +1,1 @@
+`define MAX_COUNT 4'd11
