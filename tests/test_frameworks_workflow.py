@@ -406,8 +406,9 @@ def test_late_calls_of_a_timed_out_run_never_train(backend, tmp_path, with_endpo
         assert runs[0].rollout_id not in {c.rollout_id for c in calls}
     else:
         assert late == "sent"  # it reached the server and is in the trace...
-        (recorded,) = [c for c in calls if c.rollout_id == runs[0].rollout_id]
-        assert recorded.started_at > runs[0].ended_at  # ...after the run ended: no sample
+        late_calls = [c for c in calls if c.rollout_id == runs[0].rollout_id]
+        assert late_calls  # (its thread may make one more call after this one)
+        assert all(c.started_at > runs[0].ended_at for c in late_calls)  # ...so: no sample
 
 
 FAILING = [
