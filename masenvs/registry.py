@@ -42,5 +42,6 @@ for _name, _entry in {
     "math": "masenvs.envs.math:MathEnv",
     "code": "masenvs.envs.code:CodeEnv",
     "auto_mas": "masenvs.envs.auto_mas:AutoMASEnv",
+    "web_search": "masenvs.envs.web_search:WebSearchEnv",
 }.items():
     register(_name, _entry)
