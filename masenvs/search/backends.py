@@ -111,21 +111,22 @@ class BM25Backend:
         self._vocab = self.index.vocab_dict
 
     def search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
+        """All queries in one bm25s call; a query with no corpus word gets no hits."""
         k = min(k, len(self.docs))
-        out: list[list[Hit]] = []
-        for query in queries:
-            tokens = [t for t in tokenize(query) if t in self._vocab]
-            if not tokens:  # no word of the query is in the corpus
-                out.append([])
-                continue
-            ids, scores = self.index.retrieve([tokens], k=k, show_progress=False, n_threads=1)
-            out.append(
-                [
-                    Hit(self.docs[i].id, self.docs[i].contents, float(s))
-                    for i, s in zip(ids[0].tolist(), scores[0].tolist())
-                    if s > 0
-                ]
-            )
+        tokens = [[t for t in tokenize(q) if t in self._vocab] for q in queries]
+        asked = [i for i, t in enumerate(tokens) if t]
+        out: list[list[Hit]] = [[] for _ in queries]
+        if not asked:
+            return out
+        ids, scores = self.index.retrieve(
+            [tokens[i] for i in asked], k=k, show_progress=False, n_threads=1
+        )
+        for row, i in enumerate(asked):
+            out[i] = [
+                Hit(self.docs[d].id, self.docs[d].contents, float(s))
+                for d, s in zip(ids[row].tolist(), scores[row].tolist())
+                if s > 0
+            ]
         return out
 
 

@@ -191,14 +191,19 @@ def generate_encyclopedia(entities: int = 300, seed: int = 0) -> Encyclopedia:
     for i, t in enumerate(types):
         own: dict[str, int] = {}
         for relation, target, _, _ in RELATIONS[t]:
-            pool = [j for j in by_type[target] if j != i] if target == t else by_type[target]
-            own[relation] = int(rng.choice(pool))
+            pool = by_type[target]
+            j = int(pool[rng.integers(len(pool))])
+            while j == i:  # nobody is their own mentor
+                j = int(pool[rng.integers(len(pool))])
+            own[relation] = j
         facts.append(own)
     # A country's capital is one of its own cities where it has one.
+    cities_of: dict[int, list[int]] = {}
+    for j in by_type["city"]:
+        cities_of.setdefault(facts[j]["located_in"], []).append(j)
     for c in by_type["country"]:
-        cities = [j for j in by_type["city"] if facts[j]["located_in"] == c]
-        if cities:
-            facts[c]["capital"] = int(rng.choice(cities))
+        if c in cities_of:
+            facts[c]["capital"] = int(rng.choice(cities_of[c]))
     book = Encyclopedia(names, types, facts)
     for i, t in enumerate(types):
         sentences = [_FILLER[t].format(s=names[i])]
