@@ -326,13 +326,13 @@ class WebSearchEnv(MASEnv):
                 if found
                 else (0.0 if ran else self.config.format_penalty)
             )
-            return RewardParts(process=-self.config.search_cost * ran, agent=own)
+            return RewardParts(process=-self.config.search_cost * ran if ran else 0.0, agent=own)
         return self._planner_turn(action)
 
     def _planner_turn(self, text: str) -> RewardParts:
         cfg, state = self.config, self.state
         ran = self._search("planner", text)[0] if cfg.single_agent else 0
-        process = -cfg.search_cost * ran
+        process = -cfg.search_cost * ran if ran else 0.0
         subs = parse_subquestions(text)
         if subs:
             state.subquestions = subs
