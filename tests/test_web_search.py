@@ -99,6 +99,21 @@ def test_golden_answers_succeed_in_one_round() -> None:
         assert infos["searcher"]["reward_parts"]["team"] == 1.0
 
 
+def test_golden_chain_succeeds_hop_by_hop() -> None:
+    """One golden query per round: each round's results name the next entity, and the
+    planner answers in the round of the last hop, within the default 4 rounds."""
+    env = masenvs.make("web_search")
+    for seed in range(12):
+        env.reset(seed=seed)
+        for i, (subject, relation, obj) in enumerate(env.task.chain):
+            obs = env.step({"searcher": f"search: {relation.replace('_', ' ')} {subject}"})[0]
+            assert obj in obs["planner"].split("Search results")[1]
+            last = i == env.task.hops - 1
+            step = env.step({"planner": f"#### {obj}" if last else f"sub: what about {obj}?"})
+        assert step[4]["planner"]["success"] and env.round == env.task.hops
+        assert step[4]["searcher"]["reward_parts"]["team"] == 1.0
+
+
 def test_wrong_and_partial_answers_fail_with_f1() -> None:
     env = masenvs.make("web_search")
     env.reset(seed=0)
