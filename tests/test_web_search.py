@@ -251,6 +251,10 @@ def test_failing_backends_raise_clear_errors(search_server: str) -> None:
     env.reset(seed=0)
     with pytest.raises(SearchError, match="unreachable.*search-serve"):
         env.step({"searcher": "search: anything"})
+    import httpx
+
+    bad = httpx.post(search_server, json={"queries": "not a list"})
+    assert bad.status_code == 400 and "list of strings" in bad.json()["error"]
     with pytest.raises(SearchError, match="HTTP 404"):
         HttpBackend(search_server.replace("/retrieve", "/nope/retrieve")).search(["a"], 1)
     with pytest.raises(ValueError, match="search_url"):
