@@ -43,5 +43,6 @@ for _name, _entry in {
     "code": "masenvs.envs.code:CodeEnv",
     "auto_mas": "masenvs.envs.auto_mas:AutoMASEnv",
     "verilog": "masenvs.envs.verilog:VerilogEnv",
+    "web_search": "masenvs.envs.web_search:WebSearchEnv",
 }.items():
     register(_name, _entry)
