@@ -339,9 +339,27 @@ int decode_attention(const uint16_t *qk, int qk_stride, const uint16_t *v, int v
             for (int i = 0; i < groups; i++) {
                 const uint16_t *q = row + (size_t)(h * groups + i) * D;
                 for (int d = 0; d < D; d++) query[d] = bf16_scalar(q[d]) * scale;
-                // scores[p] = (scale q) . k_p, 8 positions at a time, the rest one by one
+                // scores[p] = (scale q) . k_p, 32 positions at a time (4 independent FMA
+                // chains), then 8, then the rest one by one
                 __m256 peak = _mm256_set1_ps(-INFINITY);
-                for (int p0 = 0; p0 < whole; p0 += 8) {
+                int p0 = 0;
+                for (; p0 + 32 <= whole; p0 += 32) {
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    for (int d = 0; d < D; d++) {
+                        const __m256 qd = _mm256_broadcast_ss(query + d);
+                        const uint16_t *kp = keys + (size_t)d * capacity + p0;
+                        a0 = _mm256_fmadd_ps(qd, load_bf16x8(kp), a0);
+                        a1 = _mm256_fmadd_ps(qd, load_bf16x8(kp + 8), a1);
+                        a2 = _mm256_fmadd_ps(qd, load_bf16x8(kp + 16), a2);
+                        a3 = _mm256_fmadd_ps(qd, load_bf16x8(kp + 24), a3);
+                    }
+                    _mm256_storeu_ps(scores + p0, a0);
+                    _mm256_storeu_ps(scores + p0 + 8, a1);
+                    _mm256_storeu_ps(scores + p0 + 16, a2);
+                    _mm256_storeu_ps(scores + p0 + 24, a3);
+                    peak = _mm256_max_ps(peak, _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3)));
+                }
+                for (; p0 < whole; p0 += 8) {
                     __m256 acc = _mm256_setzero_ps();
                     for (int d = 0; d < D; d++)
                         acc = _mm256_fmadd_ps(_mm256_broadcast_ss(query + d),
@@ -370,15 +388,29 @@ int decode_attention(const uint16_t *qk, int qk_stride, const uint16_t *v, int v
                     sums = _mm256_add_ps(sums, e);
                 }
                 const __m256 norm = _mm256_set1_ps(1.0f / hsum(sums));
-                // out = sum_p e_p v_p / sum_p e_p, 16 dimensions at a time
+                // out = sum_p e_p v_p / sum_p e_p, 16 dimensions at a time, 4 positions
+                // per step in separate sums (8 independent FMA chains)
                 for (int d0 = 0; d0 < D; d0 += 16) {
-                    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                    for (int p = 0; p < len; p++) {
+                    __m256 a[4][2];
+                    for (int u = 0; u < 4; u++) a[u][0] = a[u][1] = _mm256_setzero_ps();
+                    int p = 0;
+                    for (; p + 4 <= len; p += 4)
+                        for (int u = 0; u < 4; u++) {
+                            const __m256 e = _mm256_broadcast_ss(scores + p + u);
+                            const uint16_t *vp = values + (size_t)(p + u) * D + d0;
+                            a[u][0] = _mm256_fmadd_ps(e, load_bf16x8(vp), a[u][0]);
+                            a[u][1] = _mm256_fmadd_ps(e, load_bf16x8(vp + 8), a[u][1]);
+                        }
+                    for (; p < len; p++) {
                         const __m256 e = _mm256_broadcast_ss(scores + p);
                         const uint16_t *vp = values + (size_t)p * D + d0;
-                        a0 = _mm256_fmadd_ps(e, load_bf16x8(vp), a0);
-                        a1 = _mm256_fmadd_ps(e, load_bf16x8(vp + 8), a1);
+                        a[0][0] = _mm256_fmadd_ps(e, load_bf16x8(vp), a[0][0]);
+                        a[0][1] = _mm256_fmadd_ps(e, load_bf16x8(vp + 8), a[0][1]);
                     }
+                    const __m256 a0 = _mm256_add_ps(_mm256_add_ps(a[0][0], a[1][0]),
+                                                    _mm256_add_ps(a[2][0], a[3][0]));
+                    const __m256 a1 = _mm256_add_ps(_mm256_add_ps(a[0][1], a[1][1]),
+                                                    _mm256_add_ps(a[2][1], a[3][1]));
                     uint16_t *dst = out + (size_t)b * heads * D + (size_t)(h * groups + i) * D + d0;
                     store_bf16x8(dst, _mm256_mul_ps(a0, norm));
                     store_bf16x8(dst + 8, _mm256_mul_ps(a1, norm));
