@@ -151,6 +151,18 @@ def _make_backend(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[A
     return backend, None
 
 
+def _engine_line(backend: Any) -> str:
+    """The embedded engine's dtype and native CPU kernel set, as a banner line."""
+    forward = getattr(backend, "forward", None)
+    if forward is None:  # not the embedded engine
+        return ""
+    from masenvs.adapters.backends import cpu_kernels
+
+    kernels = cpu_kernels.kernel_set() if forward.native else None
+    dtype = str(forward.dtype).removeprefix("torch.")
+    return f"  engine: {dtype}, native CPU kernels {kernels or 'off (torch paths)'}\n"
+
+
 def _serve(args: argparse.Namespace, backend: Any, routes: dict[str, str]) -> int:
     import uvicorn
 
@@ -184,6 +196,7 @@ def _serve(args: argparse.Namespace, backend: Any, routes: dict[str, str]) -> in
     print(
         f"masenvs serve: {model} ({args.backend}) at {root}/v1\n"
         f"  models: {', '.join(app.model_ids())}\n"
+        f"{_engine_line(backend)}"
         f"  traces: {args.traces or 'off'}; rollouts: {root}/r/<rollout_id>/v1\n"
         "  call it with the openai client:\n"
         "    from openai import OpenAI\n"

@@ -207,15 +207,18 @@ def _in_process(model: str, pipe: Any) -> None:
         pipe.send(RuntimeError(repr(exc)))
 
 
-def _start_serve(model: str) -> tuple[subprocess.Popen, str]:
-    """`masenvs serve --port 0` in a child process; its /v1 URL once it listens."""
+def _start_serve(model: str) -> tuple[subprocess.Popen, str, str]:
+    """`masenvs serve --port 0` in a child process; its /v1 URL once it listens, and its
+    banner's engine line (dtype and kernel set)."""
     command = [sys.executable, "-m", "masenvs.cli", "serve", "--model", model, "--port", "0"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     assert server.stdout is not None
+    url = None
     for line in server.stdout:
         found = re.search(r"at (http://\S+/v1)", line)
-        if found:
-            return server, found.group(1)
+        url = found.group(1) if found else url
+        if url is not None and line.strip().startswith("engine:"):
+            return server, url, line.strip().removeprefix("engine: ")
     raise RuntimeError(f"masenvs serve exited ({server.wait()}) before it listened")
 
 
@@ -233,7 +236,7 @@ def single_stream(args: argparse.Namespace) -> None:
     if isinstance(ready, BaseException):
         raise ready
     kernels, capability, dtype = ready
-    server, base_url = _start_serve(args.model)
+    server, base_url, serve_engine = _start_serve(args.model)
     api = openai.OpenAI(base_url=base_url, api_key="-", max_retries=0, timeout=600)
     body = {
         "model": "base",
@@ -281,7 +284,8 @@ def single_stream(args: argparse.Namespace) -> None:
     table = Table(
         title=f"{args.model}, one client, {args.max_tokens} tokens per request (prefill "
         f"included), median of {args.repeats}; {cpu_model()}, {os.cpu_count()} CPUs, isa "
-        f"{args.isa}: kernels {kernels}, torch {capability}, engine {dtype}"
+        f"{args.isa}: in process: kernels {kernels}, torch {capability}, engine {dtype}; "
+        f"serve: {serve_engine}"
     )
     for column in ("path", "tokens/s (median)", "min", "max", "vs in process"):
         table.add_column(column, justify="right")

@@ -83,7 +83,7 @@ def test_kernels_build_once_and_share_torchs_openmp_runtime(
 
 @needs_kernels
 @pytest.mark.parametrize("out_features, in_features", [(16, 32), (48, 96), (960, 576)])
-@pytest.mark.parametrize("rows", [1, 3, 8, 9, 17])
+@pytest.mark.parametrize("rows", [*range(1, 10), 17])  # every remainder of the row blocks
 def test_int4_matmul_matches_float32(
     out_features: int, in_features: int, rows: int, kernels: str
 ) -> None:
@@ -99,7 +99,7 @@ def test_int4_matmul_matches_float32(
 
 
 @needs_kernels
-@pytest.mark.parametrize("rows", [1, 5, 8, 12, 32])
+@pytest.mark.parametrize("rows", [*range(1, 10), 12, 32])
 def test_int8_matmul_matches_float32(rows: int, kernels: str) -> None:
     out_features, in_features = 64, 128
     generator = torch.Generator().manual_seed(rows)
@@ -109,6 +109,39 @@ def test_int8_matmul_matches_float32(rows: int, kernels: str) -> None:
     x = bf16_rows(rows, in_features, seed=rows)
     y = cpu_kernels.matmul(x, cpu_kernels.pack_int8(levels, scales.float()))
     assert_close_to(y, x.float() @ weights.T)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bits", [4, 8])
+def test_matmuls_keep_small_inputs_beside_large_ones_and_propagate_inf_and_nan(
+    bits: int, kernels: str
+) -> None:
+    # The AVX2 set scales each row's group of 32 inputs to int16 by its largest: inputs
+    # 2^20 below it must still count, and a group holding inf or NaN must not vanish.
+    generator = torch.Generator().manual_seed(bits)
+    levels = torch.randint(0 if bits == 4 else -127, 16 if bits == 4 else 128, (48, 96))
+    scales = (torch.rand(48, 3, generator=generator) * 0.01 + 1e-3).half().float()
+    minimums = (torch.randn(48, 3, generator=generator) * 0.05).half().float()
+    weights = levels * scales.repeat_interleave(32, 1)
+    if bits == 4:
+        weights = weights + minimums.repeat_interleave(32, 1)
+        packed = cpu_kernels.pack_int4(levels, scales, minimums)
+    else:
+        packed = cpu_kernels.pack_int8(levels, scales)
+    x = bf16_rows(5, 96, seed=3)
+    x[:, 32:64] *= 2.0**-20  # a group of tiny inputs
+    x[0, 40] = 1.0  # ... beside one large one in row 0
+    x[1, 0] = 1e30  # a group of huge inputs
+    x[1, 1] = -1e30
+    y = cpu_kernels.matmul(x, packed)
+    assert_close_to(y[[0, 2, 3, 4]], x[[0, 2, 3, 4]].float() @ weights.T)
+    assert_close_to(y[1:2], x[1:2].float() @ weights.T)
+    tiny = x.clone()
+    tiny[:, :32] = tiny[:, 64:] = 0  # only the tiny group: its own scale, no large input
+    assert_close_to(cpu_kernels.matmul(tiny, packed), tiny.float() @ weights.T)
+    for bad in (float("nan"), float("inf")):
+        x[2, 70] = bad
+        assert not cpu_kernels.matmul(x, packed)[2].isfinite().any()  # as float32 math
 
 
 @needs_kernels

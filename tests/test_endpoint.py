@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -594,6 +595,9 @@ def test_kill_9_after_n_responses_keeps_all_n_in_the_store(tmp_path: Path) -> No
     )
     try:
         url = _wait_for_url(server)
+        assert server.stdout is not None
+        banner = [server.stdout.readline() for _ in range(2)]  # models, then the engine
+        assert re.fullmatch(r"  engine: \w+, native CPU kernels (avx512|avx2|off .*)\n", banner[1])
         api = client(f"{url}/r/kill/v1")
         ids = [
             api.chat.completions.create(model="agent", messages=HELLO, max_tokens=4).id

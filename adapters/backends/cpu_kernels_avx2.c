@@ -2,14 +2,13 @@
 // AVX-512): the same functions, arguments and packed weight layouts as cpu_kernels.c (read
 // its header first), so cpu_kernels.py loads either library and packs weights once.
 //
-// Without vdpbf16ps, each fp32 lane of a 256-bit vector is one output column and every
-// product is one FMA. A 4-bit level v becomes the float 1 + v/16 by placing its bits in
-// the top of the mantissa of 1.0 (0x3F800000 | v << 19): one shift, AND and OR, no
-// int-to-float conversion. The 1 offset is taken back per group with the group's input
-// sum, as cpu_kernels.c does with its 128:
-//   sum_k x (q s + z) = 16 s * sum_k x (1 + q/16) + (z - 16 s) * sum_k x.
-// bfloat16 inputs widen to fp32 exactly (a 16-bit shift); outputs are rounded to the
-// nearest even bfloat16, as torch and vcvtneps2bf16 round.
+// Without vdpbf16ps, the low-bit matmuls multiply in integers: each row's inputs become
+// int16 per group of 32 (a power-of-two scale, exact to 2^-16 of the group's largest) and
+// vpmaddwd multiplies 16 weight levels by 16 inputs per instruction, twice an FMA's 8,
+// summing exactly in int32 until the group's scales apply (see "low-bit matmuls" below).
+// Attention, norms and SwiGLU run in fp32 lanes with FMA. bfloat16 inputs widen to fp32
+// exactly (a 16-bit shift); outputs are rounded to the nearest even bfloat16, as torch and
+// vcvtneps2bf16 round.
 #include <immintrin.h>
 #include <math.h>
 #include <stdint.h>
@@ -18,7 +17,7 @@
 
 #define TILE 16   // output columns per tile: two vectors of 8
 #define GROUP 32  // inputs per scale
-#define ROWS 4    // batch rows per pass over a tile's weights (16 ymm registers)
+#define ROWS 4    // batch rows per pass over a tile's weights (8 int32 accumulators)
 
 static inline __m256 bf16x8_to_ps(__m128i h) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16));
@@ -73,22 +72,98 @@ static inline float hmax(__m256 v) {
     return _mm_cvtss_f32(s);
 }
 
-// x [M, K] bfloat16 -> fp32, so that the tiles broadcast inputs straight from memory.
-static float *widen(const uint16_t *x, int M, int K) {
-    float *xf = malloc(sizeof(float) * (size_t)M * K);
-    if (!xf) return NULL;
-    for (size_t i = 0; i + 8 <= (size_t)M * K; i += 8) _mm256_storeu_ps(xf + i, load_bf16x8(x + i));
-    for (size_t i = (size_t)M * K / 8 * 8; i < (size_t)M * K; i++) xf[i] = bf16_scalar(x[i]);
-    return xf;
+// ---- low-bit matmuls -----------------------------------------------------------------
+//
+// Each row's inputs are scaled, per group of 32, by a power of two that puts the group's
+// largest magnitude in [2^14, 2^15) and rounded to int16: exact for every input within 2^8
+// of that largest (a bfloat16 carries 8 significant bits), the rest off by at most 2^-16
+// of it. vpmaddwd then multiplies 16 int16 weight levels by 16 inputs and adds pairs into
+// 8 int32 lanes, one per output column: 16 products per instruction where an FMA does 8,
+// exact, with no int-to-float conversion per weight. A group's int32 sums are converted
+// once and scaled by the weight scale times the input power of two:
+//   sum_k x (q s + z) = s 2^e sum_k q x' + z sum_k x,   x = 2^e x' (x' the int16 input).
+// 4-bit levels unpack into int16 pairs with one shift and AND per 16 (the pair of inputs
+// k, k+1 of a column sits at bits 4i and 16 + 4i of its 32-bit lane); 8-bit levels
+// sign-extend from their bytes. One pass over a tile's weights serves ROWS rows.
+//
+// An input group holding inf or NaN gets the scale NaN, so the rows' outputs are NaN.
+
+typedef struct {
+    int16_t *x;   // [M, K] int16 inputs
+    float *step;  // [M, G] 2^e of each row's group (NaN where the group is not finite)
+    float *sum;   // [M, G] fp32 sum of each row's group (for the 4-bit minimum)
+} Inputs;
+
+static void free_inputs(Inputs *in) {
+    free(in->x);
+    free(in->step);
+    free(in->sum);
 }
 
-// acc[m][h] += w[h] * x[m, k] for both halves h of the tile and each row.
-static inline __attribute__((always_inline)) void fma_rows(
-    __m256 acc[][2], __m256 w0, __m256 w1, const float *xr, int K, int k, const int rows) {
+static int quantize_inputs(const uint16_t *x, int M, int K, Inputs *in) {
+    const int G = K / GROUP;
+    in->x = malloc(sizeof(int16_t) * (size_t)M * K);
+    in->step = malloc(sizeof(float) * (size_t)M * G);
+    in->sum = malloc(sizeof(float) * (size_t)M * G);
+    if (!in->x || !in->step || !in->sum) {
+        free_inputs(in);
+        return -1;
+    }
+#pragma omp parallel for schedule(static) if (M >= 16)
+    for (int m = 0; m < M; m++)
+        for (int g = 0; g < G; g++) {
+            const size_t at = (size_t)m * K + (size_t)g * GROUP;
+            __m256 v[4];
+            __m256 peak = _mm256_setzero_ps(), total = _mm256_setzero_ps();
+            for (int i = 0; i < 4; i++) {
+                v[i] = load_bf16x8(x + at + 8 * i);
+                peak = _mm256_max_ps(peak, _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[i]));
+                total = _mm256_add_ps(total, v[i]);
+            }
+            float top = hmax(peak);
+            const float sum = hsum(total);
+            uint32_t bits;
+            memcpy(&bits, &top, sizeof bits);
+            const int exponent = (int)(bits >> 23);  // biased: top in [2^(b-127), 2^(b-126))
+            int16_t *q = in->x + at;
+            float step;
+            if (exponent < 15 || !isfinite(sum) || exponent >= 255) {
+                // zero or below 2^-112 (nothing this sum can tell apart), or not finite
+                memset(q, 0, sizeof(int16_t) * GROUP);
+                step = isfinite(sum) && exponent < 255 ? 0.0f : NAN;
+            } else {
+                uint32_t up = (uint32_t)(268 - exponent) << 23, down = (uint32_t)(exponent - 14) << 23;
+                float scale;
+                memcpy(&scale, &up, sizeof scale);  // 2^(141 - b): exact
+                memcpy(&step, &down, sizeof step);  // its inverse
+                const __m256 sv = _mm256_set1_ps(scale);
+                for (int i = 0; i < 4; i += 2) {
+                    const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], sv));
+                    const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[i + 1], sv));
+                    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(a, b), 0xD8);
+                    _mm256_storeu_si256((__m256i *)(q + 8 * i), packed);
+                }
+            }
+            in->step[(size_t)m * G + g] = step;
+            in->sum[(size_t)m * G + g] = sum;
+        }
+    return 0;
+}
+
+// Inputs k and k + 1 of row m as one 32-bit lane, in all 8 lanes.
+static inline __m256i input_pair(const int16_t *p) {
+    int32_t pair;
+    memcpy(&pair, p, sizeof pair);
+    return _mm256_set1_epi32(pair);
+}
+
+// acc[m][h] += w[h] . (inputs k, k + 1 of row m), for both halves h of the tile.
+static inline __attribute__((always_inline)) void madd_rows(
+    __m256i acc[][2], __m256i w0, __m256i w1, const int16_t *xr, int K, int k, const int rows) {
     for (int m = 0; m < rows; m++) {
-        const __m256 xv = _mm256_broadcast_ss(xr + (size_t)m * K + k);
-        acc[m][0] = _mm256_fmadd_ps(w0, xv, acc[m][0]);
-        acc[m][1] = _mm256_fmadd_ps(w1, xv, acc[m][1]);
+        const __m256i xv = input_pair(xr + (size_t)m * K + k);
+        acc[m][0] = _mm256_add_epi32(acc[m][0], _mm256_madd_epi16(w0, xv));
+        acc[m][1] = _mm256_add_epi32(acc[m][1], _mm256_madd_epi16(w1, xv));
     }
 }
 
@@ -101,50 +176,41 @@ static inline __attribute__((always_inline)) void store_rows(
     }
 }
 
-// 1 + level/16 for the nibble of each 32-bit lane at bit `at` (a left shift by 19 - at
-// when at <= 19, else a right shift by at - 19).
-#define NIBBLE(lanes, at)                                                                   \
-    _mm256_castsi256_ps(_mm256_or_si256(                                                     \
-        _mm256_and_si256((at) <= 19 ? _mm256_slli_epi32(lanes, 19 - (at))                   \
-                                    : _mm256_srli_epi32(lanes, (at) - 19),                  \
-                         nibble_mask),                                                       \
-        one_bits))
-
-static inline __attribute__((always_inline)) void tile(
-    const float *x, const float *xsum, const uint16_t *q, const uint16_t *s,
-    const uint16_t *z, uint16_t *y, int m0, const int rows, int K, int N, int t) {
+static inline __attribute__((always_inline)) void tile4(
+    const Inputs *in, const uint16_t *q, const uint16_t *s, const uint16_t *z, uint16_t *y,
+    int m0, const int rows, int K, int N, int t) {
     const int G = K / GROUP;
-    const __m256i nibble_mask = _mm256_set1_epi32(0xF << 19);
-    const __m256i one_bits = _mm256_set1_epi32(0x3F800000);
-    const __m256 c16 = _mm256_set1_ps(16.0f);
+    const __m256i low = _mm256_set1_epi32(0x000F000F);
     const uint16_t *qt = q + (size_t)t * G * 128;
-    const float *xr = x + (size_t)m0 * K;
+    const int16_t *xr = in->x + (size_t)m0 * K;
     __m256 total[ROWS][2];
     for (int m = 0; m < rows; m++) total[m][0] = total[m][1] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        __m256 acc[ROWS][2];
-        for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+        __m256i acc[ROWS][2];
+        for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
         for (int r = 0; r < 4; r++) {
-            // 32-bit lane j: column j's word for input e = 0 (low half), e = 1 (high half)
+            // 32-bit lane j: column j's 8 levels for inputs k .. k + 7
             const uint16_t *words = qt + (size_t)g * 128 + r * 32;
             const __m256i lo = _mm256_loadu_si256((const __m256i *)words);         // j 0-7
             const __m256i hi = _mm256_loadu_si256((const __m256i *)(words + 16));  // j 8-15
             const int k = g * GROUP + 8 * r;
-#define NIBBLES(c)                                                                      \
-    fma_rows(acc, NIBBLE(lo, 4 * (c)), NIBBLE(hi, 4 * (c)), xr, K, k + 2 * (c), rows);  \
-    fma_rows(acc, NIBBLE(lo, 16 + 4 * (c)), NIBBLE(hi, 16 + 4 * (c)), xr, K, k + 2 * (c) + 1, rows);
-            NIBBLES(0) NIBBLES(1) NIBBLES(2) NIBBLES(3)
-#undef NIBBLES
+            madd_rows(acc, _mm256_and_si256(lo, low), _mm256_and_si256(hi, low), xr, K, k, rows);
+            madd_rows(acc, _mm256_and_si256(_mm256_srli_epi32(lo, 4), low),
+                      _mm256_and_si256(_mm256_srli_epi32(hi, 4), low), xr, K, k + 2, rows);
+            madd_rows(acc, _mm256_and_si256(_mm256_srli_epi32(lo, 8), low),
+                      _mm256_and_si256(_mm256_srli_epi32(hi, 8), low), xr, K, k + 4, rows);
+            madd_rows(acc, _mm256_and_si256(_mm256_srli_epi32(lo, 12), low),
+                      _mm256_and_si256(_mm256_srli_epi32(hi, 12), low), xr, K, k + 6, rows);
         }
         const size_t at = ((size_t)t * G + g) * TILE;
         for (int h = 0; h < 2; h++) {
-            const __m256 sv = _mm256_mul_ps(
-                _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + at + 8 * h))), c16);
-            const __m256 zv =
-                _mm256_sub_ps(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + at + 8 * h))), sv);
+            const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + at + 8 * h)));
+            const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + at + 8 * h)));
             for (int m = 0; m < rows; m++) {
-                total[m][h] = _mm256_fmadd_ps(acc[m][h], sv, total[m][h]);
-                total[m][h] = _mm256_fmadd_ps(_mm256_set1_ps(xsum[(m0 + m) * G + g]), zv, total[m][h]);
+                const size_t mg = (size_t)(m0 + m) * G + g;
+                const __m256 scale = _mm256_mul_ps(sv, _mm256_set1_ps(in->step[mg]));
+                total[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][h]), scale, total[m][h]);
+                total[m][h] = _mm256_fmadd_ps(_mm256_set1_ps(in->sum[mg]), zv, total[m][h]);
             }
         }
     }
@@ -152,86 +218,69 @@ static inline __attribute__((always_inline)) void tile(
 }
 
 #define CASE(R) \
-    case R: tile(xf, xsum, q, s, z, y, m0, R, K, N, t); break;
+    case R: tile4(&in, q, s, z, y, m0, R, K, N, t); break;
 
 int int4_matmul(const uint16_t *x, const uint16_t *q, const uint16_t *s, const uint16_t *z,
                 uint16_t *y, int M, int K, int N) {
     if (M <= 0 || K <= 0 || N <= 0 || K % GROUP || N % TILE) return -1;
-    const int G = K / GROUP;
-    float *xf = widen(x, M, K);
-    float *xsum = malloc(sizeof(float) * (size_t)M * G);
-    if (!xf || !xsum) {
-        free(xf);
-        free(xsum);
-        return -1;
-    }
-    for (int m = 0; m < M; m++)
-        for (int g = 0; g < G; g++) {
-            const float *p = xf + (size_t)m * K + g * GROUP;
-            const __m256 a = _mm256_add_ps(_mm256_loadu_ps(p), _mm256_loadu_ps(p + 8));
-            const __m256 b = _mm256_add_ps(_mm256_loadu_ps(p + 16), _mm256_loadu_ps(p + 24));
-            xsum[m * G + g] = hsum(_mm256_add_ps(a, b));
-        }
+    Inputs in;
+    if (quantize_inputs(x, M, K, &in)) return -1;
     const int tiles = N / TILE;
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < tiles; t++)
         for (int m0 = 0; m0 < M; m0 += ROWS) {
             switch (M - m0 < ROWS ? M - m0 : ROWS) { CASE(1) CASE(2) CASE(3) CASE(4) }
         }
-    free(xf);
-    free(xsum);
+    free_inputs(&in);
     return 0;
 }
 
-// 8-bit: the 16 bytes of (columns j..j+7, inputs k, k+1) read as 8 int16 lanes, one per
-// column, widened to 32 bits with sign; input k+1's level is the lane >> 8 (arithmetic),
-// input k's the low byte sign-extended.
+// 8-bit: the 16 bytes of (columns j..j+7, inputs k, k+1) sign-extend to 8 int16 pairs,
+// one per column: one vpmaddwd with the row's input pair.
 static inline __attribute__((always_inline)) void tile8(
-    const float *x, const int8_t *q, const uint16_t *s, uint16_t *y, int m0, const int rows,
+    const Inputs *in, const int8_t *q, const uint16_t *s, uint16_t *y, int m0, const int rows,
     int K, int N, int t) {
     const int G = K / GROUP;
     const int8_t *qt = q + (size_t)t * G * 512;
-    const float *xr = x + (size_t)m0 * K;
+    const int16_t *xr = in->x + (size_t)m0 * K;
     __m256 total[ROWS][2];
     for (int m = 0; m < rows; m++) total[m][0] = total[m][1] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
-        __m256 acc[ROWS][2];
-        for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_ps();
+        __m256i acc[ROWS][2];
+        for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
         for (int p = 0; p < 16; p++) {
             const int8_t *qp = qt + (size_t)g * 512 + p * 32;
-            const __m256i lo = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)qp));
-            const __m256i hi = _mm256_cvtepi16_epi32(_mm_loadu_si128((const __m128i *)(qp + 16)));
-            const int k = g * GROUP + 2 * p;
-            fma_rows(acc, _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(lo, 24), 24)),
-                     _mm256_cvtepi32_ps(_mm256_srai_epi32(_mm256_slli_epi32(hi, 24), 24)), xr, K,
-                     k, rows);
-            fma_rows(acc, _mm256_cvtepi32_ps(_mm256_srai_epi32(lo, 8)),
-                     _mm256_cvtepi32_ps(_mm256_srai_epi32(hi, 8)), xr, K, k + 1, rows);
+            const __m256i lo = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)qp));
+            const __m256i hi = _mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(qp + 16)));
+            madd_rows(acc, lo, hi, xr, K, g * GROUP + 2 * p, rows);
         }
         const size_t at = ((size_t)t * G + g) * TILE;
         for (int h = 0; h < 2; h++) {
             const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + at + 8 * h)));
-            for (int m = 0; m < rows; m++) total[m][h] = _mm256_fmadd_ps(acc[m][h], sv, total[m][h]);
+            for (int m = 0; m < rows; m++) {
+                const __m256 scale = _mm256_mul_ps(sv, _mm256_set1_ps(in->step[(size_t)(m0 + m) * G + g]));
+                total[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][h]), scale, total[m][h]);
+            }
         }
     }
     store_rows(y, total, m0, rows, N, t);
 }
 
 #define CASE8(R) \
-    case R: tile8(xf, q, s, y, m0, R, K, N, t); break;
+    case R: tile8(&in, q, s, y, m0, R, K, N, t); break;
 
 int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *s, uint16_t *y, int M,
                 int K, int N) {
     if (M <= 0 || K <= 0 || N <= 0 || K % GROUP || N % TILE) return -1;
-    float *xf = widen(x, M, K);
-    if (!xf) return -1;
+    Inputs in;
+    if (quantize_inputs(x, M, K, &in)) return -1;
     const int tiles = N / TILE;
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < tiles; t++)
         for (int m0 = 0; m0 < M; m0 += ROWS) {
             switch (M - m0 < ROWS ? M - m0 : ROWS) { CASE8(1) CASE8(2) CASE8(3) CASE8(4) }
         }
-    free(xf);
+    free_inputs(&in);
     return 0;
 }
 
@@ -290,9 +339,27 @@ int decode_attention(const uint16_t *qk, int qk_stride, const uint16_t *v, int v
             for (int i = 0; i < groups; i++) {
                 const uint16_t *q = row + (size_t)(h * groups + i) * D;
                 for (int d = 0; d < D; d++) query[d] = bf16_scalar(q[d]) * scale;
-                // scores[p] = (scale q) . k_p, 8 positions at a time, the rest one by one
+                // scores[p] = (scale q) . k_p, 32 positions at a time (4 independent FMA
+                // chains), then 8, then the rest one by one
                 __m256 peak = _mm256_set1_ps(-INFINITY);
-                for (int p0 = 0; p0 < whole; p0 += 8) {
+                int p0 = 0;
+                for (; p0 + 32 <= whole; p0 += 32) {
+                    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+                    for (int d = 0; d < D; d++) {
+                        const __m256 qd = _mm256_broadcast_ss(query + d);
+                        const uint16_t *kp = keys + (size_t)d * capacity + p0;
+                        a0 = _mm256_fmadd_ps(qd, load_bf16x8(kp), a0);
+                        a1 = _mm256_fmadd_ps(qd, load_bf16x8(kp + 8), a1);
+                        a2 = _mm256_fmadd_ps(qd, load_bf16x8(kp + 16), a2);
+                        a3 = _mm256_fmadd_ps(qd, load_bf16x8(kp + 24), a3);
+                    }
+                    _mm256_storeu_ps(scores + p0, a0);
+                    _mm256_storeu_ps(scores + p0 + 8, a1);
+                    _mm256_storeu_ps(scores + p0 + 16, a2);
+                    _mm256_storeu_ps(scores + p0 + 24, a3);
+                    peak = _mm256_max_ps(peak, _mm256_max_ps(_mm256_max_ps(a0, a1), _mm256_max_ps(a2, a3)));
+                }
+                for (; p0 < whole; p0 += 8) {
                     __m256 acc = _mm256_setzero_ps();
                     for (int d = 0; d < D; d++)
                         acc = _mm256_fmadd_ps(_mm256_broadcast_ss(query + d),
@@ -321,15 +388,29 @@ int decode_attention(const uint16_t *qk, int qk_stride, const uint16_t *v, int v
                     sums = _mm256_add_ps(sums, e);
                 }
                 const __m256 norm = _mm256_set1_ps(1.0f / hsum(sums));
-                // out = sum_p e_p v_p / sum_p e_p, 16 dimensions at a time
+                // out = sum_p e_p v_p / sum_p e_p, 16 dimensions at a time, 4 positions
+                // per step in separate sums (8 independent FMA chains)
                 for (int d0 = 0; d0 < D; d0 += 16) {
-                    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-                    for (int p = 0; p < len; p++) {
+                    __m256 a[4][2];
+                    for (int u = 0; u < 4; u++) a[u][0] = a[u][1] = _mm256_setzero_ps();
+                    int p = 0;
+                    for (; p + 4 <= len; p += 4)
+                        for (int u = 0; u < 4; u++) {
+                            const __m256 e = _mm256_broadcast_ss(scores + p + u);
+                            const uint16_t *vp = values + (size_t)(p + u) * D + d0;
+                            a[u][0] = _mm256_fmadd_ps(e, load_bf16x8(vp), a[u][0]);
+                            a[u][1] = _mm256_fmadd_ps(e, load_bf16x8(vp + 8), a[u][1]);
+                        }
+                    for (; p < len; p++) {
                         const __m256 e = _mm256_broadcast_ss(scores + p);
                         const uint16_t *vp = values + (size_t)p * D + d0;
-                        a0 = _mm256_fmadd_ps(e, load_bf16x8(vp), a0);
-                        a1 = _mm256_fmadd_ps(e, load_bf16x8(vp + 8), a1);
+                        a[0][0] = _mm256_fmadd_ps(e, load_bf16x8(vp), a[0][0]);
+                        a[0][1] = _mm256_fmadd_ps(e, load_bf16x8(vp + 8), a[0][1]);
                     }
+                    const __m256 a0 = _mm256_add_ps(_mm256_add_ps(a[0][0], a[1][0]),
+                                                    _mm256_add_ps(a[2][0], a[3][0]));
+                    const __m256 a1 = _mm256_add_ps(_mm256_add_ps(a[0][1], a[1][1]),
+                                                    _mm256_add_ps(a[2][1], a[3][1]));
                     uint16_t *dst = out + (size_t)b * heads * D + (size_t)(h * groups + i) * D + d0;
                     store_bf16x8(dst, _mm256_mul_ps(a0, norm));
                     store_bf16x8(dst + 8, _mm256_mul_ps(a1, norm));
