@@ -12,7 +12,7 @@ also run code; its episode ends when it gives the same answer twice in a row.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -51,6 +51,13 @@ class MathConfig(EnvConfig):
     shown_chars: int = Field(
         2000, ge=100, description="How much of the other agent's last answer is shown."
     )
+    tool_task: Literal["program", "print"] = Field(
+        "program",
+        description="What the roles are asked for: 'program', a program that computes the "
+        "answer and a step-by-step solution (the paper's roles); 'print', one `print(...)` line "
+        "of the problem's expression and the reasoner's \\boxed{} answer at once (roles a "
+        "135M model can play, see docs/learning.md).",
+    )
 
 
 # --- reward --------------------------------------------------------------------------------
@@ -83,6 +90,20 @@ SYSTEM = {
         "prints only the final answer on its last line, e.g. 3/4 or 42. It runs with no input "
         "and a time limit. The reasoning agent's solution is shown when available; if your "
         "answers differ, find out which one is right."
+    ),
+}
+# tool_task "print": short roles for small models (one line of Python; the answer at once).
+PRINT_SYSTEM = {
+    "reasoner": (
+        "You are the reasoning agent of a math team. The tool agent's Python program and its "
+        "output are shown. Check them and give the final answer at once as \\boxed{answer}, "
+        "e.g. \\boxed{14}."
+    ),
+    "tool": (
+        "You are the tool agent of a math team. Write the problem as one line of Python that "
+        "prints the answer, in a ```python block. For example, for 'Compute $2 + 3 \\times 4$.' "
+        "answer:\n```python\nprint(2 + 3 * 4)\n```\nIt runs, and its output is shown to the "
+        "reasoning agent."
     ),
 }
 SOLO_SYSTEM = (
@@ -132,7 +153,8 @@ class MathEnv(MASEnv):
 
     def prompt(self, agent: str) -> list[Message]:
         cfg, state = self.config, self.state
-        system = SOLO_SYSTEM if cfg.single_agent else SYSTEM[agent]
+        roles = PRINT_SYSTEM if cfg.tool_task == "print" else SYSTEM
+        system = SOLO_SYSTEM if cfg.single_agent else roles[agent]
         lines = [
             f"Problem:\n{self.task.question}",
             "",
