@@ -172,7 +172,8 @@ def test_tool_task_print_asks_for_one_print_line_and_the_boxed_answer_at_once() 
     env.reset(seed=0, options={"task": {"id": "t", "question": "Compute $2 + 3$.", "answer": "5"}})
     tool_system = env.prompt("tool")[0]["content"]
     assert "print(2 + 3 * 4)" in tool_system and "Fraction" not in tool_system
-    _, _, _, _, infos = env.step({"tool": "```python\nprint(2 + 3)\n```"})
+    assert "Answer with one line of Python" in env.prompt("tool")[-1]["content"]
+    _, _, _, _, infos = env.step({"tool": "So: print(2 + 3) prints it."})  # no fence needed
     system, user = infos["reasoner"]["messages"]
     assert (
         "at once as \\boxed{answer}" in system["content"]

@@ -106,6 +106,10 @@ PRINT_SYSTEM = {
         "reasoning agent."
     ),
 }
+PRINT_REMINDER = {
+    "reasoner": "Answer with the final answer in \\boxed{}, for example: \\boxed{14}",
+    "tool": "Answer with one line of Python, for example: print(2 + 3 * 4)",
+}
 SOLO_SYSTEM = (
     "You solve math problems. Reason step by step and end with your final answer in "
     "\\boxed{}, e.g. \\boxed{\\frac{3}{4}}. You may also write a Python program in a ```python "
@@ -177,6 +181,8 @@ class MathEnv(MASEnv):
         feedback = self.last_feedback.get(agent)
         if feedback:
             lines += ["", feedback]
+        if cfg.tool_task == "print" and not cfg.single_agent:  # the format, last, as plan-path does
+            lines += ["", PRINT_REMINDER[agent]]
         return [
             {"role": "system", "content": system},
             {"role": "user", "content": "\n".join(lines)},
@@ -191,6 +197,8 @@ class MathEnv(MASEnv):
 
     def _tool_turn(self, action: str) -> RewardParts:
         cfg, state = self.config, self.state
+        if cfg.tool_task == "print" and last_code_block(action) is None:
+            action = _bare_print(action)  # one line of Python may come without a fence
         run = run_tool(action, cfg.tool_timeout)
         state.tool_runs.append(run)
         answer = printed_answer(run.output) if run.ok else None
@@ -241,6 +249,19 @@ class MathEnv(MASEnv):
         over = self.round > 0 and not self.agents  # the reference is shown once it cannot help
         reference = self.task.answer if over else "shown at the end"
         return f"math {self.task.id} ({status}): {answers}; reference {reference}"
+
+
+def _bare_print(text: str) -> str:
+    """The first `print(...)` call of `text` (to its closing parenthesis) as a python block."""
+    at = text.find("print(")
+    if at < 0:
+        return text
+    depth = 0
+    for end in range(at + 5, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        if depth == 0:
+            return f"```python\n{text[at : end + 1]}\n```"
+    return f"```python\n{text[at:]}\n```"  # unclosed: runs, fails, and the tool sees why
 
 
 def _program_lines(run: ToolRun, title: str, limit: int) -> list[str]:
