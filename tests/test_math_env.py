@@ -167,6 +167,26 @@ def test_reasoner_sees_the_tools_program_and_answer_in_the_same_round() -> None:
     assert rewards == {"tool": 1.0, "reasoner": 2.0} and not any(terms.values())
 
 
+def test_tool_task_print_asks_for_one_print_line_and_the_boxed_answer_at_once() -> None:
+    env = masenvs.make("math", tool_task="print", max_rounds=1)
+    env.reset(seed=0, options={"task": {"id": "t", "question": "Compute $2 + 3$.", "answer": "5"}})
+    tool_system = env.prompt("tool")[0]["content"]
+    assert "print(2 + 3 * 4)" in tool_system and "Fraction" not in tool_system
+    assert "Answer with one line of Python" in env.prompt("tool")[-1]["content"]
+    _, _, _, _, infos = env.step({"tool": "So: print(2 + 3) prints it."})  # no fence needed
+    system, user = infos["reasoner"]["messages"]
+    assert (
+        "at once as \\boxed{answer}" in system["content"]
+        and "step by step" not in system["content"]
+    )
+    assert "print(2 + 3)" in user["content"] and "Its answer: 5" in user["content"]
+    _, rewards, terms, _, infos = env.step({"reasoner": "\\boxed{5}"})
+    assert rewards == {"tool": 1.0, "reasoner": 2.0} and all(terms.values())  # tool: team only
+    assert infos["reasoner"]["success"]
+    default = duo()  # the paper's roles stay the default
+    assert "step by step" in default.prompt("reasoner")[0]["content"]
+
+
 def test_disagreement_continues_and_each_sees_the_other() -> None:
     env = duo()
     _, rewards, terms, _, infos = masenvs.play_round(

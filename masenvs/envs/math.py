@@ -12,7 +12,7 @@ also run code; its episode ends when it gives the same answer twice in a row.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from pydantic import Field
@@ -51,6 +51,13 @@ class MathConfig(EnvConfig):
     shown_chars: int = Field(
         2000, ge=100, description="How much of the other agent's last answer is shown."
     )
+    tool_task: Literal["program", "print"] = Field(
+        "program",
+        description="What the roles are asked for: 'program', a program that computes the "
+        "answer and a step-by-step solution (the paper's roles); 'print', one `print(...)` line "
+        "of the problem's expression and the reasoner's \\boxed{} answer at once (roles a "
+        "135M model can play, see docs/learning.md).",
+    )
 
 
 # --- reward --------------------------------------------------------------------------------
@@ -84,6 +91,24 @@ SYSTEM = {
         "and a time limit. The reasoning agent's solution is shown when available; if your "
         "answers differ, find out which one is right."
     ),
+}
+# tool_task "print": short roles for small models (one line of Python; the answer at once).
+PRINT_SYSTEM = {
+    "reasoner": (
+        "You are the reasoning agent of a math team. The tool agent's Python program and its "
+        "output are shown. Check them and give the final answer at once as \\boxed{answer}, "
+        "e.g. \\boxed{14}."
+    ),
+    "tool": (
+        "You are the tool agent of a math team. Write the problem as one line of Python that "
+        "prints the answer, in a ```python block. For example, for 'Compute $2 + 3 \\times 4$.' "
+        "answer:\n```python\nprint(2 + 3 * 4)\n```\nIt runs, and its output is shown to the "
+        "reasoning agent."
+    ),
+}
+PRINT_REMINDER = {
+    "reasoner": "Answer with the final answer in \\boxed{}, for example: \\boxed{14}",
+    "tool": "Answer with one line of Python, for example: print(2 + 3 * 4)",
 }
 SOLO_SYSTEM = (
     "You solve math problems. Reason step by step and end with your final answer in "
@@ -132,7 +157,8 @@ class MathEnv(MASEnv):
 
     def prompt(self, agent: str) -> list[Message]:
         cfg, state = self.config, self.state
-        system = SOLO_SYSTEM if cfg.single_agent else SYSTEM[agent]
+        roles = PRINT_SYSTEM if cfg.tool_task == "print" else SYSTEM
+        system = SOLO_SYSTEM if cfg.single_agent else roles[agent]
         lines = [
             f"Problem:\n{self.task.question}",
             "",
@@ -155,6 +181,8 @@ class MathEnv(MASEnv):
         feedback = self.last_feedback.get(agent)
         if feedback:
             lines += ["", feedback]
+        if cfg.tool_task == "print" and not cfg.single_agent:  # the format, last, as plan-path does
+            lines += ["", PRINT_REMINDER[agent]]
         return [
             {"role": "system", "content": system},
             {"role": "user", "content": "\n".join(lines)},
@@ -169,6 +197,8 @@ class MathEnv(MASEnv):
 
     def _tool_turn(self, action: str) -> RewardParts:
         cfg, state = self.config, self.state
+        if cfg.tool_task == "print" and last_code_block(action) is None:
+            action = _bare_print(action)  # one line of Python may come without a fence
         run = run_tool(action, cfg.tool_timeout)
         state.tool_runs.append(run)
         answer = printed_answer(run.output) if run.ok else None
@@ -219,6 +249,19 @@ class MathEnv(MASEnv):
         over = self.round > 0 and not self.agents  # the reference is shown once it cannot help
         reference = self.task.answer if over else "shown at the end"
         return f"math {self.task.id} ({status}): {answers}; reference {reference}"
+
+
+def _bare_print(text: str) -> str:
+    """The first `print(...)` call of `text` (to its closing parenthesis) as a python block."""
+    at = text.find("print(")
+    if at < 0:
+        return text
+    depth = 0
+    for end in range(at + 5, len(text)):
+        depth += {"(": 1, ")": -1}.get(text[end], 0)
+        if depth == 0:
+            return f"```python\n{text[at : end + 1]}\n```"
+    return f"```python\n{text[at:]}\n```"  # unclosed: runs, fails, and the tool sees why
 
 
 def _program_lines(run: ToolRun, title: str, limit: int) -> list[str]:
