@@ -1,7 +1,7 @@
 """Environment-side speed: env steps, sandboxed program runs, code test cases and iverilog
-judgements per second.
+judgements and BM25 queries (`--only search`, bench/search.py) per second.
 
-Run: python bench/envs.py [--repeats 5] [--runs 100] [--only verilog]
+Run: python bench/envs.py [--repeats 5] [--runs 100] [--only verilog|search|...]
 Figures depend on the machine and its load; compare the rows of one run, not across runs.
 """
 
@@ -240,12 +240,23 @@ def bench_env_steps(repeats: int = 5, console: Console | None = None, steps: int
     (console or Console()).print(table)
 
 
+def bench_search(console: Console) -> None:
+    """BM25 queries/s on a 100k-document synthetic corpus, bm25s beside a plain Python BM25
+    (bench/search.py, which takes the corpus size and query count as options)."""
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+    from search import bench_bm25
+
+    bench_bm25(console=console)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--runs", type=int, default=100)
     parser.add_argument(
-        "--only", choices=["sandbox", "code", "verilog", "steps"], help="run one benchmark"
+        "--only",
+        choices=["sandbox", "code", "verilog", "search", "steps"],
+        help="run one benchmark",
     )
     args = parser.parse_args()
     console = Console()
@@ -254,6 +265,7 @@ def main() -> None:
         "sandbox": lambda: bench_sandbox(args.repeats, args.runs, console),
         "code": lambda: bench_code_tests(args.repeats, console),
         "verilog": lambda: bench_verilog(args.repeats, console),
+        "search": lambda: bench_search(console),
         "steps": lambda: bench_env_steps(args.repeats, console),
     }
     for name, bench in benches.items():
