@@ -302,7 +302,7 @@ def test_custom_backend_and_qa_source() -> None:
     ]
     _, _, _, _, infos = env.step({"planner": "#### canberra"})
     assert infos["planner"]["success"] and infos["searcher"]["reward_parts"]["team"] == 1.0
-    by_path = masenvs.make("web_search", backend="tests.test_web_search:custom_backend")
+    by_path = masenvs.make("web_search", backend="test_web_search:custom_backend")
     # (pytest may import this file under another module name: compare by behaviour)
     by_path.reset(seed=0)
     by_path.step({"searcher": "search: q"})
