@@ -9,6 +9,26 @@ _MOVE = re.compile(r"(?i)\b(up|down|left|right)\b|\b([UDLRudlr]+)\b")
 _MOVE_WORDS = {"up": "U", "down": "D", "left": "L", "right": "R"}
 
 
+_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
+
+
+def last_boxed(text: str) -> str | None:
+    """The content of the last well-formed, non-empty `\\boxed{...}` in `text`, or None."""
+    for match in reversed(list(_BOXED.finditer(text))):
+        depth, start = 1, match.end()
+        for i in range(start, len(text)):
+            if text[i] == "{":
+                depth += 1
+            elif text[i] == "}":
+                depth -= 1
+                if depth == 0:
+                    content = text[start:i].strip()
+                    if content:
+                        return content
+                    break
+    return None
+
+
 def last_code_block(text: str, languages: tuple[str, ...] = ("python", "py", "")) -> str | None:
     """The last fenced code block in one of `languages` ("" = no language tag).
 

@@ -19,10 +19,9 @@ from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
 
 from masenvs.mas.llm import LLM, Message, current
+from masenvs.parsing import last_boxed
 
 Input = str | Sequence[Message]
-
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
 
 
 def as_messages(value: Input) -> list[Message]:
@@ -39,14 +38,8 @@ def as_messages(value: Input) -> list[Message]:
 
 
 def answer_of(text: str) -> str | None:
-    """The content of the last `\\boxed{...}` in `text`, or None."""
-    for match in reversed(list(_BOXED.finditer(text))):
-        depth = 1
-        for i in range(match.end(), len(text)):
-            depth += {"{": 1, "}": -1}.get(text[i], 0)
-            if depth == 0:
-                return text[match.end() : i].strip()
-    return None
+    """The content of the last non-empty `\\boxed{...}` in `text`, or None."""
+    return last_boxed(text)
 
 
 def vote(texts: Sequence[str]) -> int | None:

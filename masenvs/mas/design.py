@@ -10,7 +10,6 @@ back is a `DesignRun`: the answer, the executed graph, or the cause of the failu
 from __future__ import annotations
 
 import json
-import re
 import sys
 import threading
 import time
@@ -18,24 +17,31 @@ from dataclasses import dataclass, field, replace
 from typing import Any
 
 from masenvs.mas.llm import EXECUTOR, Message
+from masenvs.parsing import last_code_block
 
 RESULT_MARKER = "@@masenvs-design-result@@ "
 MAX_ANSWER_CHARS = 20_000
 # Imported once by the design sandbox's zygote: a design run needs nothing else.
 PRELOAD = ("asyncio", "masenvs.mas._preload")
 
-_CODE_TAG = re.compile(r"<code>(.*?)(?:</code>|$)", re.DOTALL)
-_FENCE = re.compile(r"```(?:python|py)?[ \t]*\n(.*?)(?:```|$)", re.DOTALL)
 _RUNNER = "from masenvs.mas.design import _main\n_main()\n"
 
 
 def extract_design(text: str) -> str | None:
-    """The design's code: the last `<code>...</code>` block, else the last ```python fence."""
-    for pattern in (_CODE_TAG, _FENCE):
-        blocks = [b.strip() for b in pattern.findall(text) if b.strip()]
-        if blocks:
-            return _FENCE.sub(lambda m: m.group(1), blocks[-1]).strip()  # a fence inside <code>
-    return None
+    """The design's code: the last non-empty `<code>...</code>` block (unclosed: to the end,
+    a ```python fence inside it unwrapped), else the last ```python block.
+
+    Found with `rfind`/`find`, never a lazy regex: model output is adversarial input."""
+    end = len(text)
+    while (start := text.rfind("<code>", 0, end)) >= 0:
+        close = text.find("</code>", start)
+        body = text[start + 6 : close if close >= 0 else len(text)]
+        code = (last_code_block(body) or body).strip()
+        if code:
+            return code
+        end = start
+    code = (last_code_block(text) or "").strip()
+    return code or None
 
 
 @dataclass

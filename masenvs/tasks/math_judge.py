@@ -21,28 +21,11 @@ import time
 from fractions import Fraction
 from pathlib import Path
 
+from masenvs.parsing import last_boxed
+
 _WORKER = str(Path(__file__).with_name("_verify_worker.py"))
 
 # --- extraction -----------------------------------------------------------------------------
-
-_BOXED = re.compile(r"\\(?:boxed|fbox)\s*\{")
-
-
-def last_boxed(text: str) -> str | None:
-    """The content of the last well-formed `\\boxed{...}` in `text`, or None."""
-    for match in reversed(list(_BOXED.finditer(text))):
-        depth, start = 1, match.end()
-        for i in range(start, len(text)):
-            if text[i] == "{":
-                depth += 1
-            elif text[i] == "}":
-                depth -= 1
-                if depth == 0:
-                    content = text[start:i].strip()
-                    if content:
-                        return content
-                    break
-    return None
 
 
 def printed_answer(stdout: str) -> str | None:
