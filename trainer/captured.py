@@ -17,7 +17,7 @@ from typing import Any, Literal
 
 from masenvs.adapters.frameworks.calls import read_calls
 from masenvs.traces import TraceStore
-from masenvs.trainer.samples import Sample
+from masenvs.trainer.samples import Sample, call_samples
 
 CallerGroup = Literal["question", "design"]
 
@@ -47,25 +47,20 @@ def captured_samples(
             group: tuple[Any, ...] = ("caller", task, agent, run["design_id"])
         else:
             group = ("caller", task, agent)
-        for choice in call.choices:
-            logprobs = choice.logprobs if len(choice.logprobs) == len(choice.token_ids) else []
-            samples.append(
-                Sample(
-                    prompt_token_ids=list(call.prompt_token_ids),
-                    completion_token_ids=list(choice.token_ids),
-                    behavior_logprobs=list(logprobs),
-                    agent=agent,
-                    policy=policy_of(agent),
-                    group=group,
-                    reward=float(run["reward"]),
-                    meta={
-                        "call_id": call.id,
-                        "rollout_id": call.rollout_id,
-                        "design_id": run.get("design_id"),
-                        "policy_version": call.policy_version,
-                    },
-                )
-            )
+        samples += call_samples(
+            call,
+            agent=agent,
+            policy=policy_of(agent),
+            group=group,
+            reward=float(run["reward"]),
+            meta={
+                "call_id": call.id,
+                "rollout_id": call.rollout_id,
+                "design_id": run.get("design_id"),
+                "step": call.step,
+                "policy_version": call.policy_version,
+            },
+        )
     return samples
 
 

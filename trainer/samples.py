@@ -11,6 +11,8 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from masenvs.traces import CallRecord
+
 GroupKey = tuple[Hashable, ...]
 
 
@@ -63,3 +65,32 @@ class Sample:
     def num_tokens(self) -> int:
         """Prompt plus completion length."""
         return len(self.prompt_token_ids) + len(self.completion_token_ids)
+
+
+def call_samples(
+    call: CallRecord,
+    *,
+    agent: str,
+    policy: str,
+    group: GroupKey,
+    reward: float,
+    meta: dict[str, Any],
+) -> list[Sample]:
+    """One sample per sampled choice of a recorded call (workflow runs, calls an env made);
+    behaviour log-probs kept only when there is one per token."""
+    samples = []
+    for choice in call.choices:
+        logprobs = choice.logprobs if len(choice.logprobs) == len(choice.token_ids) else []
+        samples.append(
+            Sample(
+                prompt_token_ids=list(call.prompt_token_ids),
+                completion_token_ids=list(choice.token_ids),
+                behavior_logprobs=list(logprobs),
+                agent=agent,
+                policy=policy,
+                group=group,
+                reward=reward,
+                meta=dict(meta),
+            )
+        )
+    return samples

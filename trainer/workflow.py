@@ -19,7 +19,7 @@ from masenvs.adapters.frameworks.workflow import Factory, WorkflowRun, WorkflowS
 from masenvs.adapters.policy_map import BASE, PolicyMap
 from masenvs.traces import CallRecord, TraceStore
 from masenvs.trainer.config import ConfigError
-from masenvs.trainer.samples import Sample, workflow_group
+from masenvs.trainer.samples import Sample, call_samples, workflow_group
 
 
 def workflow_samples(
@@ -46,33 +46,27 @@ def workflow_samples(
         agent = agent_of(call.agent) if agent_of else call.agent
         if agent is None:
             continue
-        for choice in call.choices:
-            logprobs = choice.logprobs if len(choice.logprobs) == len(choice.token_ids) else []
-            samples.append(
-                Sample(
-                    prompt_token_ids=list(call.prompt_token_ids),
-                    completion_token_ids=list(choice.token_ids),
-                    behavior_logprobs=list(logprobs),
-                    agent=agent,
-                    policy=policy_of(agent) if policy_of else call.model,
-                    # keyed by the name the program used: a mapped name's calls are other
-                    # decisions than its agent's, trained by the same policy
-                    group=workflow_group(run.task_id, call.agent, call.call_index, call.step),
-                    reward=run.reward,
-                    meta={
-                        "call_id": call.id,
-                        "rollout_id": run.rollout_id,
-                        "seed": run.seed,
-                        "run_index": run.run_index,
-                        "call_index": call.call_index,
-                        "step": call.step,
-                        "served_by": call.model,
-                        "model_name": call.agent,  # what the program asked for
-                        "policy_version": call.policy_version,
-                        "failed": run.error is not None,
-                    },
-                )
-            )
+        samples += call_samples(
+            call,
+            agent=agent,
+            policy=policy_of(agent) if policy_of else call.model,
+            # keyed by the name the program used: a mapped name's calls are other
+            # decisions than its agent's, trained by the same policy
+            group=workflow_group(run.task_id, call.agent, call.call_index, call.step),
+            reward=run.reward,
+            meta={
+                "call_id": call.id,
+                "rollout_id": run.rollout_id,
+                "seed": run.seed,
+                "run_index": run.run_index,
+                "call_index": call.call_index,
+                "step": call.step,
+                "served_by": call.model,
+                "model_name": call.agent,  # what the program asked for
+                "policy_version": call.policy_version,
+                "failed": run.error is not None,
+            },
+        )
     return samples
 
 
