@@ -27,9 +27,9 @@ from rich.table import Table
 from rich.text import Text
 
 from masenvs.adapters.policy import ChatPolicy, Sampling, server_root
-from masenvs.adapters.stack import add_engine_arguments
+from masenvs.adapters.stack import add_engine_arguments, with_endpoint
 from masenvs.env import MASEnv
-from masenvs.registry import env_class, make
+from masenvs.registry import make
 from masenvs.traces import EpisodeRecord, TraceStore
 
 
@@ -243,12 +243,7 @@ def main(argv: list[str]) -> int:
     except StackError as exc:
         console.print(f"[red]{exc}[/red]")
         return 2
-    fields = env_class(args.env).config_class.model_fields
-    if "endpoint_url" in fields and not env_config.get("endpoint_url"):
-        # An env that calls the model itself (auto-MAS's executor) calls this stack.
-        env_config["endpoint_url"] = stack.root_url
-        if stack.api_key:
-            env_config.setdefault("endpoint_api_key", stack.api_key)
+    env_config = with_endpoint(args.env, env_config, stack.root_url, stack.api_key)
     sampling = Sampling(temperature=args.temperature, max_tokens=args.max_tokens)
     seeds = list(range(args.seed, args.seed + args.episodes))
     started = time.perf_counter()
@@ -318,11 +313,7 @@ def _remote(
     args: argparse.Namespace, spec: Any, env_config: dict[str, Any], console: Console
 ) -> int:
     """Episodes or workflow runs against a running `masenvs serve`, which records them."""
-    fields = env_class(args.env).config_class.model_fields
-    if "endpoint_url" in fields and not env_config.get("endpoint_url"):
-        env_config["endpoint_url"] = server_root(args.url)  # auto-MAS's executor, too
-        if args.api_key:
-            env_config.setdefault("endpoint_api_key", args.api_key)
+    env_config = with_endpoint(args.env, env_config, server_root(args.url), args.api_key)
     if spec is not None:
         return _workflows(args, spec, env_config, console, args.url, None)
     sampling = Sampling(temperature=args.temperature, max_tokens=args.max_tokens)

@@ -11,6 +11,7 @@ from typing import Any
 from masenvs.adapters.backends.base import Backend, BackendError
 from masenvs.adapters.endpoint import Endpoint, EndpointServer, create_app
 from masenvs.adapters.policy_map import PolicyMap
+from masenvs.registry import env_class
 from masenvs.traces import TraceStore
 
 
@@ -45,6 +46,20 @@ class Stack:
             asyncio.run(self.backend.close())
         if self.store is not None:
             self.store.close()
+
+
+def with_endpoint(
+    env_name: str, options: dict[str, Any], root_url: str, api_key: str | None
+) -> dict[str, Any]:
+    """`options` for an env that calls the model itself (auto-MAS's executor), pointed at the
+    endpoint at `root_url` with `api_key`, unless they already name one; others unchanged."""
+    fields = env_class(env_name).config_class.model_fields
+    if "endpoint_url" not in fields or options.get("endpoint_url"):
+        return options
+    out = {**options, "endpoint_url": root_url}
+    if "endpoint_api_key" in fields and api_key:
+        out.setdefault("endpoint_api_key", api_key)
+    return out
 
 
 def parse_pairs(pairs: list[str], flag: str) -> dict[str, str]:

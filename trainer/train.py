@@ -23,9 +23,8 @@ from rich.console import Console
 from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.policy_map import PolicyMap
 from masenvs.adapters.rollout import run_episodes
-from masenvs.adapters.stack import Stack, start_stack
+from masenvs.adapters.stack import Stack, start_stack, with_endpoint
 from masenvs.env import MASEnv
-from masenvs.registry import env_class as make_class
 from masenvs.registry import make
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.captured import captured_samples, write_designs
@@ -60,11 +59,8 @@ def env_options(cfg: TrainConfig, stack: Stack | None = None) -> dict[str, Any]:
     """The env's config: `env.options`, the rollout's turn order and rounds, and for envs
     that call the endpoint themselves (auto-MAS) its URL and key, unless set."""
     options = dict(cfg.env.options)
-    fields = make_class(cfg.env.name).config_class.model_fields
-    if stack is not None and "endpoint_url" in fields and not options.get("endpoint_url"):
-        options["endpoint_url"] = stack.root_url
-        if "endpoint_api_key" in fields and stack.api_key:
-            options.setdefault("endpoint_api_key", stack.api_key)
+    if stack is not None:
+        options = with_endpoint(cfg.env.name, options, stack.root_url, stack.api_key)
     if options.get("turn_order", cfg.rollout.turn_order) != cfg.rollout.turn_order:
         raise ValueError(
             f"env.options.turn_order={options['turn_order']!r} contradicts rollout.turn_order="
