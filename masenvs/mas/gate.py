@@ -27,6 +27,22 @@ MAX_BODY = 4 << 20  # bytes of one request
 _NODE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 
 
+_client: Any = None
+_client_lock = threading.Lock()
+
+
+def _http() -> Any:
+    """One keep-alive client for every gate (thread-safe): a gate per execution would
+    otherwise build a client, its TLS context and its connections each time."""
+    global _client
+    with _client_lock:
+        if _client is None:
+            import httpx
+
+            _client = httpx.Client()
+        return _client
+
+
 class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     daemon_threads = True
     gate: Gate
@@ -49,8 +65,6 @@ class Gate:
         api_key: str | None = None,
         timeout: float = 300.0,
     ) -> None:
-        import httpx
-
         if "/" in rollout_id or not rollout_id:
             raise ValueError(f"bad rollout id {rollout_id!r}")
         self.target = f"{endpoint_url.rstrip('/')}/r/{rollout_id}/v1/chat/completions"
@@ -58,8 +72,8 @@ class Gate:
         self.calls = 0
         self.refused: list[str] = []  # why each refused request was refused
         self._lock = threading.Lock()
-        headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
-        self._http = httpx.Client(timeout=timeout, headers=headers)
+        self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self._timeout = timeout
         # The directory is searchable but not listable by the sandbox uid (0711), so a
         # design reaches only a socket whose name it was given.
         GATE_DIR.mkdir(parents=True, exist_ok=True)
@@ -110,7 +124,9 @@ class Gate:
         # names the node of every call; the policy is the executor's either way.
         request["model"] = f"{self.models[name]}@{node}" if node else self.models[name]
         try:
-            reply = self._http.post(self.target, json=request)
+            reply = _http().post(
+                self.target, json=request, headers=self._headers, timeout=self._timeout
+            )
         except Exception as exc:  # the endpoint is down: the design fails with this reason
             return self._refuse(502, f"the endpoint did not answer: {type(exc).__name__}: {exc}")
         return reply.status_code, reply.content
@@ -122,7 +138,6 @@ class Gate:
     def close(self) -> None:
         self._server.shutdown()
         self._server.server_close()
-        self._http.close()
         with contextlib.suppress(FileNotFoundError):
             os.unlink(self.path)
 
