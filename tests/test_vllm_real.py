@@ -518,3 +518,44 @@ def test_separate_bases_fully_fine_tuned_each_on_its_own_vllm(install, model, tm
     for log in logs:
         pids = {int(p) for p in re.findall(r"pid=(\d+)", (run_dir / log).read_text())}
         assert pids and not [pid for pid in pids if running(pid)]
+
+
+def test_auto_mas_executor_calls_train_against_the_server(
+    backend, server, model, tmp_path, monkeypatch
+) -> None:
+    """Designs run in the sandbox call the vLLM-served executor through the gate; those calls
+    are traced with vLLM's version and train the executor's adapter."""
+    import masenvs.envs.auto_mas as auto_mas
+    from masenvs.trainer.config import TrainConfig
+    from masenvs.trainer.metrics import read_metrics
+    from masenvs.trainer.train import train
+
+    monkeypatch.setattr(auto_mas, "extract_design", lambda text: 'system = Agent("solo")')
+    cfg = TrainConfig(
+        run_dir=str(tmp_path),
+        steps=2,
+        model={"name": str(model), "device": "cpu", "dtype": "float32"},
+        env={"name": "auto_mas", "options": {"max_rounds": 1, "executions": 2, "max_tokens": 6}},
+        rollout={"branches": 2, "tasks_per_step": 1, "max_tokens": 8, "concurrency": 1},
+        optim={"lr": 2e-2, "warmup_steps": 0},
+        lora={"rank": 8, "alpha": 16},
+        validation={"every": 0},
+        checkpoint={"every": 100},
+        logging={"tensorboard": False, "plot_every": 0, "entropy": False},
+        backend={"kind": "vllm", "request_timeout": 300, "vllm_url": server.url},
+    )
+    assert train(cfg).steps == 2
+    calls = [c for c in TraceStore(tmp_path / "traces").calls() if c.agent == "executor"]
+    assert len(calls) == 2 * 2 * 2  # 2 steps x 2 designs x 2 executions, one node each
+    for call in calls:
+        assert call.backend == "vllm" and call.step == "solo"
+        assert call.rollout_id.startswith("mas-")
+    assert sorted({c.policy_version for c in calls}) == [0, 1]
+    rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "time/update_s" in r]
+    assert [r["train/captured_runs"] for r in rows] == [4.0, 4.0]
+    for row in rows:
+        if "learner/executor/logprob_diff_mean" in row:
+            assert row["learner/executor/logprob_diff_mean"] < TOLERANCE
+    assert any("learner/executor/samples" in r for r in rows)
+    for name in ("designer", "executor"):  # leave the shared server as the other tests expect
+        run(VLLMBackend(server.url).unload_adapter(name))
