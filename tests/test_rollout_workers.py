@@ -17,8 +17,10 @@ import ray
 from rich.console import Console
 
 from masenvs.adapters.policy import ChatPolicy, Sampling
+from masenvs.adapters.rollout import EpisodeResult, run_episodes
 from masenvs.adapters.stack import Stack, start_stack
-from masenvs.trainer.config import TrainConfig, load_config
+from masenvs.traces import TraceStore
+from masenvs.trainer.config import DistributedConfig, TrainConfig, load_config
 from masenvs.trainer.metrics import read_metrics
 from masenvs.trainer.rollout import TaskRollout, collect_tree_batch
 from masenvs.trainer.train import env_factory, env_options, train
@@ -29,9 +31,9 @@ AGENTS = {"plan": "plan", "tool": "tool"}
 
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[None]:
-    # 3 logical CPUs: 2 workers and room for a replacement while a killed one is reaped.
+    # 4 logical CPUs (a worker takes 1): the shared pool and one more pool of 2 at a time.
     ray.init(
-        num_cpus=3, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False
+        num_cpus=4, include_dashboard=False, object_store_memory=200 * 2**20, log_to_driver=False
     )
     yield
     ray.shutdown()
@@ -63,6 +65,22 @@ def pool(stack: Stack, cfg: TrainConfig) -> RolloutPool:
     """Workers that sample greedily, as `greedy_policy` does (the spec copies its settings)."""
     spec = worker_spec(cfg, stack, greedy_policy(stack), AGENTS, env_options(cfg))
     return RolloutPool(spec, cfg.distributed)
+
+
+@pytest.fixture(scope="module")
+def workers(cluster: None, stack: Stack) -> Iterator[RolloutPool]:
+    """Two greedy workers shared by the tests; failure tests set their own `dist` and hook."""
+    cfg = config("distributed.rollout_workers=2", "distributed.max_worker_restarts=100")
+    shared = pool(stack, cfg)
+    yield shared
+    shared.close()
+
+
+def failing(workers: RolloutPool, **dist: Any) -> RolloutPool:
+    """`workers` with these `distributed.*` settings for the failure tests."""
+    base = {"rollout_workers": 2, "max_worker_restarts": 100}
+    workers.dist = DistributedConfig(**{**base, **dist})
+    return workers
 
 
 async def in_process(stack: Stack, cfg: TrainConfig, seeds: list[int]) -> list[TaskRollout]:
@@ -97,19 +115,11 @@ def kill_when_busy(stack: Stack, prefix: str, seeds: list[int], sig: int) -> Any
 
 
 def test_workers_return_the_in_process_rollouts_at_temperature_0(
-    cluster: None, stack: Stack
+    stack: Stack, workers: RolloutPool
 ) -> None:
-    cfg = config("distributed.rollout_workers=2")
     seeds = list(range(100, 106))
-    local = asyncio.run(in_process(stack, cfg, seeds))
-    workers = pool(stack, cfg)
-    handles = list(workers.workers)
-    try:
-        remote = workers.tree("remote", seeds)
-    finally:
-        workers.close()
-    with pytest.raises(ray.exceptions.RayActorError):  # close() killed the workers
-        ray.get(handles[0].pid.remote(), timeout=30)
+    local = asyncio.run(in_process(stack, config(), seeds))
+    remote = workers.tree("remote", seeds)
     assert [r.seed for r in remote] == seeds and not any(r.error for r in remote)
     for a, b in zip(local, remote):
         assert (a.task_id, a.success, a.rounds, a.rewards) == (
@@ -129,19 +139,39 @@ def test_workers_return_the_in_process_rollouts_at_temperature_0(
     assert traced == {f"remote-{s}" for s in seeds}
 
 
+def test_workers_play_the_in_process_validation_episodes(
+    stack: Stack, workers: RolloutPool
+) -> None:
+    cfg = config()
+    seeds, greedy = [7, 8, 9], Sampling(0.0, 1.0, 0, 8, seed=0)
+
+    async def local() -> list[EpisodeResult]:
+        policy = greedy_policy(stack)
+        try:
+            return await run_episodes("plan_path", policy, seeds, env_config=env_options(cfg))
+        finally:
+            await policy.aclose()
+
+    remote = workers.episodes("val", seeds, greedy, {})
+    expected = asyncio.run(local())
+    assert [(r.seed, r.rewards, r.actions) for r in remote] == [
+        (r.seed, r.rewards, r.actions) for r in expected
+    ]
+    assert all(r.actions and r.error is None for r in remote)
+
+
 @pytest.mark.parametrize("mode", ["retry", "drop"])
 def test_a_worker_killed_mid_step_costs_a_retry_or_its_tasks_not_the_run(
-    cluster: None, stack: Stack, mode: str
+    stack: Stack, workers: RolloutPool, mode: str
 ) -> None:
-    cfg = config("distributed.rollout_workers=2", f"distributed.on_worker_failure={mode}")
-    seeds = list(range(200, 206))
-    workers = pool(stack, cfg)
+    failing(workers, on_worker_failure=mode)
+    seeds, restarts = list(range(200, 206)), workers.restarts
     try:
         first = seeds[:3]  # worker 0's share
         workers.after_submit = kill_when_busy(stack, f"{mode}1", first, signal.SIGKILL)
         results = workers.tree(f"{mode}1", seeds)
         assert [r.seed for r in results] == seeds
-        assert workers.restarts == 1
+        assert workers.restarts == restarts + 1
         if mode == "retry":
             assert not any(r.error for r in results)
             assert workers.metrics()["train/retried_tasks"] == 3
@@ -155,17 +185,12 @@ def test_a_worker_killed_mid_step_costs_a_retry_or_its_tasks_not_the_run(
         again = workers.tree(f"{mode}2", seeds)
         assert not any(r.error for r in again) and workers.metrics()["train/dropped_tasks"] == 0
     finally:
-        workers.close()
+        workers.after_submit = None
 
 
-def test_a_hung_worker_is_killed_after_worker_timeout(cluster: None, stack: Stack) -> None:
-    cfg = config(
-        "distributed.rollout_workers=2",
-        "distributed.on_worker_failure=drop",
-        "distributed.worker_timeout=8",
-    )
+def test_a_hung_worker_is_killed_after_worker_timeout(stack: Stack, workers: RolloutPool) -> None:
+    failing(workers, on_worker_failure="drop", worker_timeout=5)
     seeds = list(range(300, 304))
-    workers = pool(stack, cfg)
     hook = kill_when_busy(stack, "hung", seeds[:2], signal.SIGSTOP)  # alive, never answers
     workers.after_submit = hook
     try:
@@ -173,57 +198,56 @@ def test_a_hung_worker_is_killed_after_worker_timeout(cluster: None, stack: Stac
         results = workers.tree("hung", seeds)
         assert time.monotonic() - started < 30
         assert [bool(r.error) for r in results] == [True, True, False, False]
-        assert "worker_timeout=8" in results[0].error
+        assert "worker_timeout=5.0" in results[0].error
         deadline = time.monotonic() + 20
         while _alive(hook.pid):  # killed, not left stopped
             assert time.monotonic() < deadline, "the hung worker was left running"
             time.sleep(0.1)
     finally:
-        workers.close()
+        workers.after_submit = None
 
 
 def test_more_failures_than_max_worker_restarts_stop_the_run(cluster: None, stack: Stack) -> None:
     cfg = config("distributed.rollout_workers=2", "distributed.max_worker_restarts=0")
     workers = pool(stack, cfg)
     workers.after_submit = lambda w: ray.kill(w[1], no_restart=True)
+    handles = list(workers.workers)
     try:
         with pytest.raises(WorkerError, match="max_worker_restarts=0"):
             workers.tree("limit", list(range(400, 404)))
     finally:
         workers.close()
+    with pytest.raises(ray.exceptions.RayActorError):  # close() killed the workers
+        ray.get(handles[0].pid.remote(), timeout=30)
 
 
-def test_training_with_two_workers_runs_and_validates_like_in_process(
+def test_training_with_two_workers_finishes_and_records_no_failure(
     cluster: None, tmp_path: Path
 ) -> None:
-    def run(name: str, workers: int) -> list[dict[str, Any]]:
-        cfg = config(
-            f"run_dir={tmp_path / name}",
-            "steps=2",
-            "seed=3",
-            "rollout.tasks_per_step=4",
-            "validation.every=2",
-            "validation.episodes=4",
-            "logging.tensorboard=false",
-            "lora.rank=4",
-            "backend.dtype=float32",
-            f"distributed.rollout_workers={workers}",
-        )
-        train(cfg, console=Console(quiet=True))
-        return read_metrics(tmp_path / name / "metrics.jsonl")
-
-    remote, local = run("workers", 2), run("local", 0)
-    steps = [r for r in remote if "train/success" in r]
-    assert len(steps) == 2
+    cfg = config(
+        f"run_dir={tmp_path}",
+        "steps=2",
+        "rollout.tasks_per_step=4",
+        "validation.every=2",
+        "validation.episodes=2",
+        "logging.tensorboard=false",
+        "lora.rank=4",
+        "backend.dtype=float32",
+        "distributed.rollout_workers=2",
+    )
+    train(cfg, console=Console(quiet=True))
+    rows = read_metrics(tmp_path / "metrics.jsonl")
+    steps = [r for r in rows if "train/success" in r]
+    assert [r["step"] for r in steps] == [1, 2]
     assert all(r["train/dropped_tasks"] == 0 and r["workers/restarts"] == 0 for r in steps)
-    assert all(r["train/failed_tasks"] == 0 for r in steps)
-    # Greedy validation before training (step 0) sees the same weights: the same episodes.
-    before = [r for r in remote if r["step"] == 0][0]
-    assert before["val/dropped_tasks"] == 0
-    assert {k: before[k] for k in local[0] if k.startswith("val/")} == {
-        k: v for k, v in local[0].items() if k.startswith("val/")
-    }
-    assert "val/success" in local[0]
+    assert all(
+        r["train/failed_tasks"] == 0 and r["train/completion_tokens/plan"] > 0 for r in steps
+    )
+    assert [r["step"] for r in rows if "val/success" in r] == [0, 2]
+    # Every call went through the endpoint, and validation episodes were recorded by the trainer.
+    store = TraceStore(tmp_path / "traces")
+    assert {c.rollout_id.split("-")[0] for c in store.calls()} == {"s1", "s2", "val0", "val2"}
+    assert len(list(store.episodes())) == 4
 
 
 def _alive(pid: int) -> bool:

@@ -197,7 +197,7 @@ class RolloutPool:
         self.workers: list[Any] = []
         try:
             self.workers = [self._actor.remote(spec) for _ in range(dist.rollout_workers)]
-            self.pids = self._call_all("pid", timeout=max(dist.worker_timeout, 120.0))
+            self.pids = self._call_all("pid", timeout=dist.worker_timeout)
         except BaseException:
             self.close()
             raise
@@ -211,7 +211,8 @@ class RolloutPool:
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
             raise WorkerError(
                 f"the rollout workers did not start within {timeout:.0f}s ({_reason(exc)}); "
-                "check that masenvs and the env's packages are installed on every Ray node"
+                "check that masenvs and the env's packages are installed on every Ray node "
+                "and that the cluster has a free CPU for each worker"
             ) from exc
 
     def tree(self, prefix: str, seeds: list[int]) -> list[TaskRollout]:
