@@ -24,7 +24,7 @@ from masenvs.trainer.config import DistributedConfig, TrainConfig, load_config
 from masenvs.trainer.metrics import read_metrics
 from masenvs.trainer.rollout import TaskRollout, collect_tree_batch
 from masenvs.trainer.train import env_factory, env_options, train
-from masenvs.trainer.workers import RolloutPool, WorkerError, worker_spec
+from masenvs.trainer.workers import RolloutPool, WorkerError, reachable_url, shares, worker_spec
 
 AGENTS = {"plan": "plan", "tool": "tool"}
 
@@ -256,3 +256,21 @@ def _alive(pid: int) -> bool:
             return f.read().split(")")[-1].split()[0] != "Z"  # a zombie is dead
     except FileNotFoundError:
         return False
+
+
+def test_each_worker_gets_a_contiguous_share_of_the_seeds() -> None:
+    assert shares(list(range(7)), 3) == [[0, 1, 2], [3, 4], [5, 6]]
+    assert shares([5], 4) == [[5]]  # fewer tasks than workers: idle workers, no empty share
+
+
+def test_a_wildcard_endpoint_is_reached_at_this_nodes_address() -> None:
+    ip = ray.util.get_node_ip_address()
+    assert reachable_url("http://0.0.0.0:8123") == f"http://{ip}:8123"
+    assert reachable_url("http://127.0.0.1:8123") == "http://127.0.0.1:8123"
+
+
+def test_the_example_joins_a_cluster_and_runs_locally_with_one_override() -> None:
+    path = Path(__file__).parent.parent / "examples" / "distributed.yaml"
+    cfg = load_config(path)
+    assert (cfg.distributed.ray_address, cfg.distributed.rollout_workers) == ("auto", 4)
+    assert load_config(path, ["distributed.ray_address=null"]).distributed.ray_address is None

@@ -182,7 +182,7 @@ class RolloutPool:
         if self._owns_ray:
             if dist.ray_address is None:
                 ray.init(
-                    num_cpus=max(2, dist.rollout_workers),
+                    num_cpus=dist.rollout_workers + 1,  # room for a replacement
                     include_dashboard=False,
                     object_store_memory=200 * 2**20,
                     log_to_driver=False,
