@@ -274,3 +274,38 @@ def test_the_example_joins_a_cluster_and_runs_locally_with_one_override() -> Non
     cfg = load_config(path)
     assert (cfg.distributed.ray_address, cfg.distributed.rollout_workers) == ("auto", 4)
     assert load_config(path, ["distributed.ray_address=null"]).distributed.ray_address is None
+
+
+def test_workflow_programs_run_on_the_workers_and_train_from_the_endpoints_store(
+    cluster: None, tmp_path: Path
+) -> None:
+    """A LangGraph program (solver, then critic k+1 times) runs in the workers; its calls are
+    read back from the trainer's trace store as samples, as in-process."""
+    cfg = config(
+        f"run_dir={tmp_path}",
+        "steps=1",
+        "env.name=math",
+        "env.options={level: 1}",
+        "rollout.tasks_per_step=2",
+        "rollout.concurrency=4",
+        "validation.every=0",
+        "logging.tensorboard=false",
+        "lora.rank=4",
+        "backend.dtype=float32",
+        "distributed.rollout_workers=2",
+        "workflow.factory=workflow_programs:langgraph_steps",
+        "workflow.framework=langgraph",
+        "workflow.agents=[solver, critic]",
+    )
+    train(cfg, console=Console(quiet=True))
+    store = TraceStore(tmp_path / "traces")
+    calls = list(store.calls())
+    runs = {f"s1-{seed}-{k}" for seed in (0, 1) for k in (0, 1)}
+    assert {c.rollout_id for c in calls} == runs
+    episodes = list(store.episodes())
+    assert {e.rollout_id for e in episodes} == runs
+    assert all(e.policy_version == 0 and e.extra["error"] is None for e in episodes)
+    row = read_metrics(tmp_path / "metrics.jsonl")[-1]
+    assert row["train/dropped_tasks"] == 0 and row["train/failed_runs"] == 0
+    for agent in ("solver", "critic"):  # every call of the agent is a sample
+        assert row[f"learner/{agent}/samples"] == sum(c.agent == agent for c in calls)

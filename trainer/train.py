@@ -260,9 +260,28 @@ class WorkflowSource:
         for name, agent in self.spec.agent_map.items():  # a mapped name samples as its agent
             self.settings.agents[name] = self.settings.agents[agent]
             self.val_settings.agents[name] = self.val_settings.agents[agent]
+        self.pool = None
+        if cfg.distributed.rollout_workers:  # the program runs in Ray actors (trainer/workers.py)
+            from masenvs.trainer.workers import RolloutPool, workflow_worker_spec
+
+            self.pool = RolloutPool(workflow_worker_spec(cfg, stack), cfg.distributed)
 
     async def _runs(self, step, seeds, runs_per_task, settings):
         from masenvs.trainer.workflow import collect_workflow_samples
+
+        if self.pool is not None:
+            from masenvs.trainer.workers import collect_workflow
+
+            policy_of = self.learner.policy_of
+            return await collect_workflow(
+                self.pool,
+                self.stack,
+                step=step,
+                seeds=seeds,
+                runs_per_task=runs_per_task,
+                settings=settings,
+                policy_of=policy_of,
+            )
 
         return await collect_workflow_samples(
             self.spec,
@@ -287,7 +306,8 @@ class WorkflowSource:
         check_unknown_agents(self.stack.endpoint.policy_map, runs)  # before any update
         self.last_runs = runs
         self.failures.check(runs)  # too many failed runs: stop before training on them
-        return samples, workflow_metrics(runs, samples)
+        metrics = workflow_metrics(runs, samples)
+        return samples, metrics | (self.pool.metrics() if self.pool is not None else {})
 
     def why_no_samples(self) -> str:
         from masenvs.trainer.workflow import why_no_samples
@@ -303,7 +323,8 @@ class WorkflowSource:
         }
 
     async def aclose(self) -> None:
-        pass
+        if self.pool is not None:
+            self.pool.close()
 
 
 def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
@@ -313,11 +334,6 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
     if cfg.workflow is not None:
-        if cfg.distributed.rollout_workers:
-            raise ConfigError(
-                "distributed.rollout_workers runs env rollouts only; workflow programs run in "
-                "the trainer process: set distributed.rollout_workers: 0"
-            )
         agents = list(cfg.workflow.agents)
         make(cfg.env.name, **cfg.env.options)  # fail on a bad env before loading models
     else:

@@ -10,10 +10,12 @@ the results come back as the same `TaskRollout`s. A worker that dies or outlives
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import logging
 import math
 import os
+import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -24,10 +26,14 @@ from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.rollout import EpisodeResult, run_episodes
 from masenvs.adapters.stack import with_endpoint
 from masenvs.registry import make
+from masenvs.traces import EpisodeRecord
 from masenvs.trainer.config import DistributedConfig, TrainConfig
 from masenvs.trainer.rollout import TaskRollout, collect_tree_batch
+from masenvs.trainer.samples import Sample
 
 if TYPE_CHECKING:
+    from masenvs.adapters.frameworks.clients import ClientSettings
+    from masenvs.adapters.frameworks.workflow import WorkflowRun, WorkflowSpec
     from masenvs.adapters.stack import Stack
 
 log = logging.getLogger(__name__)
@@ -45,12 +51,17 @@ class WorkerSpec:
     env_options: dict[str, Any]  # already pointed at `root_url` for envs that call the model
     root_url: str  # the capture endpoint, reachable from the worker's node
     api_key: str
-    sampling: Sampling
-    agent_sampling: dict[str, Sampling]
-    policies: dict[str, str]  # agent -> the policy that trains on its samples
-    branches: int
+    sampling: Sampling = field(default_factory=Sampling)
+    agent_sampling: dict[str, Sampling] = field(default_factory=dict)
+    policies: dict[str, str] = field(default_factory=dict)  # agent -> the policy it trains
+    branches: int = 1
     select_by: Literal["team", "agent"] = "agent"
     concurrency: int = 8  # tasks in flight in this worker
+    workflow: WorkflowSpec | None = None  # workflow mode: the program runs in the worker
+    # The trainer's working directory and import path, where they exist on the worker's node:
+    # user programs (workflow factories, env packages) import as they do in the trainer.
+    cwd: str = field(default_factory=os.getcwd)
+    sys_path: list[str] = field(default_factory=lambda: list(sys.path))
 
 
 class RolloutWorker:
@@ -58,7 +69,11 @@ class RolloutWorker:
 
     def __init__(self, spec: WorkerSpec) -> None:
         self.spec = spec
-        make(spec.env_name, **spec.env_options)  # a missing env or package fails at start
+        if os.path.isdir(spec.cwd):
+            os.chdir(spec.cwd)
+        sys.path += [p for p in spec.sys_path if p not in sys.path and os.path.isdir(p)]
+        if spec.workflow is None:  # a missing env or package fails at start
+            make(spec.env_name, **spec.env_options)
         self._policy: ChatPolicy | None = None  # built on the actor's event loop
 
     def pid(self) -> int:
@@ -86,6 +101,31 @@ class RolloutWorker:
             concurrency=s.concurrency,
         )
 
+    async def workflow(
+        self, prefix: str, seeds: list[int], runs_per_task: int, settings: ClientSettings
+    ) -> list[tuple[WorkflowRun, EpisodeRecord | None]]:
+        """K runs of the workflow program per seed, with the episode record of each run (the
+        trainer writes it; its calls are in the endpoint's store already)."""
+        from masenvs.adapters.frameworks.workflow import run_tasks
+
+        s = self.spec
+        assert s.workflow is not None
+        records = _Records()
+        runs = await run_tasks(
+            s.workflow,
+            root_url=s.root_url,
+            env_name=s.env_name,
+            seeds=seeds,
+            runs_per_task=runs_per_task,
+            env_options=s.env_options,
+            settings=settings,
+            store=records,  # type: ignore[arg-type]  # only .append is used
+            prefix=prefix,
+            concurrency=s.concurrency,
+        )
+        by_id = {r.rollout_id: r for r in records}
+        return [(run, by_id.get(run.rollout_id)) for run in runs]
+
     async def episodes(
         self, prefix: str, seeds: list[int], sampling: Sampling, agents: dict[str, Sampling]
     ) -> list[EpisodeResult]:
@@ -103,6 +143,10 @@ class RolloutWorker:
             )
         finally:
             await policy.aclose()
+
+
+class _Records(list):
+    """Stands in for the trace store in a worker: keeps the episode records to send back."""
 
 
 def worker_spec(
@@ -127,6 +171,54 @@ def worker_spec(
         select_by=cfg.rollout.select_by,
         concurrency=math.ceil(cfg.rollout.concurrency / cfg.distributed.rollout_workers),
     )
+
+
+def workflow_worker_spec(cfg: TrainConfig, stack: Stack) -> WorkerSpec:
+    """The spec of workers that run `cfg.workflow`'s program against the stack's endpoint."""
+    return WorkerSpec(
+        env_name=cfg.env.name,
+        env_options=dict(cfg.env.options),
+        root_url=reachable_url(stack.root_url),
+        api_key=stack.api_key or "masenvs",
+        concurrency=math.ceil(cfg.rollout.concurrency / cfg.distributed.rollout_workers),
+        workflow=cfg.workflow,
+    )
+
+
+async def collect_workflow(
+    pool: RolloutPool,
+    stack: Stack,
+    *,
+    step: int,
+    seeds: list[int],
+    runs_per_task: int,
+    settings: ClientSettings,
+    policy_of: Callable[[str], str],
+) -> tuple[list[Sample], list[WorkflowRun]]:
+    """`collect_workflow_samples` with the runs on `pool`'s workers: the trainer sets the
+    runs' metadata, writes their episode records and reads their calls from its store."""
+    from masenvs.adapters.frameworks.calls import read_calls
+    from masenvs.adapters.frameworks.workflow import task_env_options
+    from masenvs.trainer.workflow import workflow_samples
+
+    spec, store, endpoint = pool.spec.workflow, stack.store, stack.endpoint
+    assert spec is not None and store is not None, "workflow runs need the endpoint's store"
+    env = make(pool.spec.env_name, **task_env_options(pool.spec.env_options)).name
+    prefix = f"s{step}"
+    for seed in seeds:
+        for k in range(runs_per_task):
+            meta = {"task_id": f"{env}:{seed}", "seed": seed, "run_index": k}
+            endpoint.set_rollout_metadata(f"{prefix}-{seed}-{k}", meta)
+    started = time.time()
+    pairs = await asyncio.to_thread(pool.workflow, prefix, seeds, runs_per_task, settings)
+    runs = [run for run, _ in pairs]
+    for run, record in pairs:
+        endpoint.end_rollout(run.rollout_id, refuse_late_calls=True)
+        if record is not None:
+            record.policy_version = endpoint.policy_version
+            store.append(record)
+    calls = read_calls(store, [r.rollout_id for r in runs], since=started)
+    return workflow_samples(runs, calls, policy_of, spec.agent_of), runs
 
 
 def reachable_url(root_url: str) -> str:
@@ -222,7 +314,7 @@ class RolloutPool:
         def dropped(seed: int, why: str) -> TaskRollout:
             return TaskRollout(task_id=f"{env}:{seed}", seed=seed, error=f"dropped: {why}")
 
-        return self._dispatch("tree", prefix, seeds, (), dropped)
+        return self._dispatch("tree", prefix, seeds, (), lambda seed, why: [dropped(seed, why)])
 
     def episodes(
         self, prefix: str, seeds: list[int], sampling: Sampling, agents: dict[str, Sampling]
@@ -234,7 +326,42 @@ class RolloutPool:
             rid = f"{prefix}-dropped-{seed}"
             return EpisodeResult(rid, env, seed, False, 0, {}, 0, 0.0, error=f"dropped: {why}")
 
-        return self._dispatch("episodes", prefix, seeds, (sampling, agents), dropped)
+        args = (sampling, agents)
+        return self._dispatch(
+            "episodes", prefix, seeds, args, lambda seed, why: [dropped(seed, why)]
+        )
+
+    def workflow(
+        self, prefix: str, seeds: list[int], runs_per_task: int, settings: ClientSettings
+    ) -> list[tuple[WorkflowRun, EpisodeRecord | None]]:
+        """`runs_per_task` workflow runs per seed over the workers, ordered by (seed, run)."""
+        from masenvs.adapters.frameworks.workflow import WorkflowRun
+
+        env, reward = self.spec.env_name, self.spec.workflow.failure_reward  # type: ignore[union-attr]
+
+        def dropped(seed: int, why: str) -> list[tuple[WorkflowRun, None]]:
+            now = time.time()
+            return [  # an id of its own: the dead worker's calls of this run never train
+                (
+                    WorkflowRun(
+                        f"{prefix}-dropped-{seed}-{k}",
+                        f"{env}:{seed}",
+                        seed,
+                        k,
+                        reward or 0.0,
+                        False,
+                        "",
+                        f"dropped: {why}",
+                        0.0,
+                        now,
+                        now,
+                    ),
+                    None,
+                )
+                for k in range(runs_per_task)
+            ]
+
+        return self._dispatch("workflow", prefix, seeds, (runs_per_task, settings), dropped)
 
     def _dispatch(
         self,
@@ -242,7 +369,7 @@ class RolloutPool:
         prefix: str,
         seeds: list[int],
         args: tuple[Any, ...],
-        dropped: Callable[[int, str], Any],
+        dropped: Callable[[int, str], list[Any]],
     ) -> list[Any]:
         import ray
 
@@ -289,7 +416,7 @@ class RolloutPool:
                 else:
                     log.warning("%s: its %d task(s) are dropped from this step", why, len(part))
                     report.dropped += len(part)
-                    out[share] = [dropped(seed, why) for seed in part]
+                    out[share] = [x for seed in part for x in dropped(seed, why)]
                 report.failures.append(why)
         return [r for i in range(len(parts)) for r in out[i]]
 
