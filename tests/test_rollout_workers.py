@@ -234,6 +234,9 @@ def test_training_with_two_workers_finishes_and_records_no_failure(
         "lora.rank=4",
         "backend.dtype=float32",
         "distributed.rollout_workers=2",
+        # Ray is up (the fixture), so this joins it: the endpoint listens on all interfaces
+        # and the workers reach it at this node's IP address, as they would from other nodes.
+        "distributed.ray_address=auto",
     )
     train(cfg, console=Console(quiet=True))
     rows = read_metrics(tmp_path / "metrics.jsonl")
