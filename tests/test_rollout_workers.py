@@ -24,7 +24,14 @@ from masenvs.trainer.config import DistributedConfig, TrainConfig, load_config
 from masenvs.trainer.metrics import read_metrics
 from masenvs.trainer.rollout import TaskRollout, collect_tree_batch
 from masenvs.trainer.train import env_factory, env_options, train
-from masenvs.trainer.workers import RolloutPool, WorkerError, reachable_url, shares, worker_spec
+from masenvs.trainer.workers import (
+    RolloutPool,
+    WorkerError,
+    reachable_url,
+    shares,
+    start_ray,
+    worker_spec,
+)
 
 AGENTS = {"plan": "plan", "tool": "tool"}
 
@@ -312,3 +319,10 @@ def test_workflow_programs_run_on_the_workers_and_train_from_the_endpoints_store
     assert row["train/dropped_tasks"] == 0 and row["train/failed_runs"] == 0
     for agent in ("solver", "critic"):  # every call of the agent is a sample
         assert row[f"learner/{agent}/samples"] == sum(c.agent == agent for c in calls)
+
+
+def test_a_cluster_nobody_runs_fails_at_once_naming_the_fix() -> None:
+    started = time.monotonic()
+    with pytest.raises(WorkerError, match=r"ray_address='127.0.0.1:1'.*ray start --head"):
+        start_ray(DistributedConfig(rollout_workers=1, ray_address="127.0.0.1:1"))
+    assert time.monotonic() - started < 15

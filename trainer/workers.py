@@ -15,6 +15,7 @@ import contextlib
 import logging
 import math
 import os
+import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -272,15 +273,7 @@ class RolloutPool:
         self.after_submit: Callable[[list[Any]], None] | None = None
         self._owns_ray = not ray.is_initialized()
         if self._owns_ray:
-            if dist.ray_address is None:
-                ray.init(
-                    num_cpus=dist.rollout_workers + 1,  # room for a replacement
-                    include_dashboard=False,
-                    object_store_memory=200 * 2**20,
-                    log_to_driver=False,
-                )
-            else:
-                ray.init(address=dist.ray_address, log_to_driver=False)
+            start_ray(dist)
         self._actor = ray.remote(RolloutWorker).options(
             num_cpus=1,
             max_restarts=0,  # this pool replaces dead workers itself, and counts them
@@ -453,6 +446,40 @@ class RolloutPool:
         self.workers = []
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
+
+
+def start_ray(dist: DistributedConfig) -> None:
+    """Join the cluster at `dist.ray_address`, or start a small local Ray instance."""
+    import ray
+
+    if dist.ray_address is None:
+        ray.init(
+            num_cpus=dist.rollout_workers + 1,  # room for a replacement
+            include_dashboard=False,
+            object_store_memory=200 * 2**20,
+            log_to_driver=False,
+        )
+        return
+    try:
+        _check_reachable(dist.ray_address)  # Ray itself retries for minutes
+        ray.init(address=dist.ray_address, log_to_driver=False)
+    except (OSError, RuntimeError, ValueError) as exc:
+        raise WorkerError(
+            f"could not join the Ray cluster at distributed.ray_address={dist.ray_address!r} "
+            f"({_reason(exc)}); start it (`ray start --head`) or set distributed.ray_address: "
+            "null for a local Ray instance"
+        ) from exc
+
+
+def _check_reachable(address: str, timeout: float = 10.0) -> None:
+    """Fail fast on a `host:port` (or `ray://host:port`) nobody listens on; 'auto' is Ray's."""
+    if address == "auto":
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        return
+    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
+        pass
 
 
 def _reason(exc: BaseException) -> str:
