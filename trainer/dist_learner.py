@@ -226,16 +226,13 @@ class DistributedLearner:
                     except (EOFError, OSError):
                         kind, value = "dead", None
                     if kind == "error":
+                        self._fail_dead(method)  # a peer's death is the cause to name
                         self._fail(f"learner rank {rank} failed in {method}: {value}")
                     if kind == "ok":
                         answers[rank] = value
                         continue
                 if not proc.is_alive() and not conn.poll(0):
-                    self._fail(
-                        f"learner rank {rank} died (exit code {proc.exitcode}) during {method}; "
-                        "see its output above (out of memory?), then resume from the last "
-                        "checkpoint"
-                    )
+                    self._fail_dead(method)
             if time.monotonic() > deadline:
                 missing = sorted(set(range(self.world_size)) - set(answers))
                 self._fail(
@@ -244,6 +241,15 @@ class DistributedLearner:
                     "rank stuck in a collective"
                 )
         return answers[0]
+
+    def _fail_dead(self, method: str) -> None:
+        for rank, proc in enumerate(self.processes):
+            if not proc.is_alive():
+                self._fail(
+                    f"learner rank {rank} died (exit code {proc.exitcode}) during {method}; "
+                    "see its output above (out of memory?), then resume from the last "
+                    "checkpoint"
+                )
 
     def _fail(self, message: str) -> None:
         self.close()  # the ranks may wait in a collective forever: stop all of them
