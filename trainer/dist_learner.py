@@ -109,7 +109,7 @@ class DistributedLearner:
                 f"distributed.learner.world_size={self.world_size} needs one GPU per rank but "
                 f"{torch.cuda.device_count()} are visible; lower world_size"
             )
-        ctx = mp.get_context("spawn")
+        ctx = _rank_context()
         address = f"tcp://127.0.0.1:{_free_port()}"
         self.processes: list[Any] = []
         self._conns: list[Any] = []
@@ -269,6 +269,14 @@ def _stop(processes: list[Any], conns: list[Any]) -> None:
             proc.join(5.0)
     for conn in conns:
         conn.close()
+
+
+def _rank_context() -> Any:
+    """Ranks start from a fork server that imported torch, transformers and peft once: a
+    rank starts in about a second instead of re-importing them (and CUDA is never forked)."""
+    ctx = mp.get_context("forkserver")
+    ctx.set_forkserver_preload(["torch", "transformers", "peft", "masenvs.trainer.dist_learner"])
+    return ctx
 
 
 def _free_port() -> int:
