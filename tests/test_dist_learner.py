@@ -21,6 +21,10 @@ from masenvs.trainer.samples import Sample, tree_group
 
 VOCAB = 49152
 AGENTS = ["planner", "coder"]
+# AdamW divides each element by its own gradient's size: where a gradient is ~eps, the float
+# noise of another summation order becomes a visible step. Whole models and several optimizer
+# steps per update have such elements; a larger eps keeps the difference below 1e-5.
+STEADY_ADAM = "optim.adam_eps=1e-4"
 
 
 def config(*overrides: str) -> TrainConfig:
@@ -75,7 +79,8 @@ def assert_close(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: f
 def assert_same_update(one: dict[str, float], two: dict[str, float]) -> None:
     """Loss terms and the pre-clip gradient norm agree: a rank that normalised by its own
     tokens, or gradients averaged instead of summed, would show here (AdamW hides scale)."""
-    keys = [k for k in one if k.endswith(("/loss", "/grad_norm", "/tokens", "/ratio_mean"))]
+    ends = ("/loss", "/grad_norm", "/tokens", "/ratio_mean", "/kl_ref")
+    keys = [k for k in one if k.endswith(ends)]
     assert keys
     for k in keys:
         assert two[k] == pytest.approx(one[k], rel=1e-4, abs=1e-6), k
@@ -126,9 +131,7 @@ def test_lora_per_agent_on_two_fsdp_ranks_updates_as_one_process_and_resumes_any
 
 
 def test_full_finetuning_on_two_fsdp_ranks_updates_as_one_process(tmp_path: Path) -> None:
-    # AdamW divides each element by its own gradient's size: where a gradient is ~eps, float
-    # noise of the summation order becomes a visible step. A larger eps keeps it below 1e-5.
-    cfg = config("policy.finetune=full", "policy.mode=shared", "optim.adam_eps=1e-4")
+    cfg = config("policy.finetune=full", "policy.mode=shared", STEADY_ADAM)
     one = Learner(cfg, AGENTS)
     two = DistributedLearner(cfg, AGENTS)
     try:
@@ -144,6 +147,30 @@ def test_full_finetuning_on_two_fsdp_ranks_updates_as_one_process(tmp_path: Path
     load_latest(tmp_path).restore(single)
     single.step(batch(1, cfg))
     assert_close(after_two, weights(single), atol=1e-5)
+
+
+def test_scoring_passes_split_over_ranks_as_well() -> None:
+    # Two mini-batches and a KL term: pi_old and the base model are scored in no-grad passes
+    # before the update, each rank scoring its share.
+    cfg = config(
+        "policy.mode=shared",
+        "algorithm.mini_batches=2",
+        "algorithm.kl_coef=0.1",
+        STEADY_ADAM,
+    )
+    one = Learner(cfg, AGENTS)
+    two = DistributedLearner(cfg, AGENTS)
+    try:
+        samples = batch(0, cfg)
+        for a, b in zip(one.logprobs("shared", samples), two.logprobs("shared", samples)):
+            assert torch.allclose(a, b, atol=1e-5)
+        update = two.step(samples)
+        assert_same_update(one.step(samples), update)
+        assert_close(weights(one), weights(two), atol=1e-5)
+        assert_same_update(one.step(batch(1, cfg)), two.step(batch(1, cfg)))
+        assert_close(weights(one), weights(two), atol=1e-5)
+    finally:
+        two.close()
 
 
 def test_ddp_ranks_update_as_one_process_and_a_dead_rank_fails_the_next_call() -> None:

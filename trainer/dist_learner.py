@@ -43,6 +43,7 @@ from masenvs.trainer.learner import (
     _Mismatch,
     _resolve_device,
     _Scored,
+    _split,
     load_base_model,
     prompt_units,
     token_logprobs,
@@ -420,6 +421,51 @@ class RankLearner(Learner):
             mismatch.count += local_mismatch.count
             mismatch.max = max(mismatch.max, local_mismatch.max)
 
+    @torch.no_grad()
+    def _score(
+        self, policy: Any, batch: list[Sample], base: bool = False
+    ) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        """Each rank scores its prompt units; every rank gets every sample's log-probs."""
+        todo = [i for i, s in enumerate(batch) if s.completion_token_ids]
+        if not todo or (base and self.full and policy.reference is None):
+            return super()._score(policy, batch, base)  # nothing to do, or its error
+        sub = [batch[i] for i in todo]
+        share = policy.share_prompts
+        units = prompt_units(sub, share, self.cfg.optim.max_tokens_per_microbatch)
+        mine = [todo[i] for u in _balance(units, sub, self.world_size)[self.rank] for i in u]
+        plan = [(mb, True) for mb in self._microbatches([batch[i] for i in mine], share)]
+        if self.fsdp:  # as many forwards on every rank: each one is a collective
+            count = torch.tensor([len(plan)])
+            dist.all_reduce(count, op=dist.ReduceOp.MAX)
+            dummy = next(self._microbatches([batch[todo[0]]], share))
+            plan += [(dummy, False)] * (int(count) - len(plan))
+        model = policy.reference if base and self.full else policy.model
+        if policy.lora:
+            model.set_adapter(policy.name)
+        model.eval()
+        own: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+        for mb, real in plan:
+            if base and policy.lora:
+                with model.disable_adapter():
+                    out = self._forward(model, mb, with_entropy=False)
+            else:
+                out = self._forward(model, mb, with_entropy=False)
+            if not real:
+                continue
+            idx = [mine[j] for j in mb.samples]
+            lps = _split(out.logprobs, batch, idx)
+            raws = _split(out.raw_logprobs, batch, idx)
+            for i, lp, r in zip(idx, lps, raws, strict=True):
+                own[i] = (lp.cpu(), r.cpu())
+        gathered: list[Any] = [None] * self.world_size
+        dist.all_gather_object(gathered, own)
+        empty = torch.zeros(0, device=self.device)
+        scored, raw = [empty] * len(batch), [empty] * len(batch)
+        for part in gathered:
+            for i, (lp, r) in part.items():
+                scored[i], raw[i] = lp.to(self.device), r.to(self.device)
+        return scored, raw
+
     def _score_tokens(
         self,
         causal_lm: Any,
@@ -631,7 +677,7 @@ def _microbatch_loss(
     """The one-process micro-batch loss, its gradient scaled so that the mean over ranks
     FSDP's reduce-scatter takes is the sum over ranks the global token mean needs."""
     from masenvs.trainer.atgrpo import policy_loss
-    from masenvs.trainer.learner import _gather, _split
+    from masenvs.trainer.learner import _gather
 
     old_lp = _gather(old, idx) if old is not None else scored.logprobs.detach()
     ref_lp = _gather(ref, idx) if ref is not None else None
