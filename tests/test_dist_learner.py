@@ -5,7 +5,9 @@ size, a dead rank fails the next call with a clear error, and `train()` runs on 
 from __future__ import annotations
 
 import json
+import os
 import random
+import signal
 import time
 from pathlib import Path
 
@@ -189,6 +191,22 @@ def test_ddp_ranks_update_as_one_process_and_a_dead_rank_fails_the_next_call() -
         assert not any(p.is_alive() for p in two.processes)  # the survivor is stopped too
         with pytest.raises(LearnerRankError, match="closed"):
             two.adapter_state_dict("shared")
+    finally:
+        two.close()
+
+
+def test_a_silent_rank_fails_the_call_at_the_timeout() -> None:
+    two = DistributedLearner(config("distributed.learner.sharding=ddp"), AGENTS)
+    try:
+        two.timeout = 3.0  # distributed.learner.timeout, lowered once the ranks are up
+        os.kill(two.processes[1].pid, signal.SIGSTOP)  # alive, but never answers
+        start = time.monotonic()
+        with pytest.raises(
+            LearnerRankError, match=r"did not finish step within distributed.learner.timeout=3s"
+        ):
+            two.step(batch(0, two.cfg))
+        assert 3.0 <= time.monotonic() - start < 20
+        assert not any(p.is_alive() for p in two.processes)
     finally:
         two.close()
 
