@@ -66,7 +66,9 @@ def engine_routes(endpoint: Endpoint) -> list[Route]:
     async def collective_rpc(request: Request) -> Response:
         body = await body_of(request)
         if body.get("method") != UPDATE_METHOD:
-            raise APIError(400, f"This engine runs only {UPDATE_METHOD!r}, not {body.get('method')!r}.")
+            raise APIError(
+                400, f"This engine runs only {UPDATE_METHOD!r}, not {body.get('method')!r}."
+            )
         args = body.get("args") or []
         if len(args) != 1:
             raise APIError(400, f"{UPDATE_METHOD} takes one argument: a safetensors path.")
@@ -139,7 +141,9 @@ def launch_engine_server(
     ]
     if threads:
         args += ["--threads", str(threads)]
-    log_file = Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="engine-", suffix=".log")[1])
+    log_file = (
+        Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="engine-", suffix=".log")[1])
+    )
     with open(log_file, "ab") as log:
         process = subprocess.Popen(
             args,

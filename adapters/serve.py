@@ -116,8 +116,11 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     if args.engine and args.backend != "embedded":
-        print("masenvs serve: --engine serves the embedded engine; drop --backend vllm (a "
-              "vLLM server already is an engine).", file=sys.stderr)
+        print(
+            "masenvs serve: --engine serves the embedded engine; drop --backend vllm (a "
+            "vLLM server already is an engine).",
+            file=sys.stderr,
+        )
         return 2
     try:
         adapters = _pairs(args.adapter, "--adapter")
