@@ -21,6 +21,7 @@ from masenvs.adapters.backends.vllm import VLLMBackend
 from masenvs.adapters.engine_server import launch_engine_server
 from masenvs.adapters.models import load_model, load_tokenizer
 from masenvs.adapters.stack import Stack, start_stack
+from masenvs.traces import TraceStore
 
 ENGINE = {"dtype": "float32", "quantize": "none", "max_batch_size": 8, "threads": 1}
 CHAT = [{"role": "user", "content": "Which way to the goal?"}]
@@ -268,3 +269,71 @@ def test_an_engine_given_by_url_that_dies_stops_with_a_clear_error(tmp_path: Pat
     finally:
         stack.server.stop()
         server.stop()
+
+
+# -- the trainer on a pool of engines ------------------------------------------------------------
+
+
+def train_config(run_dir: Path, *overrides: str):
+    from masenvs.trainer.config import load_config
+
+    return load_config(
+        None,
+        [
+            "model.name=tiny",
+            "model.device=cpu",
+            "lora.rank=4",
+            "optim.warmup_steps=0",
+            "optim.lr=1e-3",
+            f"run_dir={run_dir}",
+            "steps=2",
+            "env.name=plan_path",
+            "env.options={size: 4}",
+            "rollout.branches=2",
+            "rollout.tasks_per_step=2",
+            "rollout.max_rounds=1",
+            "rollout.max_tokens=8",
+            "validation.every=0",
+            "logging.tensorboard=false",
+            "backend.dtype=float32",
+            "backend.quantize=none",
+            "backend.max_batch_size=8",
+            *overrides,
+        ],
+    )
+
+
+def test_training_on_two_engines(tmp_path: Path) -> None:
+    import json
+
+    from rich.console import Console
+
+    from masenvs.trainer.metrics import read_metrics
+    from masenvs.trainer.train import train
+
+    run = tmp_path / "run"
+    train(train_config(run, "distributed.engines.count=2"), console=Console(quiet=True))
+    rows = [r for r in read_metrics(run / "metrics.jsonl") if "time/rollout_s" in r]
+    assert len(rows) == 2
+    report = json.loads((run / "engines.json").read_text())
+    served = {name: e["served"] for name, e in report["engines"].items()}
+    assert sorted(served) == ["engine-0", "engine-1"] and all(served.values()), served
+    assert report["version"] == 2  # both updates went through the pool
+    versions: dict[str, set[int]] = {}
+    for record in TraceStore(run / "traces").calls():
+        versions.setdefault(record.rollout_id, set()).add(record.policy_version)
+    assert versions and all(len(v) == 1 for v in versions.values())  # no rollout mixes
+    assert {v for vs in versions.values() for v in vs} == {0, 1}  # step 2 sampled version 1
+    adapters = sorted((run / "sync").iterdir())
+    assert adapters and all(list(p.glob("v*")) for p in adapters)  # adapter files were pushed
+
+
+def test_a_dead_engine_url_stops_the_run_at_start(tmp_path: Path) -> None:
+    from rich.console import Console
+
+    from masenvs.adapters.stack import StackError
+    from masenvs.trainer.train import train
+
+    cfg = train_config(tmp_path / "run", "distributed.engines.urls=[http://127.0.0.1:9]")
+    with pytest.raises(StackError, match=r"distributed.engines.urls: Cannot reach .*127.0.0.1:9"):
+        train(cfg, console=Console(quiet=True))

@@ -67,7 +67,9 @@ def engine_pools(cfg: TrainConfig, learner: Learner, run_dir: Path) -> Backend:
                 )
             except BackendError as exc:
                 raise StackError(f"distributed.engines.urls: {exc}") from exc
-        return EnginePool(backends, names=list(e.urls), **pool_options)
+        return EnginePool(
+            backends, names=list(e.urls), report=run_dir / "engines.json", **pool_options
+        )
 
     launchers = [
         _launcher(cfg, learner, run_dir, server, i, k * e.count + i, tokenizers[server.model])
@@ -78,11 +80,13 @@ def engine_pools(cfg: TrainConfig, learner: Learner, run_dir: Path) -> Backend:
     pools = []
     for k in range(len(servers)):
         mine = list(range(k * e.count, (k + 1) * e.count))
+        report = "engines.json" if len(servers) == 1 else f"engines-{k}.json"
         pools.append(
             EnginePool(
                 [started[i] for i in mine],
                 restart=[launchers[i][1] if e.restart else None for i in mine],
                 names=[launchers[i][0] for i in mine],
+                report=run_dir / report,
                 **pool_options,
             )
         )

@@ -31,6 +31,7 @@ from masenvs.trainer.captured import captured_samples, write_designs
 from masenvs.trainer.checkpoint import TrainState, load_latest, save_checkpoint
 from masenvs.trainer.config import ConfigError, TrainConfig, save_config
 from masenvs.trainer.dist_learner import make_learner
+from masenvs.trainer.engines import engine_pools, several_engines
 from masenvs.trainer.learner import Learner
 from masenvs.trainer.metrics import MetricsLogger, group_metrics, read_metrics, sample_metrics
 from masenvs.trainer.plots import plot_curves
@@ -363,7 +364,9 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
             "dtype": cfg.backend.dtype,
             "quantize": cfg.backend.quantize,
         }
-        if cfg.backend.kind == "embedded":  # one engine per base (or per trained model)
+        if several_engines(cfg):  # distributed.engines: replicas behind pools
+            backend = engine_pools(cfg, learner, run_dir)
+        elif cfg.backend.kind == "embedded":  # one engine per base (or per trained model)
             backend = training_backend(learner, **engine)
         else:  # the servers at vllm_url, or ones started here (stopped by stack.close)
             backend = vllm_backend(cfg, learner, run_dir)

@@ -31,10 +31,12 @@ import collections
 import contextlib
 import contextvars
 import dataclasses
+import json
 import threading
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 from masenvs.adapters.backends.base import (
@@ -83,6 +85,7 @@ class EnginePool:
         allow_mixed_versions: bool = False,
         max_restarts: int = 3,
         update_timeout: float = 600.0,
+        report: str | Path | None = None,
     ) -> None:
         if not engines:
             raise BackendError("A pool of engines needs at least one engine.")
@@ -98,6 +101,7 @@ class EnginePool:
         self.allow_mixed_versions = allow_mixed_versions
         self.max_restarts = max_restarts
         self.update_timeout = update_timeout  # seconds an update or a waiting call may wait
+        self.report = Path(report) if report is not None else None  # stats JSON at shutdown
         self.version = 0
         self.failure: BackendError | None = None  # set when the pool cannot go on
         self.name = getattr(engines[0], "name", type(engines[0]).__name__)
@@ -203,7 +207,9 @@ class EnginePool:
         await asyncio.gather(*(e.backend.close() for e in self.engines), return_exceptions=True)
 
     def shutdown(self) -> None:
-        """Stop every replica (and the servers the pool started)."""
+        """Stop every replica (and the servers the pool started); write the report if asked."""
+        if self.report is not None:
+            self.report.write_text(json.dumps(self.stats(), indent=1) + "\n")
         for engine in self.engines:
             shutdown = getattr(engine.backend, "shutdown", None)
             if shutdown is not None:
@@ -454,6 +460,15 @@ class EnginePool:
         await asyncio.gather(*(one(e, b) for e, b in targets))
 
     # ---- what tests and benchmarks read ------------------------------------------------------
+
+    def stats(self) -> dict[str, Any]:
+        """Per engine: calls served, restarts, state; and the version served last."""
+        with self._lock:
+            engines = {
+                e.name: {"served": e.served, "restarts": e.restarts, "state": e.state}
+                for e in self.engines
+            }
+        return {"version": self.version, "affinity": self.affinity, "engines": engines}
 
     def pinned(self, rollout_id: str) -> str | None:
         """The engine a rollout's calls go to, if it is pinned."""
