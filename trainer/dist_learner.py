@@ -304,6 +304,7 @@ def _rank_main(
     """A rank's life: join the process group, build the learner, serve calls until 'close'."""
     try:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+        torch.manual_seed(cfg.seed * 1_000 + rank)  # dropout masks: seeded, and per rank
         if backend == "nccl":
             torch.cuda.set_device(rank)
         timeout = timedelta(seconds=cfg.distributed.learner.timeout)
