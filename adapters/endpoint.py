@@ -122,6 +122,7 @@ class Endpoint:
         default_max_tokens: int = 512,
         tool_parser: str | None = "auto",
         backend_name: str | None = None,
+        engine: bool = False,
     ) -> None:
         self.backend = backend
         self.store = store
@@ -136,6 +137,7 @@ class Endpoint:
         self._tools_unseen = tool_parser == "auto" and self._tool_parser is None
         self._warned_tools: set[str] = set()  # agents told their tools go nowhere
         self._token_text = TokenText(backend.decode)
+        self._id_text = lambda token_id: f"token_id:{token_id}"
         self._metadata: dict[str, dict[str, Any]] = {}
         self._counters: dict[tuple[str | None, str, str | None], int] = {}
         self._counter_lock = threading.Lock()
@@ -150,6 +152,10 @@ class Endpoint:
                 ),
             ]
         routes.append(Route("/health", self._health))
+        if engine:  # an engine server: vLLM's adapter and weight routes (VLLMBackend drives it)
+            from masenvs.adapters.engine_server import engine_routes
+
+            routes += engine_routes(self)
         self._router = Router(routes, default=self._not_found)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -166,6 +172,9 @@ class Endpoint:
         later calls under its id get a 409 error and no record (a timed-out workflow run
         whose thread is still going must not add calls to the trace)."""
         self._metadata.pop(rollout_id, None)
+        forget = getattr(self.backend, "end_rollout", None)  # a pool of engines unpins it
+        if forget is not None:
+            forget(rollout_id)
         with self._counter_lock:
             for key in [k for k in self._counters if k[0] == rollout_id]:
                 del self._counters[key]
@@ -282,6 +291,10 @@ class Endpoint:
             model,
         )
 
+    def _texts(self, body: Any) -> Any:
+        """How logprob tokens are written: their text, or "token_id:<id>" (vLLM's extra)."""
+        return self._id_text if body.return_tokens_as_token_ids else self._token_text
+
     def _available(self) -> set[str]:
         return {*self.backend.model_names(), *self.served_model_names, BASE}
 
@@ -317,6 +330,7 @@ class Endpoint:
             agent, generate.chat_template_kwargs
         )
         rollout_id = request.path_params.get("rollout_id")
+        generate.affinity = rollout_id
         call = _Call(
             id=f"chatcmpl-{uuid.uuid4().hex}",
             kind="chat",
@@ -357,7 +371,7 @@ class Endpoint:
                     completion.logprobs,
                     completion.top_logprobs,
                     body.top_logprobs or 0,
-                    self._token_text,
+                    self._texts(body),
                 )
             if body.return_token_ids:
                 choice["token_ids"] = completion.token_ids
@@ -381,6 +395,7 @@ class Endpoint:
         model = self._resolve(agent)
         generate = body.to_generate(self._backend_model(model))
         rollout_id = request.path_params.get("rollout_id")
+        generate.affinity = rollout_id
         call = _Call(
             id=f"cmpl-{uuid.uuid4().hex}",
             kind="completion",
@@ -414,7 +429,7 @@ class Endpoint:
                     completion.logprobs,
                     completion.top_logprobs,
                     body.logprobs,
-                    self._token_text,
+                    self._texts(body),
                 )
             if body.return_token_ids:
                 # vLLM puts both id lists on each completions choice.
@@ -535,7 +550,7 @@ class Endpoint:
                     event.logprobs,
                     event.top_logprobs,
                     body.top_logprobs or 0,
-                    self._token_text,
+                    self._texts(body),
                 )
             if body.return_token_ids:
                 choice["token_ids"] = event.token_ids
@@ -610,7 +625,7 @@ class Endpoint:
                     event.logprobs,
                     event.top_logprobs,
                     body.logprobs,
-                    self._token_text,
+                    self._texts(body),
                     offsets[event.index],
                 )
             offsets[event.index] += len(event.text)
@@ -664,7 +679,9 @@ class Endpoint:
             stream=call.stream,
             backend=self.backend_name,
             tokenizer_id=self._tokenizer_id,
-            policy_version=self.policy_version,
+            policy_version=self.policy_version
+            if generation.policy_version is None
+            else generation.policy_version,
             started_at=call.started_at,
             finished_at=time.time(),
             metadata=self._metadata.get(call.rollout_id, {}) if call.rollout_id else {},

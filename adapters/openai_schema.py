@@ -79,6 +79,8 @@ class _Request(BaseModel):
     stream: bool = False
     stream_options: dict[str, Any] | None = None
     return_token_ids: bool = False
+    # vLLM's extra: logprob tokens written "token_id:<id>" (what VLLMBackend asks for).
+    return_tokens_as_token_ids: bool = False
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
     best_of: int | None = None

@@ -70,6 +70,17 @@ def build_parser() -> argparse.ArgumentParser:
         help="fsync each trace record (survives power loss, not only a killed process)",
     )
     parser.add_argument("--device", default="cpu", help="embedded backend: cpu or cuda")
+    parser.add_argument(
+        "--engine",
+        action="store_true",
+        help="serve the embedded engine as an engine server: vLLM's run-time routes "
+        "(/v1/load_lora_adapter, /collective_rpc weight updates) on, unknown model names "
+        "rejected; a pool of engines (distributed.engines) drives it like a vLLM server",
+    )
+    parser.add_argument(
+        "--max-batch-size", type=int, default=32, help="embedded engine: sequences decoded together"
+    )
+    parser.add_argument("--threads", type=int, help="embedded engine: torch threads")
     add_engine_arguments(parser)
     parser.add_argument("--log-level", default="warning")
     return parser
@@ -101,6 +112,13 @@ def main(argv: list[str] | None = None) -> int:
             f"masenvs serve: refusing to listen on {args.host} without an API key; anyone who "
             "can reach this machine could use the model. Pass --api-key KEY (or set "
             "MASENVS_API_KEY), or bind to 127.0.0.1.",
+            file=sys.stderr,
+        )
+        return 2
+    if args.engine and args.backend != "embedded":
+        print(
+            "masenvs serve: --engine serves the embedded engine; drop --backend vllm (a "
+            "vLLM server already is an engine).",
             file=sys.stderr,
         )
         return 2
@@ -143,7 +161,13 @@ def _make_backend(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[A
         return backend, launched
 
     try:
-        backend = make_backend(args.model, device=args.device, **engine_options(args))
+        backend = make_backend(
+            args.model,
+            device=args.device,
+            max_batch_size=args.max_batch_size,
+            num_threads=args.threads,
+            **engine_options(args),
+        )
     except StackError as exc:
         raise ValueError(str(exc)) from exc
     for name, path in adapters.items():
@@ -175,8 +199,11 @@ def _serve(args: argparse.Namespace, backend: Any, routes: dict[str, str]) -> in
         if args.traces
         else None
     )
-    policy_map = PolicyMap(routes, default=None if args.unknown_agents == "reject" else "base")
-    app = create_app(backend, store=store, policy_map=policy_map, api_key=args.api_key)
+    reject = args.unknown_agents == "reject" or args.engine  # an engine never falls back
+    policy_map = PolicyMap(routes, default=None if reject else "base")
+    app = create_app(
+        backend, store=store, policy_map=policy_map, api_key=args.api_key, engine=args.engine
+    )
     family = socket.AF_INET6 if ":" in args.host else socket.AF_INET
     # IPPROTO_TCP explicitly: asyncio turns Nagle off (TCP_NODELAY) only for sockets
     # whose proto says TCP; without it each JSON response waits ~40 ms for a delayed ACK.

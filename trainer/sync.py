@@ -13,6 +13,7 @@ connects to) as many as the policies need and puts a `RouterBackend` in front, a
 
 from __future__ import annotations
 
+import contextlib
 import shutil
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -53,6 +54,7 @@ class WeightSync:
         self.full = learner.cfg.policy.finetune == "full"
         self.routed = isinstance(backend, RouterBackend)
         targets = backend.backends if isinstance(backend, RouterBackend) else [backend]
+        self._targets = targets
         if self.full:  # in place into an engine that takes whole weights, else via files
             self.in_place = all(hasattr(b, "set_base_weights") for b in targets)
         else:
@@ -75,7 +77,19 @@ class WeightSync:
         return "base" if self.full and not self.in_place and not self.routed else policy
 
     async def push(self, version: int) -> None:
-        """Send every policy's weights; `version` names the files of a server sync."""
+        """Send every policy's weights; `version` names the files of a server sync.
+
+        Behind pools of engines (distributed.engines) the push is one update per pool: it
+        runs between steps, once the step's rollouts have returned, so it ends them there;
+        calls wait while it is applied and then record `version`."""
+        pools = [b for b in self._targets if hasattr(b, "updating")]
+        async with contextlib.AsyncExitStack() as updates:
+            for pool in pools:
+                pool.end_rollouts()  # type: ignore[attr-defined]
+                await updates.enter_async_context(pool.updating(version))  # type: ignore[attr-defined]
+            await self._push(version)
+
+    async def _push(self, version: int) -> None:
         if self.full:
             await self._push_full(version)
             return

@@ -30,6 +30,8 @@ from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.captured import captured_samples, write_designs
 from masenvs.trainer.checkpoint import TrainState, load_latest, save_checkpoint
 from masenvs.trainer.config import ConfigError, TrainConfig, save_config
+from masenvs.trainer.dist_learner import make_learner
+from masenvs.trainer.engines import engine_pools, several_engines
 from masenvs.trainer.learner import Learner
 from masenvs.trainer.metrics import MetricsLogger, group_metrics, read_metrics, sample_metrics
 from masenvs.trainer.plots import plot_curves
@@ -347,7 +349,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
         )  # a misspelt agents.<name> fails here, before models load
 
     with console.status(f"loading {cfg.model.name} for the learner"):
-        learner = Learner(cfg, agents)
+        learner = make_learner(cfg, agents)  # in this process, or on learner ranks
     state = TrainState(step=0, next_task_seed=cfg.env.seed_start)
     checkpoint = load_latest(run_dir) if cfg.checkpoint.resume else None
     if checkpoint is not None:
@@ -362,7 +364,9 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
             "dtype": cfg.backend.dtype,
             "quantize": cfg.backend.quantize,
         }
-        if cfg.backend.kind == "embedded":  # one engine per base (or per trained model)
+        if several_engines(cfg):  # distributed.engines: replicas behind pools
+            backend = engine_pools(cfg, learner, run_dir)
+        elif cfg.backend.kind == "embedded":  # one engine per base (or per trained model)
             backend = training_backend(learner, **engine)
         else:  # the servers at vllm_url, or ones started here (stopped by stack.close)
             backend = vllm_backend(cfg, learner, run_dir)
@@ -402,6 +406,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     finally:
         metrics.close()
         stack.close()
+        getattr(learner, "close", lambda: None)()  # a distributed learner's ranks stop
     plot = plot_curves(
         run_dir / "metrics.jsonl", run_dir / "curves.png", title=f"{cfg.env.name}: AT-GRPO"
     )

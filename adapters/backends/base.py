@@ -46,6 +46,9 @@ class GenerateRequest:
     tools: list[dict[str, Any]] | None = None
     prompt: str | list[int] | None = None
     chat_template_kwargs: dict[str, Any] = field(default_factory=dict)
+    # Calls with the same affinity (the endpoint puts the rollout id here) may be kept on
+    # one engine by a pool of engines, so a rollout's prefix stays cached there.
+    affinity: str | None = None
 
 
 @dataclass
@@ -67,6 +70,9 @@ class Generation:
     prompt_token_ids: list[int]
     completions: list[Completion]
     model: str
+    # The weights' version that sampled it, when the backend knows (a pool of engines does);
+    # None: the endpoint records its own `policy_version`.
+    policy_version: int | None = None
 
 
 @dataclass

@@ -110,6 +110,11 @@ class RouterBackend:
     async def close(self) -> None:
         await asyncio.gather(*(b.close() for b in self.backends))
 
+    def end_rollout(self, rollout_id: str) -> None:
+        """Tell pools of engines behind the router that `rollout_id` ended."""
+        for backend in self.backends:
+            getattr(backend, "end_rollout", lambda _: None)(rollout_id)
+
     # ---- in-place weight updates (the trainer's sync), forwarded by name --------------------
 
     def add_adapter(self, name: str, state_dict: Mapping[str, Tensor], **lora: Any) -> None:

@@ -1,0 +1,114 @@
+"""The engine pool's overhead per call: p50 of one call straight to a backend vs through an
+`EnginePool` of two replicas of it.
+
+    .venv/bin/python bench/scale_router.py            # zero-cost backend: the pool's own cost
+    .venv/bin/python bench/scale_router.py --engines  # also: two tiny engine servers over HTTP
+
+`router_overhead()` returns the figures (microseconds) for bench/scale.py to print.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import statistics
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+from masenvs.adapters.backends.base import (
+    Completion,
+    GenerateRequest,
+    Generation,
+    SamplingParams,
+    StreamDelta,
+)
+from masenvs.adapters.backends.pool import EnginePool
+
+
+class ZeroCostBackend:
+    """Answers at once with one token: what is left to time is the caller's own work."""
+
+    name = "zero-cost"
+
+    async def generate(self, request: GenerateRequest) -> Generation:
+        return Generation([1, 2, 3], [Completion([4], "x", [-0.1], "length")], request.model)
+
+    async def stream(self, request: GenerateRequest) -> AsyncIterator[StreamDelta | Generation]:
+        yield await self.generate(request)
+
+    def model_names(self) -> list[str]:
+        return ["zero"]
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "x" * len(token_ids)
+
+    def tokenizer_id(self) -> str:
+        return "zero"
+
+    async def load_adapter(self, name: str, path: str) -> None:
+        return None
+
+    async def close(self) -> None:
+        return None
+
+
+async def _p50_us(backend: Any, calls: int, rollouts: int) -> float:
+    request = GenerateRequest("", SamplingParams(max_tokens=1, seed=0), prompt="hi")
+    times = []
+    for k in range(calls):
+        request.affinity = f"r{k % rollouts}"
+        started = time.perf_counter()
+        await backend.generate(request)
+        times.append(time.perf_counter() - started)
+    return statistics.median(times[calls // 10 :]) * 1e6  # the first tenth warms up
+
+
+def router_overhead(calls: int = 20000, rollouts: int = 64) -> dict[str, float]:
+    """p50 microseconds per call: direct, through a 2-replica pool, and the difference."""
+    one = ZeroCostBackend()
+    pool = EnginePool([ZeroCostBackend(), ZeroCostBackend()])
+    direct = asyncio.run(_p50_us(one, calls, rollouts))
+    pooled = asyncio.run(_p50_us(pool, calls, rollouts))
+    return {"direct_p50_us": direct, "pool_p50_us": pooled, "overhead_p50_us": pooled - direct}
+
+
+def engine_overhead(calls: int = 200) -> dict[str, float]:
+    """The same over HTTP: one `masenvs serve --engine` on the tiny model, max_tokens 1."""
+    from masenvs.adapters.backends.vllm import VLLMBackend
+    from masenvs.adapters.engine_server import launch_engine_server
+
+    servers = [
+        launch_engine_server("tiny", dtype="float32", quantize="none", threads=1) for _ in range(2)
+    ]
+    try:
+        direct_backend = VLLMBackend(servers[0].url, tokenizer="tiny")
+        pool = EnginePool([VLLMBackend(s.url, tokenizer=direct_backend.tokenizer) for s in servers])
+
+        async def measure() -> tuple[float, float]:
+            direct = await _p50_us(direct_backend, calls, 16)
+            pooled = await _p50_us(pool, calls, 16)
+            await direct_backend.close()
+            await pool.close()
+            return direct, pooled
+
+        direct, pooled = asyncio.run(measure())
+    finally:
+        for server in servers:
+            server.stop()
+    return {"direct_p50_us": direct, "pool_p50_us": pooled, "overhead_p50_us": pooled - direct}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--engines", action="store_true", help="also time two engine servers")
+    args = parser.parse_args()
+    out = {"zero_cost": router_overhead()}
+    if args.engines:
+        out["tiny_engine_http"] = engine_overhead()
+    print(json.dumps({k: {n: round(v, 1) for n, v in d.items()} for k, d in out.items()}))
+
+
+if __name__ == "__main__":
+    main()
