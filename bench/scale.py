@@ -5,11 +5,13 @@ One embedded engine serves the capture endpoint in this process, as in training.
 plays the same task seeds as tree rollouts (`collect_tree_batch`, K branches per turn), at
 the same total concurrency (`rollout.concurrency` is split over the workers), repeats
 interleaved so drift hits every mode alike; the table shows medians. Worker start-up is
-timed apart and not counted. The router rows time `RouterBackend.generate` against the
-backend's own `generate` on a backend that answers at once, so only the routing is measured.
+timed apart and not counted. The router line times a call through the `EnginePool` of two
+replicas (the router in front of several engines, `bench/scale_router.py`) against the same
+call straight to one, on a backend that answers at once, so only the routing is measured.
 
     python bench/scale.py                          # tiny model, 16 tasks, 3 repeats
     python bench/scale.py --model smollm2-135m --tasks 8 --max-tokens 24
+    python bench/scale.py --workers                # the router line only
 """
 
 from __future__ import annotations
@@ -20,14 +22,12 @@ import platform
 import statistics
 import subprocess
 import time
-from typing import Any
 
 import ray
 from rich.console import Console
 from rich.table import Table
+from scale_router import router_overhead  # bench/ is this script's import path
 
-from masenvs.adapters.backends.base import Completion, GenerateRequest, Generation, SamplingParams
-from masenvs.adapters.backends.router import Route, RouterBackend
 from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.stack import Stack, start_stack
 from masenvs.trainer.config import DistributedConfig, TrainConfig, load_config
@@ -143,6 +143,7 @@ def rollout_rows(args: argparse.Namespace, console: Console) -> list[list[str]]:
     for n in args.workers:
         eps = statistics.median(e for e, _ in runs[n])
         tps = statistics.median(t for _, t in runs[n])
+        seconds = sorted(args.tasks / e for e, _ in runs[n])
         rows.append(
             [
                 "in-process" if n == 0 else f"{n} worker{'s' * (n > 1)}",
@@ -150,45 +151,10 @@ def rollout_rows(args: argparse.Namespace, console: Console) -> list[list[str]]:
                 f"{eps:.2f}",
                 f"{tps:.0f}",
                 f"{eps / base:.2f}x",
+                ", ".join(f"{t:.1f}" for t in seconds),
             ]
         )
     return rows
-
-
-class InstantBackend:
-    """Answers at once with a fixed generation: all the time measured is the caller's."""
-
-    name = "instant"
-
-    async def generate(self, request: GenerateRequest) -> Generation:
-        completion = Completion([1, 2, 3, 4], "four", [-0.5] * 4, "length")
-        return Generation([5, 6, 7], [completion], request.model)
-
-    def tokenizer_id(self) -> str:
-        return "instant"
-
-
-def router_overhead(calls: int, blocks: int = 20) -> tuple[float, float]:
-    """Median microseconds per call, direct and through a 2-route `RouterBackend`."""
-    backend: Any = InstantBackend()
-    router = RouterBackend({"plan": Route(backend, "plan_lora"), "tool": Route(backend, "")})
-    request = GenerateRequest("plan", SamplingParams(max_tokens=4), messages=[])
-
-    async def timed(target: Any) -> float:
-        t = time.perf_counter()
-        for _ in range(calls // blocks):
-            await target.generate(request)
-        return (time.perf_counter() - t) / (calls // blocks) * 1e6
-
-    async def run() -> tuple[list[float], list[float]]:
-        direct, routed = [], []
-        for _ in range(blocks):  # alternating blocks: drift hits both alike
-            direct.append(await timed(backend))
-            routed.append(await timed(router))
-        return direct, routed
-
-    direct, routed = asyncio.run(run())
-    return statistics.median(direct), statistics.median(routed)
 
 
 def main() -> None:
@@ -202,25 +168,30 @@ def main() -> None:
     parser.add_argument("--concurrency", type=int, default=8, help="tasks in flight, in all")
     parser.add_argument("--max-batch-size", type=int, default=16)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--workers", type=int, nargs="+", default=[0, 1, 2])
+    parser.add_argument(
+        "--workers", type=int, nargs="*", default=[0, 1, 2], help="0: in-process; none: skip"
+    )
     parser.add_argument("--router-calls", type=int, default=20_000)
     args = parser.parse_args()
     console = Console()
     cpu = cpu_name()
-    rows = rollout_rows(args, console)
-    table = Table(
-        title=f"tree rollouts of {args.env}, {args.model}, {args.tasks} tasks x "
-        f"{args.branches} branches, median of {args.repeats} ({cpu})"
-    )
-    for column in ("episodes run", "worker start s", "episodes/s", "tokens/s", "vs first"):
-        table.add_column(column)
-    for row in rows:
-        table.add_row(*row)
-    console.print(table)
-    direct, routed = router_overhead(args.router_calls)
+    if args.workers:
+        rows = rollout_rows(args, console)
+        table = Table(
+            title=f"tree rollouts of {args.env}, {args.model}, {args.tasks} tasks x "
+            f"{args.branches} branches, median of {args.repeats} ({cpu})"
+        )
+        columns = ("episodes run", "worker start s", "episodes/s", "tokens/s", "vs first")
+        for column in (*columns, "seconds per batch"):
+            table.add_column(column)
+        for row in rows:
+            table.add_row(*row)
+        console.print(table)
+    router = router_overhead(args.router_calls)
     console.print(
-        f"router: {direct:.2f} us/call direct, {routed:.2f} us/call through RouterBackend: "
-        f"{routed - direct:+.2f} us per call ({cpu})"
+        f"router: {router['direct_p50_us']:.1f} us/call direct, {router['pool_p50_us']:.1f} "
+        f"us/call through a 2-engine EnginePool: {router['overhead_p50_us']:+.1f} us per call "
+        f"(p50; {cpu})"
     )
     console.print(
         "note: the engine (torch threads), the endpoint and the workers share this machine's "
