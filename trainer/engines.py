@@ -80,7 +80,10 @@ def engine_pools(cfg: TrainConfig, learner: Learner, run_dir: Path) -> Backend:
     pools = []
     for k in range(len(servers)):
         mine = list(range(k * e.count, (k + 1) * e.count))
-        report = "engines.json" if len(servers) == 1 else f"engines-{k}.json"
+        server = servers[k]
+        report = (
+            "engines.json" if len(servers) == 1 else f"engines-{'+'.join(server.policies)}.json"
+        )
         pools.append(
             EnginePool(
                 [started[i] for i in mine],
