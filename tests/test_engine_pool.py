@@ -226,6 +226,25 @@ def test_no_rollout_straddles_an_update_and_versions_are_recorded(pool, stack) -
     assert versions == {"old": {started}, "new": {started + 1}}
 
 
+def test_allow_mixed_versions_lets_an_update_pass_a_running_rollout(pool, stack) -> None:
+    pool.end_rollouts()
+    chat(stack, "mixed")
+    version = pool.version
+    pool.allow_mixed_versions = True
+    try:
+
+        async def update() -> None:
+            async with pool.updating(version + 1):
+                pass
+
+        asyncio.run(asyncio.wait_for(update(), 10))  # does not wait for "mixed" to end
+        chat(stack, "mixed")
+    finally:
+        pool.allow_mixed_versions = False
+    recorded = [r.policy_version for r in stack.store.calls("mixed")]
+    assert recorded == [version, version + 1]  # each call records the version it ran under
+
+
 def test_full_weights_reach_both_engines(pool, stack, tmp_path: Path) -> None:
     from safetensors.torch import save_file
 

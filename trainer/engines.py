@@ -50,6 +50,11 @@ def engine_pools(cfg: TrainConfig, learner: Learner, run_dir: Path) -> Backend:
         "max_restarts": e.max_restarts,
         "update_timeout": cfg.backend.request_timeout,
     }
+    if cfg.backend.vllm_url:
+        raise StackError(
+            "backend.vllm_url and distributed.engines both say where the engines are; list "
+            "running servers in distributed.engines.urls and leave backend.vllm_url unset"
+        )
     tokenizers = {s.model: load_tokenizer(s.model) for s in servers}  # once, on this thread
     if e.urls:
         if len(servers) > 1:
