@@ -170,6 +170,21 @@ def test_same_seed_gives_the_same_sample_on_either_engine(pool, stack) -> None:
         pool.affinity = "rollout"
 
 
+def test_a_streamed_call_matches_the_whole_one(pool, stack) -> None:
+    whole = chat(stack, "streamed", seed=11)
+    events = client(stack, "streamed").chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=6,
+        seed=11,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    )
+    ids = [i for event in events for c in event.choices for i in c.model_extra["token_ids"]]
+    assert ids == whole["ids"]
+    assert len(engines_of(pool, "streamed")) == 1  # both calls on the rollout's engine
+
+
 def test_an_adapter_update_reaches_both_engines(pool, stack, tmp_path: Path) -> None:
     base = chat(stack, None, seed=3)
     pool.end_rollouts()  # the earlier tests' rollouts are over: the update need not wait
