@@ -96,17 +96,20 @@ async def run_episode(
         actions=actions_log,
     )
     if store is not None:
-        store.append(
-            EpisodeRecord(
-                rollout_id=rollout_id,
-                task_id=f"{env.name}:{seed}",
-                env=env.name,
-                rewards=result.rewards,
-                success=result.success,
-                extra={"rounds": result.rounds, "seed": seed, "error": error},
-            )
-        )
+        store.append(episode_record(result))
     return result
+
+
+def episode_record(result: EpisodeResult) -> EpisodeRecord:
+    """The trace store's record of an episode (written here, or by the trainer for a worker's)."""
+    return EpisodeRecord(
+        rollout_id=result.rollout_id,
+        task_id=f"{result.env}:{result.seed}",
+        env=result.env,
+        rewards=result.rewards,
+        success=result.success,
+        extra={"rounds": result.rounds, "seed": result.seed, "error": result.error},
+    )
 
 
 async def run_episodes(

@@ -5,6 +5,9 @@
             adapters/<policy>/adapter_config.json, adapter_model.safetensors   (peft / vLLM)
             models/<policy>/config.json, model.safetensors, tokenizer   (full fine-tuning)
             learner.pt     optimizer states per policy + LR schedule position
+            sharded/       instead of learner.pt, from a distributed learner: each rank's
+                           shards of trainable weights and AdamW states (torch DCP), the
+                           schedule position (learner.json) and each rank's RNG
             rng.pt         torch CPU (and CUDA) generator states
             rng.json       python and numpy generator states
             state.json     step, next task seed, extra loop state
@@ -37,6 +40,7 @@ CHECKPOINTS = "checkpoints"
 ADAPTERS = "adapters"  # LoRA: one peft directory per policy
 MODELS = "models"  # full fine-tuning: one Hugging Face model directory per trained policy
 LATEST = "latest"
+SHARDED = "sharded"  # a distributed learner's DCP shards (any world size reads them)
 _PREFIX = "step_"
 
 
@@ -64,7 +68,15 @@ class Checkpoint:
                     learner.load_model(policy, self.path / MODELS / policy)
             else:
                 learner.load_adapter(policy, self.path / ADAPTERS / policy)
-        learner.load_state_dict(torch.load(self.path / "learner.pt", weights_only=True))
+        if (self.path / SHARDED).is_dir():  # written by a distributed learner
+            if getattr(learner, "sharded", False):
+                learner.load_sharded(self.path / SHARDED)  # type: ignore[attr-defined]
+            else:
+                from masenvs.trainer.dist_learner import load_sharded_optimizers
+
+                load_sharded_optimizers(learner, self.path / SHARDED)
+        else:
+            learner.load_state_dict(torch.load(self.path / "learner.pt", weights_only=True))
         _set_rng(self.path)
         return self.state
 
@@ -94,7 +106,10 @@ def save_checkpoint(
                     learner.save_model(policy, tmp / MODELS / policy)
             else:
                 learner.save_adapter(policy, tmp / ADAPTERS / policy)
-        torch.save(learner.state_dict(), tmp / "learner.pt")
+        if getattr(learner, "sharded", False):  # each rank writes its own shards
+            learner.save_sharded(tmp / SHARDED)  # type: ignore[attr-defined]
+        else:
+            torch.save(learner.state_dict(), tmp / "learner.pt")
         _save_rng(tmp)
         if config is not None:
             (tmp / "config.yaml").write_text(config_yaml(config))

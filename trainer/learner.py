@@ -334,23 +334,15 @@ class Learner:
         frozen = any(s is not None and s.freeze for s in settings)
         lr = next((s.lr for s in settings if s is not None and s.lr), self.cfg.optim.lr)
         if self.full:
-            params = list(model.parameters())  # tied embeddings appear once
             model.requires_grad_(not frozen)
-        else:
-            params = []
-            for module in model.modules():
-                if isinstance(module, LoraLayer) and name in module.lora_A:
-                    params += list(module.lora_A[name].parameters())
-                    params += list(module.lora_B[name].parameters())
-            if not params:
-                raise ValueError(
-                    f"LoRA target_modules {self.cfg.lora.target_modules!r} matched no layer "
-                    f"of {base_name}"
-                )
+        params = self._trainable_params(model, name)
+        if not params:
+            raise ValueError(
+                f"LoRA target_modules {self.cfg.lora.target_modules!r} matched no layer "
+                f"of {base_name}"
+            )
         opt = self.cfg.optim
-        optimizer = torch.optim.AdamW(
-            params, lr=lr, betas=opt.betas, eps=opt.adam_eps, weight_decay=opt.weight_decay
-        )
+        optimizer = self._optimizer(params, lr)
         causal_lm = _causal_lm(model)
         if opt.gradient_checkpointing:
             # Non-reentrant: works with a frozen base (LoRA) and keeps dropout masks exact.
@@ -362,6 +354,23 @@ class Learner:
         share = opt.share_prompts and _custom_mask_ok(causal_lm.config)
         self.policies[name] = Policy(
             name, model, params, optimizer, base_name, share, lr, frozen, reference
+        )
+
+    def _trainable_params(self, model: Any, name: str) -> list[torch.nn.Parameter]:
+        """The parameters policy `name` trains: its LoRA matrices, or the whole model."""
+        if self.full:
+            return list(model.parameters())  # tied embeddings appear once
+        params = []
+        for module in model.modules():
+            if isinstance(module, LoraLayer) and name in module.lora_A:
+                params += list(module.lora_A[name].parameters())
+                params += list(module.lora_B[name].parameters())
+        return params
+
+    def _optimizer(self, params: list[torch.nn.Parameter], lr: float) -> torch.optim.AdamW:
+        opt = self.cfg.optim
+        return torch.optim.AdamW(
+            params, lr=lr, betas=opt.betas, eps=opt.adam_eps, weight_decay=opt.weight_decay
         )
 
     def policy_of(self, agent: str) -> str:

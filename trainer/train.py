@@ -22,7 +22,7 @@ from rich.console import Console
 
 from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.policy_map import PolicyMap
-from masenvs.adapters.rollout import run_episodes
+from masenvs.adapters.rollout import EpisodeResult, episode_record, run_episodes
 from masenvs.adapters.stack import Stack, start_stack, with_endpoint
 from masenvs.env import MASEnv
 from masenvs.registry import make
@@ -30,6 +30,7 @@ from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.captured import captured_samples, write_designs
 from masenvs.trainer.checkpoint import TrainState, load_latest, save_checkpoint
 from masenvs.trainer.config import ConfigError, TrainConfig, save_config
+from masenvs.trainer.dist_learner import make_learner
 from masenvs.trainer.engines import engine_pools, several_engines
 from masenvs.trainer.learner import Learner
 from masenvs.trainer.metrics import MetricsLogger, group_metrics, read_metrics, sample_metrics
@@ -134,26 +135,38 @@ class TreeSource:
             api_key=stack.api_key or "masenvs",
         )
         self.last_errors: list[str] = []  # the last step's failed tasks, for an empty step
+        self.pool = None
+        if cfg.distributed.rollout_workers:  # episodes run in Ray actors (trainer/workers.py)
+            from masenvs.trainer.workers import RolloutPool, worker_spec
+
+            policies = {agent: learner.policy_of(agent) for agent in learner.agents}
+            spec = worker_spec(cfg, stack, self.policy, policies, env_options(cfg))
+            self.pool = RolloutPool(spec, cfg.distributed)
 
     async def collect(self, step: int, seeds: list[int]) -> tuple[list[Sample], dict[str, float]]:
         cfg = self.cfg
         started = time.time()
-        results = await collect_tree_batch(
-            self.make_env,
-            seeds,
-            self.policy,
-            branches=cfg.rollout.branches,
-            policy_of=self.learner.policy_of,
-            select_by=cfg.rollout.select_by,
-            rollout_prefix=f"s{step}",
-            concurrency=cfg.rollout.concurrency,
-        )
+        if self.pool is not None:
+            results = await asyncio.to_thread(self.pool.tree, f"s{step}", seeds)
+        else:
+            results = await collect_tree_batch(
+                self.make_env,
+                seeds,
+                self.policy,
+                branches=cfg.rollout.branches,
+                policy_of=self.learner.policy_of,
+                select_by=cfg.rollout.select_by,
+                rollout_prefix=f"s{step}",
+                concurrency=cfg.rollout.concurrency,
+            )
         for r in results:
             if r.error:
                 log.warning("task %s dropped from step %d: %s", r.task_id, step, r.error)
         self.last_errors = [r.error for r in results if r.error]
         samples = [s for r in results for s in r.samples]
         metrics = rollout_metrics(results)
+        if self.pool is not None:
+            metrics.update(self.pool.metrics())
         captured = [(r.task_id, c) for r in results for c in r.captured]
         if captured and self.stack.store is not None:
             samples += captured_samples(
@@ -179,6 +192,16 @@ class TreeSource:
     async def validate(self, step: int) -> dict[str, float]:
         cfg = self.cfg
         sampling = Sampling(cfg.validation.temperature, 1.0, 0, cfg.rollout.max_tokens, cfg.seed)
+        if self.pool is not None:
+            agents = agent_sampling(cfg, self.learner.agents, validation=True)
+            seeds = list(cfg.validation_seeds())
+            results = await asyncio.to_thread(
+                self.pool.episodes, f"val{step}", seeds, sampling, agents
+            )
+            for r in results:  # workers have no store: the episodes are recorded here
+                if self.stack.store is not None:
+                    self.stack.store.append(episode_record(r))
+            return validation_metrics(results) | self.pool.metrics("val")
         policy = ChatPolicy(
             self.stack.root_url,
             sampling=sampling,
@@ -197,14 +220,20 @@ class TreeSource:
             )
         finally:
             await policy.aclose()
-        out = {"val/success": sum(r.success for r in results) / len(results)}
-        for agent in sorted({a for r in results for a in r.rewards}):
-            rewards = [r.rewards.get(agent, 0.0) for r in results]
-            out[f"val/reward/{agent}"] = sum(rewards) / len(rewards)
-        return out
+        return validation_metrics(results)
 
     async def aclose(self) -> None:
+        if self.pool is not None:
+            self.pool.close()
         await self.policy.aclose()
+
+
+def validation_metrics(results: list[EpisodeResult]) -> dict[str, float]:
+    out = {"val/success": sum(r.success for r in results) / len(results)}
+    for agent in sorted({a for r in results for a in r.rewards}):
+        rewards = [r.rewards.get(agent, 0.0) for r in results]
+        out[f"val/reward/{agent}"] = sum(rewards) / len(rewards)
+    return out
 
 
 class WorkflowSource:
@@ -233,9 +262,28 @@ class WorkflowSource:
         for name, agent in self.spec.agent_map.items():  # a mapped name samples as its agent
             self.settings.agents[name] = self.settings.agents[agent]
             self.val_settings.agents[name] = self.val_settings.agents[agent]
+        self.pool = None
+        if cfg.distributed.rollout_workers:  # the program runs in Ray actors (trainer/workers.py)
+            from masenvs.trainer.workers import RolloutPool, workflow_worker_spec
+
+            self.pool = RolloutPool(workflow_worker_spec(cfg, stack), cfg.distributed)
 
     async def _runs(self, step, seeds, runs_per_task, settings):
         from masenvs.trainer.workflow import collect_workflow_samples
+
+        if self.pool is not None:
+            from masenvs.trainer.workers import collect_workflow
+
+            policy_of = self.learner.policy_of
+            return await collect_workflow(
+                self.pool,
+                self.stack,
+                step=step,
+                seeds=seeds,
+                runs_per_task=runs_per_task,
+                settings=settings,
+                policy_of=policy_of,
+            )
 
         return await collect_workflow_samples(
             self.spec,
@@ -260,7 +308,8 @@ class WorkflowSource:
         check_unknown_agents(self.stack.endpoint.policy_map, runs)  # before any update
         self.last_runs = runs
         self.failures.check(runs)  # too many failed runs: stop before training on them
-        return samples, workflow_metrics(runs, samples)
+        metrics = workflow_metrics(runs, samples)
+        return samples, metrics | (self.pool.metrics() if self.pool is not None else {})
 
     def why_no_samples(self) -> str:
         from masenvs.trainer.workflow import why_no_samples
@@ -276,7 +325,8 @@ class WorkflowSource:
         }
 
     async def aclose(self) -> None:
-        pass
+        if self.pool is not None:
+            self.pool.close()
 
 
 def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
@@ -299,7 +349,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
         )  # a misspelt agents.<name> fails here, before models load
 
     with console.status(f"loading {cfg.model.name} for the learner"):
-        learner = Learner(cfg, agents)
+        learner = make_learner(cfg, agents)  # in this process, or on learner ranks
     state = TrainState(step=0, next_task_seed=cfg.env.seed_start)
     checkpoint = load_latest(run_dir) if cfg.checkpoint.resume else None
     if checkpoint is not None:
@@ -335,7 +385,14 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
                     lambda agent: sync.served_as(learner.policy_of(agent)),
                     routes.chat_template_kwargs,
                 )
-            stack = start_stack(backend=backend, traces=run_dir / "traces", policy_map=routes)
+            # Rollout workers on other nodes reach the endpoint at this node's address.
+            remote = cfg.distributed.ray_address and cfg.distributed.rollout_workers
+            stack = start_stack(
+                backend=backend,
+                traces=run_dir / "traces",
+                policy_map=routes,
+                host="0.0.0.0" if remote else "127.0.0.1",
+            )
         except BaseException:
             getattr(backend, "shutdown", lambda: None)()  # a vLLM started here stops too
             raise
@@ -349,6 +406,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     finally:
         metrics.close()
         stack.close()
+        getattr(learner, "close", lambda: None)()  # a distributed learner's ranks stop
     plot = plot_curves(
         run_dir / "metrics.jsonl", run_dir / "curves.png", title=f"{cfg.env.name}: AT-GRPO"
     )
