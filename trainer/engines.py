@@ -33,6 +33,8 @@ from masenvs.trainer.config import TrainConfig
 from masenvs.trainer.learner import Learner
 from masenvs.trainer.sync import _Server, vllm_servers
 
+API_KEY_ENV = "MASENVS_ENGINES_API_KEY"  # the key engines given by URL want, if any
+
 
 def several_engines(cfg: TrainConfig) -> bool:
     """Whether the run serves through pools of engines (engines.count > 1 or engines.urls)."""
@@ -68,7 +70,12 @@ def engine_pools(cfg: TrainConfig, learner: Learner, run_dir: Path) -> Backend:
             try:
                 tokenizer = tokenizers[servers[0].model]
                 backends.append(
-                    VLLMBackend(url, timeout=cfg.backend.request_timeout, tokenizer=tokenizer)
+                    VLLMBackend(
+                        url,
+                        api_key=os.environ.get(API_KEY_ENV),
+                        timeout=cfg.backend.request_timeout,
+                        tokenizer=tokenizer,
+                    )
                 )
             except BackendError as exc:
                 raise StackError(f"distributed.engines.urls: {exc}") from exc
