@@ -158,6 +158,8 @@ class EnginePool:
                     except BackendError as exc:
                         self._check_failed(engine, backend, exc, attempt)
                         continue  # nothing was sent yet: retry on another engine
+                    if isinstance(first, Generation):
+                        first = dataclasses.replace(first, policy_version=version)
                     yield first
                     async for event in events:
                         if isinstance(event, Generation):
