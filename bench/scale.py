@@ -193,6 +193,14 @@ def main() -> None:
         f"us/call through a 2-engine EnginePool: {router['overhead_p50_us']:+.1f} us per call "
         f"(p50; {cpu})"
     )
+    from scale_router import router_overhead as pool_overhead  # bench/ is on sys.path
+
+    pool = pool_overhead(args.router_calls)
+    console.print(
+        f"engine pool: {pool['direct_p50_us']:.2f} us/call direct, {pool['pool_p50_us']:.2f} "
+        f"us/call through a 2-replica EnginePool (p50): {pool['overhead_p50_us']:+.2f} us per "
+        f"call ({cpu})"
+    )
     console.print(
         "note: the engine (torch threads), the endpoint and the workers share this machine's "
         "cores; workers add processes, not cores, so here they can only show their overhead."

@@ -2,7 +2,7 @@
 `EnginePool` of two replicas of it.
 
     .venv/bin/python bench/scale_router.py            # zero-cost backend: the pool's own cost
-    .venv/bin/python bench/scale_router.py --engines  # also: two tiny engine servers over HTTP
+    .venv/bin/python bench/scale_router.py --engines  # also: a tiny engine server over HTTP
 
 `router_overhead()` returns the figures (microseconds) for bench/scale.py to print.
 """
@@ -74,35 +74,40 @@ def router_overhead(calls: int = 20000, rollouts: int = 64) -> dict[str, float]:
     return {"direct_p50_us": direct, "pool_p50_us": pooled, "overhead_p50_us": pooled - direct}
 
 
-def engine_overhead(calls: int = 200) -> dict[str, float]:
-    """The same over HTTP: one `masenvs serve --engine` on the tiny model, max_tokens 1."""
+def engine_overhead(calls: int = 300) -> dict[str, float]:
+    """The same over HTTP to one `masenvs serve --engine` (tiny model, max_tokens 1): calls
+    straight to it and through a pool holding it alternate, so load drifts cancel out."""
     from masenvs.adapters.backends.vllm import VLLMBackend
     from masenvs.adapters.engine_server import launch_engine_server
 
-    servers = [
-        launch_engine_server("tiny", dtype="float32", quantize="none", threads=1) for _ in range(2)
-    ]
+    server = launch_engine_server("tiny", dtype="float32", quantize="none", threads=1)
     try:
-        direct_backend = VLLMBackend(servers[0].url, tokenizer="tiny")
-        pool = EnginePool([VLLMBackend(s.url, tokenizer=direct_backend.tokenizer) for s in servers])
+        direct_backend = VLLMBackend(server.url, tokenizer="tiny")
+        pool = EnginePool([VLLMBackend(server.url, tokenizer=direct_backend.tokenizer)])
 
         async def measure() -> tuple[float, float]:
-            direct = await _p50_us(direct_backend, calls, 16)
-            pooled = await _p50_us(pool, calls, 16)
+            request = GenerateRequest("", SamplingParams(max_tokens=1, seed=0), prompt="hi")
+            times: dict[str, list[float]] = {"direct": [], "pool": []}
+            for k in range(calls):
+                for label, backend in (("direct", direct_backend), ("pool", pool)):
+                    request.affinity = f"r{k % 16}"
+                    started = time.perf_counter()
+                    await backend.generate(request)
+                    times[label].append(time.perf_counter() - started)
             await direct_backend.close()
             await pool.close()
-            return direct, pooled
+            skip = calls // 10
+            return tuple(statistics.median(times[x][skip:]) * 1e6 for x in ("direct", "pool"))
 
         direct, pooled = asyncio.run(measure())
     finally:
-        for server in servers:
-            server.stop()
+        server.stop()
     return {"direct_p50_us": direct, "pool_p50_us": pooled, "overhead_p50_us": pooled - direct}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--engines", action="store_true", help="also time two engine servers")
+    parser.add_argument("--engines", action="store_true", help="also time an engine server")
     args = parser.parse_args()
     out = {"zero_cost": router_overhead()}
     if args.engines:

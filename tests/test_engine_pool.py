@@ -170,6 +170,21 @@ def test_same_seed_gives_the_same_sample_on_either_engine(pool, stack) -> None:
         pool.affinity = "rollout"
 
 
+def test_a_streamed_call_matches_the_whole_one(pool, stack) -> None:
+    whole = chat(stack, "streamed", seed=11)
+    events = client(stack, "streamed").chat.completions.create(
+        model="tiny",
+        messages=CHAT,
+        max_tokens=6,
+        seed=11,
+        stream=True,
+        extra_body={"return_token_ids": True},
+    )
+    ids = [i for event in events for c in event.choices for i in c.model_extra["token_ids"]]
+    assert ids == whole["ids"]
+    assert len(engines_of(pool, "streamed")) == 1  # both calls on the rollout's engine
+
+
 def test_an_adapter_update_reaches_both_engines(pool, stack, tmp_path: Path) -> None:
     base = chat(stack, None, seed=3)
     pool.end_rollouts()  # the earlier tests' rollouts are over: the update need not wait
@@ -224,6 +239,49 @@ def test_no_rollout_straddles_an_update_and_versions_are_recorded(pool, stack) -
         if record.rollout_id in ("old", "new"):
             versions.setdefault(record.rollout_id, set()).add(record.policy_version)
     assert versions == {"old": {started}, "new": {started + 1}}
+
+
+def test_allow_mixed_versions_lets_an_update_pass_a_running_rollout(pool, stack) -> None:
+    pool.end_rollouts()
+    chat(stack, "mixed")
+    version = pool.version
+    pool.allow_mixed_versions = True
+    try:
+
+        async def update() -> None:
+            async with pool.updating(version + 1):
+                pass
+
+        asyncio.run(asyncio.wait_for(update(), 10))  # does not wait for "mixed" to end
+        chat(stack, "mixed")
+    finally:
+        pool.allow_mixed_versions = False
+    recorded = [r.policy_version for r in stack.store.calls("mixed")]
+    assert recorded == [version, version + 1]  # each call records the version it ran under
+
+
+def test_full_weights_reach_both_engines(pool, stack, tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    before = chat(stack, None, seed=5)
+    state = load_model("tiny").model.state_dict()
+    torch.manual_seed(0)
+    name = "model.layers.0.mlp.down_proj.weight"
+    save_file(
+        {name: state[name] + 0.5 * torch.randn_like(state[name])}, str(tmp_path / "w.safetensors")
+    )
+    pool.end_rollouts()
+    asyncio.run(pool.update_weights(tmp_path))
+    pool.affinity = "least_loaded"
+    try:
+        pool.history.clear()
+        after = [chat(stack, None, seed=5) for _ in range(2)]
+        assert {e for _, e in pool.history} == {"engine-0", "engine-1"}
+        assert after[0]["ids"] == after[1]["ids"]
+        assert after[0]["logprobs"] == pytest.approx(after[1]["logprobs"], abs=1e-5)
+        assert after[0]["logprobs"] != pytest.approx(before["logprobs"], abs=1e-3)
+    finally:
+        pool.affinity = "rollout"
 
 
 def test_a_killed_engine_is_restarted_and_calls_go_on(pool, stack) -> None:
@@ -303,7 +361,8 @@ def train_config(run_dir: Path, *overrides: str):
     )
 
 
-def test_training_on_two_engines(tmp_path: Path) -> None:
+@pytest.mark.parametrize("finetune", ["lora", "full"])
+def test_training_on_two_engines(tmp_path: Path, finetune: str) -> None:
     import json
 
     from rich.console import Console
@@ -312,20 +371,24 @@ def test_training_on_two_engines(tmp_path: Path) -> None:
     from masenvs.trainer.train import train
 
     run = tmp_path / "run"
-    train(train_config(run, "distributed.engines.count=2"), console=Console(quiet=True))
+    cfg = train_config(run, "distributed.engines.count=2", f"policy.finetune={finetune}")
+    train(cfg, console=Console(quiet=True))
     rows = [r for r in read_metrics(run / "metrics.jsonl") if "time/rollout_s" in r]
     assert len(rows) == 2
-    report = json.loads((run / "engines.json").read_text())
-    served = {name: e["served"] for name, e in report["engines"].items()}
-    assert sorted(served) == ["engine-0", "engine-1"] and all(served.values()), served
-    assert report["version"] == 2  # both updates went through the pool
+    # One pool per served model: with full fine-tuning each trained policy is one.
+    reports = [json.loads(p.read_text()) for p in sorted(run.glob("engines*.json"))]
+    assert len(reports) == (1 if finetune == "lora" else 2)
+    for report in reports:
+        served = [e["served"] for e in report["engines"].values()]
+        assert len(served) == 2 and all(served), report  # both replicas sampled
+        assert report["version"] == 2  # both updates went through the pool
     versions: dict[str, set[int]] = {}
     for record in TraceStore(run / "traces").calls():
         versions.setdefault(record.rollout_id, set()).add(record.policy_version)
     assert versions and all(len(v) == 1 for v in versions.values())  # no rollout mixes
     assert {v for vs in versions.values() for v in vs} == {0, 1}  # step 2 sampled version 1
-    adapters = sorted((run / "sync").iterdir())
-    assert adapters and all(list(p.glob("v*")) for p in adapters)  # adapter files were pushed
+    pushed = run / "sync" / ("full" if finetune == "full" else "")
+    assert [p.name for p in pushed.glob("*/v*")]  # the weights went to the engines as files
 
 
 def test_a_dead_engine_url_stops_the_run_at_start(tmp_path: Path) -> None:

@@ -33,6 +33,8 @@ from masenvs.trainer.config import TrainConfig
 from masenvs.trainer.learner import Learner
 from masenvs.trainer.sync import _Server, vllm_servers
 
+API_KEY_ENV = "MASENVS_ENGINES_API_KEY"  # the key engines given by URL want, if any
+
 
 def several_engines(cfg: TrainConfig) -> bool:
     """Whether the run serves through pools of engines (engines.count > 1 or engines.urls)."""
@@ -50,6 +52,11 @@ def engine_pools(cfg: TrainConfig, learner: Learner, run_dir: Path) -> Backend:
         "max_restarts": e.max_restarts,
         "update_timeout": cfg.backend.request_timeout,
     }
+    if cfg.backend.vllm_url:
+        raise StackError(
+            "backend.vllm_url and distributed.engines both say where the engines are; list "
+            "running servers in distributed.engines.urls and leave backend.vllm_url unset"
+        )
     tokenizers = {s.model: load_tokenizer(s.model) for s in servers}  # once, on this thread
     if e.urls:
         if len(servers) > 1:
@@ -63,7 +70,12 @@ def engine_pools(cfg: TrainConfig, learner: Learner, run_dir: Path) -> Backend:
             try:
                 tokenizer = tokenizers[servers[0].model]
                 backends.append(
-                    VLLMBackend(url, timeout=cfg.backend.request_timeout, tokenizer=tokenizer)
+                    VLLMBackend(
+                        url,
+                        api_key=os.environ.get(API_KEY_ENV),
+                        timeout=cfg.backend.request_timeout,
+                        tokenizer=tokenizer,
+                    )
                 )
             except BackendError as exc:
                 raise StackError(f"distributed.engines.urls: {exc}") from exc
@@ -80,7 +92,10 @@ def engine_pools(cfg: TrainConfig, learner: Learner, run_dir: Path) -> Backend:
     pools = []
     for k in range(len(servers)):
         mine = list(range(k * e.count, (k + 1) * e.count))
-        report = "engines.json" if len(servers) == 1 else f"engines-{k}.json"
+        server = servers[k]
+        report = (
+            "engines.json" if len(servers) == 1 else f"engines-{'+'.join(server.policies)}.json"
+        )
         pools.append(
             EnginePool(
                 [started[i] for i in mine],

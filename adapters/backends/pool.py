@@ -51,7 +51,10 @@ from masenvs.adapters.backends.base import (
 UNREACHABLE = ("backend_unavailable", "backend_timeout")
 MAX_PINS = 1 << 16  # rollouts remembered for affinity; the oldest are forgotten first
 POLL_S = 0.002
-_IN_UPDATE: contextvars.ContextVar[bool] = contextvars.ContextVar("pool_update", default=False)
+# The pools whose update the current task is applying (their own loads then go straight on).
+_IN_UPDATE: contextvars.ContextVar[frozenset[int]] = contextvars.ContextVar(
+    "pool_updates", default=frozenset()
+)
 
 
 @dataclass
@@ -130,11 +133,12 @@ class EnginePool:
                 try:
                     generation = await backend.generate(request)
                 except BackendError as exc:
+                    failed = exc
+                else:
+                    return dataclasses.replace(generation, policy_version=version)
+                finally:
                     self._done(engine)
-                    self._check_failed(engine, backend, exc, attempt)
-                    continue
-                self._done(engine)
-                return dataclasses.replace(generation, policy_version=version)
+                self._check_failed(engine, backend, failed, attempt)
             raise AssertionError("unreachable")  # _attempts ends by raising
         finally:
             self._release()
@@ -154,6 +158,8 @@ class EnginePool:
                     except BackendError as exc:
                         self._check_failed(engine, backend, exc, attempt)
                         continue  # nothing was sent yet: retry on another engine
+                    if isinstance(first, Generation):
+                        first = dataclasses.replace(first, policy_version=version)
                     yield first
                     async for event in events:
                         if isinstance(event, Generation):
@@ -235,13 +241,13 @@ class EnginePool:
     @contextlib.asynccontextmanager
     async def updating(self, version: int | None = None) -> AsyncIterator[None]:
         """Apply the updates made inside as one: calls wait, then see `version` (if given)."""
-        if _IN_UPDATE.get():
+        if id(self) in _IN_UPDATE.get():
             yield
             if version is not None:
                 self.version = version
             return
         await self._wait(self._update_lock.acquire, "another update to finish", blocking=False)
-        token = _IN_UPDATE.set(True)
+        token = _IN_UPDATE.set(_IN_UPDATE.get() | {id(self)})
         try:
             with self._lock:
                 self._draining = True
