@@ -2,8 +2,9 @@
 
 Same config, same batch (GRPO-like: prompts x completions, 128 + 128 tokens), LoRA on every
 linear layer; `steps` updates each, the first one not timed. Ranks run on gloo on this
-machine's CPU cores (one thread each; the one-process learner uses them all), so the figure
-shows the cost of splitting the batch and the collectives, not a speedup a GPU per rank gives.
+machine's CPU cores (cores / 2 threads each; the one-process learner runs with all cores' threads
+and with one thread, since on a loaded machine spinning OpenMP threads can cost more than they
+give), so the figures show the cost of the split and the collectives, not a GPU's speedup.
 
     python bench/dist_learner.py                       # SmolLM2-135M, 3 steps
     python bench/dist_learner.py --model tiny --steps 2
@@ -16,6 +17,8 @@ import json
 import random
 import statistics
 import time
+
+import torch
 
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import TrainConfig, load_config
@@ -53,8 +56,12 @@ def main() -> None:
     parser.add_argument("--branches", type=int, default=4)
     args = parser.parse_args()
     rows = {}
-    for name, world, sharding in [("1 process", 1, "fsdp"), ("2 ranks fsdp", 2, "fsdp"),
-                                  ("2 ranks ddp", 2, "ddp")]:  # fmt: skip
+    threads = torch.get_num_threads()
+    runs = [(f"1 process, {threads} threads", 1, "fsdp", threads),
+            ("1 process, 1 thread", 1, "fsdp", 1),
+            ("2 ranks fsdp", 2, "fsdp", threads), ("2 ranks ddp", 2, "ddp", threads)]  # fmt: skip
+    for name, world, sharding, n in runs:
+        torch.set_num_threads(n)  # ranks take cores / world_size threads each
         cfg = load_config(
             None,
             [
@@ -74,7 +81,7 @@ def main() -> None:
         finally:
             getattr(learner, "close", lambda: None)()
         rows[name] = statistics.median(times)
-        print(f"{name:14s} update {rows[name]:.2f} s (median of {len(times)})", flush=True)
+        print(f"{name:22s} update {rows[name]:.2f} s (median of {len(times)})", flush=True)
     print(json.dumps({"model": args.model, "tokens": args.prompts * args.branches * 256, **rows}))
 
 
