@@ -375,8 +375,9 @@ def main(argv: list[str] | None = None) -> int:
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
     updates: list[Update] = []
-    learner_class = train_module.Learner
-    train_module.Learner = measured_learner(cfg, shape, updates)
+    make_learner = train_module.make_learner  # one process here: the check times its updates
+    measured = measured_learner(cfg, shape, updates)
+    train_module.make_learner = lambda cfg, agents: measured(cfg, agents)
     sampler = MemorySampler(enabled=on_gpu)
     sampler.start()
     started = time.perf_counter()
@@ -393,7 +394,7 @@ def main(argv: list[str] | None = None) -> int:
         )
         raise
     finally:
-        train_module.Learner = learner_class
+        train_module.make_learner = make_learner
         device_peak = sampler.stop()
         if (run_dir / "metrics.jsonl").is_file():
             out.mkdir(parents=True, exist_ok=True)
