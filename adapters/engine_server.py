@@ -13,20 +13,17 @@ from __future__ import annotations
 
 import asyncio
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import httpx
 from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from masenvs.adapters.backends.vllm import UPDATE_METHOD, VLLMLaunchError, VLLMProcess, _free_port
+from masenvs.adapters.backends.vllm import UPDATE_METHOD, VLLMProcess, _free_port, launch_server
 from masenvs.adapters.openai_schema import APIError
 
 if TYPE_CHECKING:
@@ -144,34 +141,6 @@ def launch_engine_server(
     log_file = (
         Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="engine-", suffix=".log")[1])
     )
-    with open(log_file, "ab") as log:
-        process = subprocess.Popen(
-            args,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            env={**os.environ, **(env or {})},
-            start_new_session=True,
-        )
-    handle = VLLMProcess(process, f"http://{host}:{port}", log_file, args)
-    deadline = time.monotonic() + timeout
-    try:
-        while True:
-            if process.poll() is not None:
-                raise VLLMLaunchError(
-                    f"The engine server for {model} exited with status {process.returncode} "
-                    f"before it was ready. The end of its log ({log_file}):\n{handle.log_tail()}"
-                )
-            try:
-                if httpx.get(f"{handle.url}/health", timeout=2.0).status_code == 200:
-                    return handle
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                raise VLLMLaunchError(
-                    f"The engine server for {model} was not healthy after {timeout:.0f} s; the "
-                    f"end of its log ({log_file}):\n{handle.log_tail()}"
-                )
-            time.sleep(0.2)
-    except BaseException:
-        handle.stop()
-        raise
+    env = {**os.environ, **(env or {})}
+    url = f"http://{host}:{port}"
+    return launch_server(args, env, log_file, url, timeout, f"The engine server for {model}")

@@ -12,6 +12,7 @@ import os
 import stat
 import subprocess
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -29,6 +30,7 @@ from masenvs.adapters.backends.vllm import (
     _Choice,
     check_cpu_model,
     find_vllm,
+    launch_server,
     launch_vllm,
     model_dir,
 )
@@ -519,3 +521,19 @@ def test_when_one_of_several_servers_cannot_start_the_others_stop(tmp_path, monk
     assert started.process is not None and started.process.process.poll() is not None
     assert "--gpu-memory-utilization" in started.process.command  # 0.45 each, on a GPU
     assert sorted(p.name for p in tmp_path.glob("vllm-*.log")) == ["vllm-plan.log", "vllm-tool.log"]
+
+
+def test_a_server_that_dies_or_never_answers_is_a_clear_error_and_is_stopped(
+    tmp_path: Path,
+) -> None:
+    log = tmp_path / "server.log"
+    dies = [sys.executable, "-c", "print('bad flag --foo'); raise SystemExit(3)"]
+    with pytest.raises(VLLMLaunchError, match=r"(?s)Engine X exited with status 3.*bad flag"):
+        launch_server(dies, dict(os.environ), log, "http://127.0.0.1:9", 30, "Engine X")
+    silent = [sys.executable, "-c", "import time; time.sleep(60)"]
+    started = time.monotonic()
+    with pytest.raises(VLLMLaunchError, match="Engine Y was not healthy after 1 s"):
+        launch_server(silent, dict(os.environ), log, "http://127.0.0.1:9", 1, "Engine Y")
+    assert time.monotonic() - started < 20
+    survivors = subprocess.run(["pgrep", "-f", "time.sleep\\(60\\)"], capture_output=True)
+    assert survivors.stdout.strip() == b""  # the half-started server was stopped

@@ -884,35 +884,47 @@ def launch_vllm(
     log_file = (
         Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
     )
+    return launch_server(
+        args, child_env, log_file, f"http://{host}:{port}", timeout, f"vLLM ({install.origin})"
+    )
+
+
+def launch_server(
+    args: list[str], env: dict[str, str], log_file: Path, url: str, timeout: float, what: str
+) -> VLLMProcess:
+    """Start a server process and wait until its /health answers; stop it on any failure.
+
+    `what` names it in errors ("vLLM (...)", "The engine server for ...").
+    """
     with open(log_file, "ab") as log:
         process = subprocess.Popen(
             args,
             stdout=log,
             stderr=subprocess.STDOUT,
-            env=child_env,
-            start_new_session=True,  # so stop() ends vLLM's worker processes too
+            env=env,
+            start_new_session=True,  # so stop() ends the server's worker processes too
         )
-    handle = VLLMProcess(process, f"http://{host}:{port}", log_file, args)
+    handle = VLLMProcess(process, url, log_file, args)
     deadline = time.monotonic() + timeout
     try:
         while True:
             if process.poll() is not None:
                 raise VLLMLaunchError(
-                    f"vLLM ({install.origin}) exited with status {process.returncode} before "
-                    f"it was ready. The end of its log ({log_file}):\n{handle.log_tail()}"
+                    f"{what} exited with status {process.returncode} before it was ready. "
+                    f"The end of its log ({log_file}):\n{handle.log_tail()}"
                 )
             try:
-                if httpx.get(f"{handle.url}/health", timeout=2.0).status_code == 200:
+                if httpx.get(f"{url}/health", timeout=2.0).status_code == 200:
                     return handle
             except httpx.HTTPError:
                 pass
             if time.monotonic() > deadline:
                 raise VLLMLaunchError(
-                    f"vLLM ({install.origin}) was not healthy after {timeout:.0f} s; raise the "
-                    f"launch timeout if the machine is slow. The end of its log "
-                    f"({log_file}):\n{handle.log_tail()}"
+                    f"{what} was not healthy after {timeout:.0f} s; raise the launch timeout "
+                    f"if the machine is slow. The end of its log ({log_file}):\n"
+                    f"{handle.log_tail()}"
                 )
-            time.sleep(0.5)
+            time.sleep(0.2)
     except BaseException:
         handle.stop()  # also on Ctrl-C while waiting: never leave a half-started server
         raise
