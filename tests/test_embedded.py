@@ -345,6 +345,49 @@ def test_identical_prompts_arriving_together_prefill_once(backend: EmbeddedBacke
         assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
 
 
+def test_prompts_sharing_a_prefix_arriving_together_prefill_it_once(
+    backend: EmbeddedBackend,
+) -> None:
+    # A later agent's K branches: one long shared context, then each branch's own answer.
+    context = "The board: " + "wall, floor, " * 20 + "and the goal. The proposal was: "
+    tails = ["up up left", "down right", "left left left down", "right"]
+    before = backend.stats.prefilled_tokens, backend.stats.prefix_hit_tokens
+
+    async def together() -> list[Generation]:
+        with backend._wakeup:  # queued within one decode step, as a tree rollout sends them
+            tasks = [
+                asyncio.create_task(
+                    backend.generate(
+                        chat(
+                            messages=[{"role": "user", "content": context + tail}],
+                            max_tokens=6,
+                            seed=s,
+                            top_logprobs=1,
+                        )
+                    )
+                )
+                for s, tail in enumerate(tails)
+            ]
+            await asyncio.sleep(0.01)
+            assert len(backend._waiting) == len(tails)
+        return await asyncio.gather(*tasks)
+
+    group = run(together())
+    prompts = [g.prompt_token_ids for g in group]
+    shared = min(
+        next(i for i, (a, b) in enumerate(zip(prompts[0], p)) if a != b) for p in prompts[1:]
+    )
+    assert shared > 60
+    ran = backend.stats.prefilled_tokens - before[0]
+    reused = backend.stats.prefix_hit_tokens - before[1]
+    assert ran + reused == sum(map(len, prompts))
+    assert ran <= sum(map(len, prompts)) - (len(prompts) - 1) * shared
+    for generation in group:  # each tail ran on the real prefix's KV
+        completion = generation.completions[0]
+        expected = raw_logprobs(backend.model, generation.prompt_token_ids, completion.token_ids)
+        assert torch.allclose(torch.tensor(completion.logprobs), expected, atol=1e-4)
+
+
 def test_next_turn_reuses_the_cached_conversation(backend: EmbeddedBackend) -> None:
     turn1 = [{"role": "user", "content": "Tell me a story about a lighthouse keeper."}]
     first = run(backend.generate(chat(messages=turn1, max_tokens=40, seed=3)))

@@ -585,14 +585,16 @@ class EmbeddedBackend:
             row += job.request.params.n
         source: dict[tuple[int, tuple[int, ...]], int] = {}  # (adapter, prompt) -> unique index
         unique: list[Prefill] = []
+        prompts: list[_Request] = []  # the job behind each unique prefill
         which: list[int] = []
         for job, first in zip(jobs, first_rows):
             key = (id(job.adapter), tuple(job.prompt_ids))
             if key not in source:
                 source[key] = len(unique)
                 unique.append(self._reuse_prefix(first, job))
+                prompts.append(job)
             which.append(source[key])
-        logits = self._run_prefills(unique)
+        logits = self._run_shared_prefills(unique, prompts)
         choice_logits = []
         for job, first, index in zip(jobs, first_rows, which):
             params = job.request.params
@@ -632,6 +634,47 @@ class EmbeddedBackend:
         self.forward.copy_slot(best_row, row, best)
         self._prefixes[best_row].last_used = self.stats.decode_steps
         return Prefill(row, torch.tensor(prompt[best:], dtype=torch.long), best, job.adapter)
+
+    def _run_shared_prefills(self, prefills: list[Prefill], jobs: list[_Request]) -> Tensor:
+        """`_run_prefills`, with prompts that share a long prefix running it once.
+
+        Different prompts arriving together often share most of their tokens: the K branches
+        of a later agent's turn differ only in the earlier agent's answer, and validation
+        tasks share the system prompt. The first prompt of each such family (the leader)
+        prefills whole in a first pass; the others copy the common prefix's KV from the
+        leader's row and prefill only their own tail in a second pass.
+        """
+        followers: dict[int, tuple[int, int]] = {}  # index -> (leader index, shared tokens)
+        leaders: list[int] = []
+        for i, (prefill, job) in enumerate(zip(prefills, jobs)):
+            best, best_shared = None, prefill.start
+            for j in leaders:
+                if jobs[j].adapter is not job.adapter:
+                    continue
+                shared = min(
+                    _common_prefix(jobs[j].prompt_ids, job.prompt_ids), len(job.prompt_ids) - 1
+                )
+                if shared > best_shared:
+                    best, best_shared = j, shared
+            if best is not None and best_shared - prefill.start >= MIN_PREFIX_HIT:
+                followers[i] = (best, best_shared)
+            else:
+                leaders.append(i)
+        if not followers:
+            return self._run_prefills(prefills)
+        logits: list[Tensor] = [torch.empty(0)] * len(prefills)
+        for i, row in zip(leaders, self._run_prefills([prefills[i] for i in leaders])):
+            logits[i] = row.unsqueeze(0)
+        tails = []
+        for i, (leader, shared) in followers.items():
+            prefill = prefills[i]
+            self.forward.copy_slot(prefills[leader].slot, prefill.slot, shared)
+            tokens = torch.tensor(jobs[i].prompt_ids[shared:], dtype=torch.long)
+            tails.append(Prefill(prefill.slot, tokens, shared, prefill.lora))
+            prefills[i] = tails[-1]  # the stats count what really ran
+        for i, row in zip(followers, self._run_prefills(tails)):
+            logits[i] = row.unsqueeze(0)
+        return torch.cat(logits)
 
     def _run_prefills(self, prefills: list[Prefill]) -> Tensor:
         """Logits after each prompt [n, V]: prompts up to PREFILL_TOKENS long packed into one
