@@ -180,7 +180,7 @@ def test_the_trainer_starts_two_vllm_servers_and_trains_on_both(engines: Engines
     assert len(set(engines.urls)) == 2
     assert [e.name for e in engines.pool.engines] == list(ENGINES)
     for name in ENGINES:
-        assert "enable-lora" in (engines.run_dir / f"{name}.log").read_text()
+        assert "'enable_lora': True" in (engines.run_dir / f"{name}.log").read_text()
     # Each rollout's calls went to one server; rollouts went to both.
     homes: dict[str, set[str]] = {}
     for rollout, engine in engines.pool.history:
