@@ -2,10 +2,12 @@
 // AVX-512): the same functions, arguments and packed weight layouts as cpu_kernels.c (read
 // its header first), so cpu_kernels.py loads either library and packs weights once.
 //
-// Without vdpbf16ps, the low-bit matmuls multiply in integers: each row's inputs become
-// int16 per group of 32 (a power-of-two scale, exact to 2^-16 of the group's largest) and
-// vpmaddwd multiplies 16 weight levels by 16 inputs per instruction, twice an FMA's 8,
-// summing exactly in int32 until the group's scales apply (see "low-bit matmuls" below).
+// Without vdpbf16ps, the low-bit matmuls multiply in integers: for 8-bit weights each
+// row's inputs become int16 per group of 32 (a power-of-two scale, exact to 2^-16 of the
+// group's largest) and vpmaddwd multiplies 16 weight levels by 16 inputs per instruction,
+// twice an FMA's 8; for 4-bit weights they become int8 (a scale per group and half group)
+// and vpmaddubsw multiplies 32 levels by 32 inputs, groups with outliers keeping int16;
+// sums stay exact in int32 until the group's scales apply (see "low-bit matmuls" below).
 // Attention, norms and SwiGLU run in fp32 lanes with FMA. bfloat16 inputs widen to fp32
 // exactly (a 16-bit shift); outputs are rounded to the nearest even bfloat16, as torch and
 // vcvtneps2bf16 round.
@@ -87,6 +89,19 @@ static inline float hmax(__m256 v) {
 // sign-extend from their bytes. One pass over a tile's weights serves ROWS rows.
 //
 // An input group holding inf or NaN gets the scale NaN, so the rows' outputs are NaN.
+//
+// 4-bit with int8 inputs: vpmaddubsw multiplies 32 unsigned bytes by 32 signed ones,
+// adding pairs into int16, twice vpmaddwd's products per instruction, and the 4-bit levels
+// need no unpacking beyond a shift and an AND per 32 (bytes of a lane & 0x0F: inputs k,
+// k+4, k+1, k+5; 4 bits up: k+2, k+6, k+3, k+7, so each row's int8 inputs are stored in
+// that order). A group's inputs scale by 127 / (its largest magnitude) and each half of 16
+// by a further 2^j (j <= 14, as far as it stays within 127), rounded to int8 (|x'| <= 127,
+// so a pair sum stays within 2 x 15 x 127 and 16 inputs' sums within int16); vpmaddwd by
+// the half's multiplier 2^(J - j) adds the halves into int32, exactly. The rounding costs
+// up to half a step (1/254 of the group's or half's largest) per input, against bfloat16's
+// 1/512 of each input, so a group whose largest input passes OUTLIER times the row's RMS
+// (which would crush its other inputs to a few steps) keeps the int16 path, for all rows of
+// its pass. The minimum's term takes the exact fp32 sum of the inputs either way.
 
 #define OUTLIER 3.0f  // a group whose largest input passes 3 row RMS keeps int16 inputs
 
