@@ -17,7 +17,6 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from masenvs.adapters.backends import cpu_kernels
 from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
 from masenvs.adapters.backends.llama import LlamaForward, Prefill
 from masenvs.adapters.models import ModelLoadError, cache_dir, load_model
@@ -249,10 +248,7 @@ def test_auto_quantize_reads_4bit_weights_in_int4_and_loses_nothing() -> None:
     assert forward.lm_head.packed is None  # random 16-bit weights stay dense
     assert not torch.equal(dense, int4)  # the int4 kernel really ran
     gap = (dense.log_softmax(-1) - int4.log_softmax(-1)).abs().max()
-    # The AVX2 kernel set multiplies 4-bit levels by int8 inputs (half a step of 1/127 of
-    # each group's largest, against bfloat16's 2^-9 of each input): docs/embedded-engine.md
-    # "Without AVX-512" gives its gap on SmolLM2; here it measured 0.025 (AVX-512: < 0.01).
-    assert gap < (0.04 if cpu_kernels.kernel_set() == "avx2" else 0.01), gap
+    assert gap < 0.01, gap
 
 
 def test_auto_quantize_leaves_16bit_weights_dense_and_int4_forces_them() -> None:

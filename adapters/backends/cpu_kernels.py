@@ -5,10 +5,9 @@
   With AVX-512 BF16 one `vdpbf16ps` multiplies 16 output columns by two inputs and one
   pass over the weights serves 8 rows (torch's int4 kernel: 4): 1.5-2.2x torch's
   `_weight_int4pack_mm_for_cpu`, and ahead of a dense bfloat16 matmul up to ~64-128 rows
-  (`bench/cpu_kernels.py`). With AVX2 the inputs become int8 per group of 32 (a scale per
-  group, a power of two more per half) and `vpmaddubsw` multiplies 32 4-bit levels per
-  instruction (groups with an input over 3 row RMS keep int16 inputs and `vpmaddwd`, as
-  8-bit weights do), summing exactly in int32; 4 rows per pass.
+  (`bench/cpu_kernels.py`). With AVX2 the inputs become int16 per group (a power-of-two
+  scale) and `vpmaddwd` multiplies 16 levels per instruction, summing exactly in int32; 4
+  rows per pass.
 - `decode_attention`: a decode step's cache writes and attention for one layer.
 - `lora_add`, `add_rms_norm`, `silu_mul`: a LoRA delta, RMSNorm fused with the residual
   add before it, SwiGLU; one call each instead of several torch ops.

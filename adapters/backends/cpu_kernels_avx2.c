@@ -2,12 +2,10 @@
 // AVX-512): the same functions, arguments and packed weight layouts as cpu_kernels.c (read
 // its header first), so cpu_kernels.py loads either library and packs weights once.
 //
-// Without vdpbf16ps, the low-bit matmuls multiply in integers: for 8-bit weights each
-// row's inputs become int16 per group of 32 (a power-of-two scale, exact to 2^-16 of the
-// group's largest) and vpmaddwd multiplies 16 weight levels by 16 inputs per instruction,
-// twice an FMA's 8; for 4-bit weights they become int8 (a scale per group and half group)
-// and vpmaddubsw multiplies 32 levels by 32 inputs, groups with outliers keeping int16;
-// sums stay exact in int32 until the group's scales apply (see "low-bit matmuls" below).
+// Without vdpbf16ps, the low-bit matmuls multiply in integers: each row's inputs become
+// int16 per group of 32 (a power-of-two scale, exact to 2^-16 of the group's largest) and
+// vpmaddwd multiplies 16 weight levels by 16 inputs per instruction, twice an FMA's 8,
+// summing exactly in int32 until the group's scales apply (see "low-bit matmuls" below).
 // Attention, norms and SwiGLU run in fp32 lanes with FMA. bfloat16 inputs widen to fp32
 // exactly (a 16-bit shift); outputs are rounded to the nearest even bfloat16, as torch and
 // vcvtneps2bf16 round.
@@ -89,115 +87,30 @@ static inline float hmax(__m256 v) {
 // sign-extend from their bytes. One pass over a tile's weights serves ROWS rows.
 //
 // An input group holding inf or NaN gets the scale NaN, so the rows' outputs are NaN.
-//
-// 4-bit with int8 inputs: vpmaddubsw multiplies 32 unsigned bytes by 32 signed ones,
-// adding pairs into int16, twice vpmaddwd's products per instruction, and the 4-bit levels
-// need no unpacking beyond a shift and an AND per 32 (bytes of a lane & 0x0F: inputs k,
-// k+4, k+1, k+5; 4 bits up: k+2, k+6, k+3, k+7, so each row's int8 inputs are stored in
-// that order). A group's inputs scale by 127 / (its largest magnitude) and each half of 16
-// by a further 2^j (j <= 14, as far as it stays within 127), rounded to int8 (|x'| <= 127,
-// so a pair sum stays within 2 x 15 x 127 and 16 inputs' sums within int16); vpmaddwd by
-// the half's multiplier 2^(J - j) adds the halves into int32, exactly. The rounding costs
-// up to half a step (1/254 of the group's or half's largest) per input, against bfloat16's
-// 1/512 of each input, so a group whose largest input passes OUTLIER times the row's RMS
-// (which would crush its other inputs to a few steps) keeps the int16 path, for all rows of
-// its pass. The minimum's term takes the exact fp32 sum of the inputs either way.
-
-#define OUTLIER 3.0f  // a group whose largest input passes 3 row RMS keeps int16 inputs
 
 typedef struct {
     int16_t *x;   // [M, K] int16 inputs
     float *step;  // [M, G] 2^e of each row's group (NaN where the group is not finite)
     float *sum;   // [M, G] fp32 sum of each row's group (for the 4-bit minimum)
-    // 4-bit only: the int8 inputs (see "4-bit with int8 inputs" below)
-    int8_t *x8;       // [M, K] int8 inputs, each 8 in the order the weight bytes take
-    float *step8;     // [M, G] the scale of a group's int32 sum
-    int32_t *mult;    // [M, G, 2] each half's int16 multiplier, twice (one vpmaddwd lane)
-    uint8_t *wide;    // [M, G] 1 where the group keeps its int16 inputs
 } Inputs;
 
 static void free_inputs(Inputs *in) {
     free(in->x);
     free(in->step);
     free(in->sum);
-    free(in->x8);
-    free(in->step8);
-    free(in->mult);
-    free(in->wide);
 }
 
-// int8 inputs of one row's group of 32 (see "4-bit with int8 inputs"); returns 0 where
-// the group must keep its int16 inputs (an outlier, or nothing finite and nonzero).
-static int quantize_group8(const __m256 v[4], float top, float limit, int8_t *q, float *step8,
-                           int32_t *mult) {
-    if (!(top > 0x1p-100f) || !(top <= limit) || !isfinite(top)) return 0;
-    float half_top[2];
-    for (int h = 0; h < 2; h++) {
-        const __m256 a = _mm256_max_ps(_mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[2 * h]),
-                                       _mm256_andnot_ps(_mm256_set1_ps(-0.0f), v[2 * h + 1]));
-        half_top[h] = hmax(a);
-    }
-    // Half h's inputs scale by 127 / top times 2^j[h], the largest power of two (up to
-    // 2^14) that keeps them within 127; its sum weighs 2^(J - j[h]), J the larger j.
-    int j[2];
-    for (int h = 0; h < 2; h++) {
-        int e = 0;
-        while (e < 14 && half_top[h] * (float)(2 << e) <= top) e++;
-        j[h] = e;
-    }
-    const int J = j[0] > j[1] ? j[0] : j[1];
-    const float inverse = 127.0f / top;
-    *step8 = top / 127.0f / (float)(1 << J);
-    for (int h = 0; h < 2; h++) {
-        const int32_t m = 1 << (J - j[h]);
-        mult[h] = m | (m << 16);
-        const __m256 sv = _mm256_set1_ps(inverse * (float)(1 << j[h]));
-        const __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h], sv));
-        const __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(v[2 * h + 1], sv));
-        // inputs 0..7 of each 8 into the order k, k+4, k+1, k+5, k+2, k+6, k+3, k+7
-        int32_t lanes[16];
-        _mm256_storeu_si256((__m256i *)lanes, a);
-        _mm256_storeu_si256((__m256i *)(lanes + 8), b);
-        static const int order[8] = {0, 4, 1, 5, 2, 6, 3, 7};
-        for (int r = 0; r < 2; r++)
-            for (int i = 0; i < 8; i++) {
-                int32_t value = lanes[8 * r + order[i]];
-                value = value > 127 ? 127 : value < -127 ? -127 : value;
-                q[16 * h + 8 * r + i] = (int8_t)value;
-            }
-    }
-    return 1;
-}
-
-static int quantize_inputs(const uint16_t *x, int M, int K, Inputs *in, int int8) {
+static int quantize_inputs(const uint16_t *x, int M, int K, Inputs *in) {
     const int G = K / GROUP;
-    memset(in, 0, sizeof *in);
     in->x = malloc(sizeof(int16_t) * (size_t)M * K);
     in->step = malloc(sizeof(float) * (size_t)M * G);
     in->sum = malloc(sizeof(float) * (size_t)M * G);
-    int failed = !in->x || !in->step || !in->sum;
-    if (int8) {
-        in->x8 = malloc((size_t)M * K);
-        in->step8 = malloc(sizeof(float) * (size_t)M * G);
-        in->mult = malloc(sizeof(int32_t) * (size_t)M * G * 2);
-        in->wide = malloc((size_t)M * G);
-        failed = failed || !in->x8 || !in->step8 || !in->mult || !in->wide;
-    }
-    if (failed) {
+    if (!in->x || !in->step || !in->sum) {
         free_inputs(in);
         return -1;
     }
 #pragma omp parallel for schedule(static) if (M >= 16)
-    for (int m = 0; m < M; m++) {
-        float limit = 0.0f;
-        if (int8) {
-            __m256 squares = _mm256_setzero_ps();
-            for (int k = 0; k < K; k += 8) {
-                const __m256 v = load_bf16x8(x + (size_t)m * K + k);
-                squares = _mm256_fmadd_ps(v, v, squares);
-            }
-            limit = OUTLIER * sqrtf(hsum(squares) / (float)K);
-        }
+    for (int m = 0; m < M; m++)
         for (int g = 0; g < G; g++) {
             const size_t at = (size_t)m * K + (size_t)g * GROUP;
             __m256 v[4];
@@ -209,10 +122,6 @@ static int quantize_inputs(const uint16_t *x, int M, int K, Inputs *in, int int8
             }
             float top = hmax(peak);
             const float sum = hsum(total);
-            if (int8)
-                in->wide[(size_t)m * G + g] = !quantize_group8(
-                    v, top, limit, in->x8 + at, in->step8 + (size_t)m * G + g,
-                    in->mult + ((size_t)m * G + g) * 2);
             uint32_t bits;
             memcpy(&bits, &top, sizeof bits);
             const int exponent = (int)(bits >> 23);  // biased: top in [2^(b-127), 2^(b-126))
@@ -238,7 +147,6 @@ static int quantize_inputs(const uint16_t *x, int M, int K, Inputs *in, int int8
             in->step[(size_t)m * G + g] = step;
             in->sum[(size_t)m * G + g] = sum;
         }
-    }
     return 0;
 }
 
@@ -268,102 +176,43 @@ static inline __attribute__((always_inline)) void store_rows(
     }
 }
 
-// One group of 32 inputs through the int16 path: 4-bit levels unpack to int16 pairs.
-static inline __attribute__((always_inline)) void wide_group4(
-    const Inputs *in, const uint16_t *qg, const uint16_t *s, const uint16_t *z, __m256 total[][2],
-    int m0, const int rows, int K, int G, int g, size_t at) {
-    const __m256i low = _mm256_set1_epi32(0x000F000F);
-    const int16_t *xr = in->x + (size_t)m0 * K;
-    __m256i acc[ROWS][2];
-    for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
-    for (int r = 0; r < 4; r++) {
-        // 32-bit lane j: column j's 8 levels for inputs k .. k + 7
-        const uint16_t *words = qg + r * 32;
-        const __m256i lo = _mm256_loadu_si256((const __m256i *)words);         // j 0-7
-        const __m256i hi = _mm256_loadu_si256((const __m256i *)(words + 16));  // j 8-15
-        const int k = g * GROUP + 8 * r;
-        madd_rows(acc, _mm256_and_si256(lo, low), _mm256_and_si256(hi, low), xr, K, k, rows);
-        madd_rows(acc, _mm256_and_si256(_mm256_srli_epi32(lo, 4), low),
-                  _mm256_and_si256(_mm256_srli_epi32(hi, 4), low), xr, K, k + 2, rows);
-        madd_rows(acc, _mm256_and_si256(_mm256_srli_epi32(lo, 8), low),
-                  _mm256_and_si256(_mm256_srli_epi32(hi, 8), low), xr, K, k + 4, rows);
-        madd_rows(acc, _mm256_and_si256(_mm256_srli_epi32(lo, 12), low),
-                  _mm256_and_si256(_mm256_srli_epi32(hi, 12), low), xr, K, k + 6, rows);
-    }
-    for (int h = 0; h < 2; h++) {
-        const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + at + 8 * h)));
-        const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + at + 8 * h)));
-        for (int m = 0; m < rows; m++) {
-            const size_t mg = (size_t)(m0 + m) * G + g;
-            const __m256 scale = _mm256_mul_ps(sv, _mm256_set1_ps(in->step[mg]));
-            total[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][h]), scale, total[m][h]);
-            total[m][h] = _mm256_fmadd_ps(_mm256_set1_ps(in->sum[mg]), zv, total[m][h]);
-        }
-    }
-}
-
-// One group through the int8 path: per half h of the tile's columns, vpmaddubsw multiplies
-// 32 levels (bytes 0..15) by 32 int8 inputs, adding pairs into int16; those sums stay
-// exact over each 16 inputs (at most 4 x 2 x 15 x 127 = 15240), and vpmaddwd with that
-// half's multiplier adds them into int32.
-static inline __attribute__((always_inline)) void narrow_group4(
-    const Inputs *in, const uint16_t *qg, const uint16_t *s, const uint16_t *z, __m256 total[][2],
-    int m0, const int rows, int K, int G, int g, size_t at) {
-    const __m256i nibbles = _mm256_set1_epi8(0x0F);
-    const int8_t *xr = in->x8 + (size_t)m0 * K;
-    for (int h = 0; h < 2; h++) {
-        __m256i acc[ROWS];
-        for (int m = 0; m < rows; m++) acc[m] = _mm256_setzero_si256();
-        for (int part = 0; part < 2; part++) {
-            __m256i sums[ROWS];
-            for (int m = 0; m < rows; m++) sums[m] = _mm256_setzero_si256();
-            for (int r = 2 * part; r < 2 * part + 2; r++) {
-                // byte i of lane j: column j's level for input k + (0, 4, 1, 5)[i], and
-                // 4 bits up for k + (2, 6, 3, 7)[i]: the order of the int8 inputs
-                const __m256i w = _mm256_loadu_si256((const __m256i *)(qg + r * 32 + 16 * h));
-                const __m256i wa = _mm256_and_si256(w, nibbles);
-                const __m256i wb = _mm256_and_si256(_mm256_srli_epi16(w, 4), nibbles);
-                const int k = g * GROUP + 8 * r;
-                for (int m = 0; m < rows; m++) {
-                    int32_t a, b;
-                    memcpy(&a, xr + (size_t)m * K + k, sizeof a);
-                    memcpy(&b, xr + (size_t)m * K + k + 4, sizeof b);
-                    const __m256i pa = _mm256_maddubs_epi16(wa, _mm256_set1_epi32(a));
-                    const __m256i pb = _mm256_maddubs_epi16(wb, _mm256_set1_epi32(b));
-                    sums[m] = _mm256_add_epi16(sums[m], _mm256_add_epi16(pa, pb));
-                }
-            }
-            for (int m = 0; m < rows; m++) {
-                const int32_t mult = in->mult[((size_t)(m0 + m) * G + g) * 2 + part];
-                acc[m] = _mm256_add_epi32(acc[m], _mm256_madd_epi16(sums[m], _mm256_set1_epi32(mult)));
-            }
-        }
-        const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + at + 8 * h)));
-        const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + at + 8 * h)));
-        for (int m = 0; m < rows; m++) {
-            const size_t mg = (size_t)(m0 + m) * G + g;
-            const __m256 scale = _mm256_mul_ps(sv, _mm256_set1_ps(in->step8[mg]));
-            total[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m]), scale, total[m][h]);
-            total[m][h] = _mm256_fmadd_ps(_mm256_set1_ps(in->sum[mg]), zv, total[m][h]);
-        }
-    }
-}
-
 static inline __attribute__((always_inline)) void tile4(
     const Inputs *in, const uint16_t *q, const uint16_t *s, const uint16_t *z, uint16_t *y,
     int m0, const int rows, int K, int N, int t) {
     const int G = K / GROUP;
+    const __m256i low = _mm256_set1_epi32(0x000F000F);
     const uint16_t *qt = q + (size_t)t * G * 128;
+    const int16_t *xr = in->x + (size_t)m0 * K;
     __m256 total[ROWS][2];
     for (int m = 0; m < rows; m++) total[m][0] = total[m][1] = _mm256_setzero_ps();
     for (int g = 0; g < G; g++) {
+        __m256i acc[ROWS][2];
+        for (int m = 0; m < rows; m++) acc[m][0] = acc[m][1] = _mm256_setzero_si256();
+        for (int r = 0; r < 4; r++) {
+            // 32-bit lane j: column j's 8 levels for inputs k .. k + 7
+            const uint16_t *words = qt + (size_t)g * 128 + r * 32;
+            const __m256i lo = _mm256_loadu_si256((const __m256i *)words);         // j 0-7
+            const __m256i hi = _mm256_loadu_si256((const __m256i *)(words + 16));  // j 8-15
+            const int k = g * GROUP + 8 * r;
+            madd_rows(acc, _mm256_and_si256(lo, low), _mm256_and_si256(hi, low), xr, K, k, rows);
+            madd_rows(acc, _mm256_and_si256(_mm256_srli_epi32(lo, 4), low),
+                      _mm256_and_si256(_mm256_srli_epi32(hi, 4), low), xr, K, k + 2, rows);
+            madd_rows(acc, _mm256_and_si256(_mm256_srli_epi32(lo, 8), low),
+                      _mm256_and_si256(_mm256_srli_epi32(hi, 8), low), xr, K, k + 4, rows);
+            madd_rows(acc, _mm256_and_si256(_mm256_srli_epi32(lo, 12), low),
+                      _mm256_and_si256(_mm256_srli_epi32(hi, 12), low), xr, K, k + 6, rows);
+        }
         const size_t at = ((size_t)t * G + g) * TILE;
-        int wide = 0;  // one of the rows keeps its int16 inputs: all of them do
-        for (int m = 0; m < rows; m++) wide |= in->wide[(size_t)(m0 + m) * G + g];
-        if (wide)
-            wide_group4(in, qt + (size_t)g * 128, s, z, total, m0, rows, K, G, g, at);
-        else
-            narrow_group4(in, qt + (size_t)g * 128, s, z, total, m0, rows, K, G, g, at);
+        for (int h = 0; h < 2; h++) {
+            const __m256 sv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(s + at + 8 * h)));
+            const __m256 zv = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(z + at + 8 * h)));
+            for (int m = 0; m < rows; m++) {
+                const size_t mg = (size_t)(m0 + m) * G + g;
+                const __m256 scale = _mm256_mul_ps(sv, _mm256_set1_ps(in->step[mg]));
+                total[m][h] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(acc[m][h]), scale, total[m][h]);
+                total[m][h] = _mm256_fmadd_ps(_mm256_set1_ps(in->sum[mg]), zv, total[m][h]);
+            }
+        }
     }
     store_rows(y, total, m0, rows, N, t);
 }
@@ -375,7 +224,7 @@ int int4_matmul(const uint16_t *x, const uint16_t *q, const uint16_t *s, const u
                 uint16_t *y, int M, int K, int N) {
     if (M <= 0 || K <= 0 || N <= 0 || K % GROUP || N % TILE) return -1;
     Inputs in;
-    if (quantize_inputs(x, M, K, &in, 1)) return -1;
+    if (quantize_inputs(x, M, K, &in)) return -1;
     const int tiles = N / TILE;
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < tiles; t++)
@@ -424,7 +273,7 @@ int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *s, uint16_t 
                 int K, int N) {
     if (M <= 0 || K <= 0 || N <= 0 || K % GROUP || N % TILE) return -1;
     Inputs in;
-    if (quantize_inputs(x, M, K, &in, 0)) return -1;
+    if (quantize_inputs(x, M, K, &in)) return -1;
     const int tiles = N / TILE;
 #pragma omp parallel for schedule(static)
     for (int t = 0; t < tiles; t++)
