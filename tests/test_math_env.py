@@ -401,7 +401,9 @@ def test_a_plain_number_answer_is_judged(
     env = plain_duo()
     _, _, _, _, infos = env.step({"tool": "print(35 + 6 * 10)"})
     user = infos["reasoner"]["messages"][-1]["content"]
-    assert "Its answer: 95" in user and user.endswith("plain number only:")
+    assert "Its answer: 95" in user and user.endswith(
+        "plain number only, e.g. 95 if the tool agent is right:"
+    )
     assert "\\boxed" not in infos["reasoner"]["messages"][0]["content"]
     _, rewards, terms, truncs, infos = env.step({"reasoner": answer})
     assert infos["reasoner"]["success"] is success and rewards["reasoner"] == reasoner_reward
@@ -414,3 +416,13 @@ def test_boxed_format_ignores_a_bare_number() -> None:
     env.step({"tool": "print(35 + 6 * 10)"})
     _, rewards, _, _, infos = env.step({"reasoner": "95"})  # default: \boxed{} is required
     assert not infos["reasoner"]["success"] and rewards["reasoner"] == -1.0
+
+
+def test_the_tools_wrong_answer_copied_fails() -> None:
+    env = plain_duo()
+    _, _, _, _, infos = env.step({"tool": "print(2 + 3 * 4)"})  # the example, not the problem
+    assert infos["reasoner"]["messages"][-1]["content"].endswith(
+        "e.g. 14 if the tool agent is right:"
+    )
+    _, rewards, _, _, infos = env.step({"reasoner": "14"})
+    assert not infos["reasoner"]["success"] and rewards == {"tool": 0.0, "reasoner": 0.0}

@@ -220,7 +220,13 @@ class MathEnv(MASEnv):
         if feedback:
             lines += ["", feedback]
         if cfg.answer_format == "number" and (agent == "reasoner" or cfg.single_agent):
-            lines += ["", NUMBER_REMINDER]  # the format, last, as plan-path does
+            shown = None if cfg.single_agent else state.answers.get("tool")
+            lines += [  # the format, last, as plan-path does; the tool's answer as the example
+                "",
+                NUMBER_REMINDER
+                if shown is None
+                else f"{NUMBER_REMINDER[:-1]}, e.g. {shown} if the tool agent is right:",
+            ]
         elif cfg.tool_task == "print" and not cfg.single_agent:
             plain = cfg.plain_text and agent == "tool"
             lines += ["", PLAIN_TOOL_REMINDER if plain else PRINT_REMINDER[agent]]
