@@ -291,8 +291,8 @@ def test_show_offset_names_the_push_and_the_cell_to_push_from() -> None:
     _, infos = env.reset(seed=0, options={"task": ABOVE})
     prompt = infos["plan"]["messages"][-1]["content"]
     line = (
-        "The box at row 2, column 2: its goal is 2 columns right of it (push R, R). "
-        "To push it right, stand at row 2, column 1 (from you: D)."
+        "The box at row 2, column 2: its goal is 2 columns right of it. To push it right, stand "
+        "at row 2, column 1 (from you: D) and push R, R: D, R, R if no wall is in the way."
     )
     assert line in prompt and prompt.endswith("#### [R, R, D]")
     # Following the line solves the level; the env's own check decides (the box on the goal).
@@ -301,7 +301,7 @@ def test_show_offset_names_the_push_and_the_cell_to_push_from() -> None:
     assert env.state.boxes == env.task.goals
     plain = masenvs.make("sokoban", single_agent=True)
     _, infos = plain.reset(seed=0, options={"task": ABOVE})
-    assert "push R" not in infos["plan"]["messages"][-1]["content"]  # off by default
+    assert "if no wall" not in infos["plan"]["messages"][-1]["content"]  # off by default
 
 
 def test_show_offset_when_standing_behind_the_box_and_wrong_moves_fail() -> None:

@@ -60,9 +60,9 @@ class SokobanConfig(EnvConfig):
         False,
         description="Also state, for each box off a goal, where its nearest goal lies from it "
         "and the cell to push it from, with the straight moves, e.g. 'The box at row 2, column "
-        "2: its goal is 1 column right of it (push R). To push it right, stand at row 2, column "
-        "1 (from you: D, L).': the arithmetic a small model gets wrong, done for it (as "
-        "plan_path's show_offset); walls still need detours.",
+        "2: its goal is 1 column right of it. To push it right, stand at row 2, column 1 (from "
+        "you: D) and push R: D, R if no wall is in the way.': the arithmetic a small model gets "
+        "wrong, done for it (as plan_path's show_offset); walls still need detours.",
     )
     solver_states: int = Field(
         100_000, ge=100, description="State budget of the searches that generate and check levels."
@@ -431,9 +431,9 @@ _WORD = {"U": "up", "D": "down", "L": "left", "R": "right"}
 
 def offset_lines(task: SokobanTask, player: Cell, boxes: frozenset[Cell]) -> list[str]:
     """For each box off a goal: its nearest free goal and the player, relative to the box, e.g.
-    'The box at row 2, column 2: its goal is 2 columns right of it (push R, R). To push it
-    right, stand at row 2, column 1 (from you: D, L).' Straight moves; walls are not taken
-    into account."""
+    'The box at row 2, column 2: its goal is 2 columns right of it. To push it right, stand at
+    row 2, column 1 (from you: D, L) and push R, R: D, L, R, R if no wall is in the way.'
+    Straight moves; walls are not taken into account."""
     free = sorted(task.goals - boxes)
     lines = []
     for box in sorted(boxes - task.goals):
@@ -442,10 +442,12 @@ def offset_lines(task: SokobanTask, player: Cell, boxes: frozenset[Cell]) -> lis
         first = grid.step_cell(box, pushes[0])  # the first push's direction
         behind = (2 * box[0] - first[0], 2 * box[1] - first[1])
         walk = _offset(player, behind)[1]
+        moves = ", ".join(m for m in (walk, pushes) if m)
         lines.append(
-            f"The box at row {box[0]}, column {box[1]}: its goal is {to_goal} of it (push "
-            f"{pushes}). To push it {_WORD[pushes[0]]}, stand at row {behind[0]}, column "
-            f"{behind[1]}" + (f" (from you: {walk})." if walk else " (you are there).")
+            f"The box at row {box[0]}, column {box[1]}: its goal is {to_goal} of it. To push it "
+            f"{_WORD[pushes[0]]}, stand at row {behind[0]}, column {behind[1]}"
+            + (f" (from you: {walk})" if walk else " (you are there)")
+            + f" and push {pushes}: {moves} if no wall is in the way."
         )
     return lines
 
