@@ -308,7 +308,7 @@ def test_show_offset_when_standing_behind_the_box_and_wrong_moves_fail() -> None
     env = masenvs.make("sokoban", single_agent=True, show_offset=True, max_rounds=1)
     _, infos = env.reset(seed=0, options={"task": LINE})
     assert (
-        "(push R, R). To push it right, stand at row 2, column 1 (you are there)."
+        "stand at row 2, column 1 (you are there) and push R, R: R, R if no wall is in the way."
         in (infos["plan"]["messages"][-1]["content"])
     )
     _, _, _, _, infos = env.step({"plan": "#### [R]"})  # one push short: not solved
