@@ -295,6 +295,7 @@ def test_show_offset_names_the_push_and_the_cell_to_push_from() -> None:
         "at row 2, column 1 (from you: D) and push R, R: D, R, R if no wall is in the way."
     )
     assert line in prompt and prompt.endswith("#### [R, R, D]")
+    assert "Python" not in infos["plan"]["messages"][0]["content"]  # the moves alone
     # Following the line solves the level; the env's own check decides (the box on the goal).
     _, rewards, terms, _, infos = env.step({"plan": "#### [D, R, R]"})
     assert infos["plan"]["success"] and terms["plan"]

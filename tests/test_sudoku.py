@@ -392,6 +392,7 @@ def test_show_candidates_lists_each_empty_cell_and_its_digits() -> None:
     (line,) = [x for x in prompt.splitlines() if x.startswith("Empty cells as")]
     assert len(line.split("; ")) == 10  # one entry per empty cell
     assert prompt.endswith("#### [[0, 1, 4]]")
+    assert "Python" not in infos["plan"]["messages"][0]["content"]  # the fills alone
     assert (
         "fits"
         not in masenvs.make("sudoku", single_agent=True).reset(seed=0, options={"task": TASK})[1][

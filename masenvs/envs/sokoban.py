@@ -62,7 +62,8 @@ class SokobanConfig(EnvConfig):
         "and the cell to push it from, with the straight moves, e.g. 'The box at row 2, column "
         "2: its goal is 1 column right of it. To push it right, stand at row 2, column 1 (from "
         "you: D) and push R: D, R if no wall is in the way.': the arithmetic a small model gets "
-        "wrong, done for it (as plan_path's show_offset); walls still need detours.",
+        "wrong, done for it (as plan_path's show_offset); walls still need detours. Single-agent "
+        "mode then asks for the moves alone, no program.",
     )
     solver_states: int = Field(
         100_000, ge=100, description="State budget of the searches that generate and check levels."
@@ -452,6 +453,13 @@ def offset_lines(task: SokobanTask, player: Cell, boxes: frozenset[Cell]) -> lis
     return lines
 
 
+# show_offset, single agent: the moves alone (no program).
+HINTED_SOLO_SYSTEM = (
+    "You solve Sokoban levels. End your answer with `#### [moves]`, e.g. `#### [R, R, D]`; "
+    "those moves are executed. " + _RULES
+)
+
+
 @dataclass
 class SokobanState(EpisodeState):
     player: Cell = (0, 0)
@@ -500,7 +508,8 @@ class SokobanEnv(MASEnv):
         return self.task.rows(self.state.player, self.state.boxes)
 
     def prompt(self, agent: str) -> list[Message]:
-        system = SOLO_SYSTEM if self.config.single_agent else SYSTEM[agent]
+        solo = HINTED_SOLO_SYSTEM if self.config.show_offset else SOLO_SYSTEM
+        system = solo if self.config.single_agent else SYSTEM[agent]
         on_goal = len(self.state.boxes & self.task.goals)
         pos = self.state.player
         lines = [

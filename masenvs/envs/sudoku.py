@@ -52,7 +52,8 @@ class SudokuConfig(EnvConfig):
         False,
         description="Also list each empty cell's candidates (the digits its row, column and box "
         "do not hold yet) as fills, e.g. '[0, 2, 3] (only 3 fits)' or '[1, 1, 2 or 4]', and ask "
-        "for the fills: the elimination a small model gets wrong, done for it.",
+        "for the fills (single-agent mode: the answer alone, no program): the elimination a small "
+        "model gets wrong, done for it.",
     )
 
     @model_validator(mode="after")
@@ -464,6 +465,13 @@ def candidate_lines(board: Board) -> list[str]:
     return ["Empty cells as [row, column, value]: " + "; ".join(cells) + "."] if cells else []
 
 
+# show_candidates, single agent: the answer alone (no program), in one format.
+HINTED_SOLO_SYSTEM = (
+    "You solve sudoku puzzles. Each empty cell's candidates are listed. End your answer with "
+    "`####` followed by a JSON list of `[row, column, value]` fills, e.g. `#### [[0, 1, 4]]`. "
+)
+
+
 @dataclass
 class SudokuState(EpisodeState):
     board: Board = field(default_factory=list)
@@ -508,7 +516,8 @@ class SudokuEnv(MASEnv):
 
     def prompt(self, agent: str) -> list[Message]:
         n = self.task.size
-        system = (SOLO_SYSTEM if self.config.single_agent else SYSTEM[agent]) + _rules(n)
+        solo = HINTED_SOLO_SYSTEM if self.config.show_candidates else SOLO_SYSTEM
+        system = (solo if self.config.single_agent else SYSTEM[agent]) + _rules(n)
         empty = sum(v == 0 for row in self.state.board for v in row)
         lines = [
             f"Board ({n}x{n}, {empty} empty cells):",
