@@ -455,8 +455,10 @@ def offset_lines(task: SokobanTask, player: Cell, boxes: frozenset[Cell]) -> lis
 
 # show_offset, single agent: the moves alone (no program).
 HINTED_SOLO_SYSTEM = (
-    "You solve Sokoban levels. End your answer with `#### [moves]`, e.g. `#### [R, R, D]`; "
-    "those moves are executed. " + _RULES
+    "You solve Sokoban levels: push the box onto the goal. Symbols: '#' wall, '_' floor, '.' "
+    "goal, '$' box, '*' box on a goal, '@' you. Moves: U (row-1), D (row+1), L (column-1), R "
+    "(column+1); walking into a box pushes it. End your answer with `#### [moves]`, e.g. "
+    "`#### [R, R, D]`."
 )
 
 

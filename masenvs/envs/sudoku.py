@@ -467,8 +467,8 @@ def candidate_lines(board: Board) -> list[str]:
 
 # show_candidates, single agent: the answer alone (no program), in one format.
 HINTED_SOLO_SYSTEM = (
-    "You solve sudoku puzzles. Each empty cell's candidates are listed. End your answer with "
-    "`####` followed by a JSON list of `[row, column, value]` fills, e.g. `#### [[0, 1, 4]]`. "
+    "You solve sudoku puzzles: fill each empty cell with the digit that fits. End your answer "
+    "with #### and the fills as [row, column, value], e.g. #### [[0, 1, 4]]. "
 )
 
 
@@ -535,7 +535,7 @@ class SudokuEnv(MASEnv):
         if self.config.show_candidates and agent == "plan":  # the format, last
             lines += [
                 "",
-                "Answer with `####` and a JSON list of fills, for example: #### [[0, 1, 4]]",
+                "Answer with #### and the fills, for example: #### [[0, 1, 4]]",
             ]
         return [
             {"role": "system", "content": system},
