@@ -353,3 +353,76 @@ def test_any_text_is_a_legal_action(texts: list[str]) -> None:
     while env.agents:
         _, rewards, *_ = env.step(dict(zip(env.agents, texts)))
         assert all(np.isfinite(r) for r in rewards.values())
+
+
+# --- plain_text and answer_format "number": roles a 135M model can play --------------------
+
+ARITH = {"id": "a", "question": "Compute $35 + 6 \\times 10$.", "answer": "95"}
+
+
+def plain_duo() -> masenvs.MASEnv:
+    env = masenvs.make(
+        "math", tool_task="print", plain_text=True, answer_format="number", max_rounds=1
+    )
+    env.reset(seed=0, options={"task": ARITH})
+    return env
+
+
+def test_plain_text_shows_the_expression_as_python_would_write_it() -> None:
+    from masenvs.envs.math import last_number, plain_math
+
+    assert plain_math("Compute $35 + 6 \\times 10$.") == "Compute 35 + 6 * 10."
+    assert plain_math("$2^{3} - \\frac{1}{2} \\div 4$") == "2**3 - (1)/(2) / 4"
+    assert last_number("So 35 + 60 = 95.") == "95" and last_number("-3 or 1,200") == "1200"
+    assert last_number("no digits") is None and last_number("x = -7/2") == "-7/2"
+    env = plain_duo()
+    tool_prompt = env.prompt("tool")
+    assert "Compute 35 + 6 * 10." in tool_prompt[-1]["content"] and "\\times" not in str(
+        tool_prompt
+    )
+    assert "'Compute 2 + 3 * 4.'" in tool_prompt[0]["content"]  # the example in the same form
+    default = masenvs.make("math", tool_task="print")
+    default.reset(seed=0, options={"task": ARITH})
+    assert "Compute $35 + 6 \\times 10$." in default.prompt("tool")[-1]["content"]  # off by default
+
+
+@pytest.mark.parametrize(
+    ("answer", "success", "reasoner_reward"),
+    [
+        ("95", True, 2.0),
+        ("The answer is 95.", True, 2.0),
+        ("96", False, 0.0),
+        ("none", False, -1.0),
+    ],
+)
+def test_a_plain_number_answer_is_judged(
+    answer: str, success: bool, reasoner_reward: float
+) -> None:
+    env = plain_duo()
+    _, _, _, _, infos = env.step({"tool": "print(35 + 6 * 10)"})
+    user = infos["reasoner"]["messages"][-1]["content"]
+    assert "Its answer: 95" in user and user.endswith(
+        "plain number only, e.g. 95 if the tool agent is right:"
+    )
+    assert "\\boxed" not in infos["reasoner"]["messages"][0]["content"]
+    _, rewards, terms, truncs, infos = env.step({"reasoner": answer})
+    assert infos["reasoner"]["success"] is success and rewards["reasoner"] == reasoner_reward
+    assert all(terms[a] or truncs[a] for a in terms)  # one round: the episode is over
+
+
+def test_boxed_format_ignores_a_bare_number() -> None:
+    env = masenvs.make("math", tool_task="print", max_rounds=1)
+    env.reset(seed=0, options={"task": ARITH})
+    env.step({"tool": "print(35 + 6 * 10)"})
+    _, rewards, _, _, infos = env.step({"reasoner": "95"})  # default: \boxed{} is required
+    assert not infos["reasoner"]["success"] and rewards["reasoner"] == -1.0
+
+
+def test_the_tools_wrong_answer_copied_fails() -> None:
+    env = plain_duo()
+    _, _, _, _, infos = env.step({"tool": "print(2 + 3 * 4)"})  # the example, not the problem
+    assert infos["reasoner"]["messages"][-1]["content"].endswith(
+        "e.g. 14 if the tool agent is right:"
+    )
+    _, rewards, _, _, infos = env.step({"reasoner": "14"})
+    assert not infos["reasoner"]["success"] and rewards == {"tool": 0.0, "reasoner": 0.0}

@@ -278,3 +278,39 @@ def test_any_text_is_a_legal_action(texts: list[str], boxes: int) -> None:
     while env.agents:
         _, rewards, *_ = env.step({"plan": texts[env.round]})
         assert np.isfinite(rewards["plan"])
+
+
+# --- show_offset: the box's goal and the cell to push it from, in the observation -----------
+
+# Player (1,1) above-left of the box (2,2); goal (2,4): walk D to (2,1), then push R, R.
+ABOVE = {"level": ["######", "#@___#", "#_$_.#", "#____#", "######"]}
+
+
+def test_show_offset_names_the_push_and_the_cell_to_push_from() -> None:
+    env = masenvs.make("sokoban", single_agent=True, show_offset=True)
+    _, infos = env.reset(seed=0, options={"task": ABOVE})
+    prompt = infos["plan"]["messages"][-1]["content"]
+    line = (
+        "The box at row 2, column 2: its goal is 2 columns right of it. To push it right, stand "
+        "at row 2, column 1 (from you: D) and push R, R: D, R, R if no wall is in the way."
+    )
+    assert line in prompt and prompt.endswith("#### [R, R, D]")
+    assert "Python" not in infos["plan"]["messages"][0]["content"]  # the moves alone
+    # Following the line solves the level; the env's own check decides (the box on the goal).
+    _, rewards, terms, _, infos = env.step({"plan": "#### [D, R, R]"})
+    assert infos["plan"]["success"] and terms["plan"]
+    assert env.state.boxes == env.task.goals
+    plain = masenvs.make("sokoban", single_agent=True)
+    _, infos = plain.reset(seed=0, options={"task": ABOVE})
+    assert "if no wall" not in infos["plan"]["messages"][-1]["content"]  # off by default
+
+
+def test_show_offset_when_standing_behind_the_box_and_wrong_moves_fail() -> None:
+    env = masenvs.make("sokoban", single_agent=True, show_offset=True, max_rounds=1)
+    _, infos = env.reset(seed=0, options={"task": LINE})
+    assert (
+        "stand at row 2, column 1 (you are there) and push R, R: R, R if no wall is in the way."
+        in (infos["plan"]["messages"][-1]["content"])
+    )
+    _, _, _, _, infos = env.step({"plan": "#### [R]"})  # one push short: not solved
+    assert not infos["plan"]["success"]

@@ -374,3 +374,44 @@ def test_any_text_is_a_legal_action(texts: list[str], size: int) -> None:
     while env.agents:
         _, rewards, *_ = env.step({"plan": texts[env.round]})
         assert np.isfinite(rewards["plan"])
+
+
+# --- show_candidates: each empty cell's candidates, as fills --------------------------------
+
+
+def test_show_candidates_lists_each_empty_cell_and_its_digits() -> None:
+    env = masenvs.make("sudoku", single_agent=True, show_candidates=True)
+    _, infos = env.reset(seed=0, options={"task": TASK})
+    prompt = infos["plan"]["messages"][-1]["content"]
+    # Row 0 holds 1, 2; column 2 holds 4; box 1 (rows 0-1, columns 2-3) holds nothing: 3.
+    assert "[0, 2, 3] (only 3 fits)" in prompt
+    # (2, 0): row 2 holds 4, column 0 holds 1, 3, box 2 holds nothing: 2.
+    assert "[2, 0, 2] (only 2 fits)" in prompt
+    # (3, 2): row 3 holds 1, column 2 holds 4, box 3 holds 4, 1: 2 or 3.
+    assert "[3, 2, 2 or 3]" in prompt
+    (line,) = [x for x in prompt.splitlines() if x.startswith("Empty cells as")]
+    assert len(line.split("; ")) == 10  # one entry per empty cell
+    assert prompt.endswith("#### [[0, 1, 4]]")
+    assert "Python" not in infos["plan"]["messages"][0]["content"]  # the fills alone
+    assert (
+        "fits"
+        not in masenvs.make("sudoku", single_agent=True).reset(seed=0, options={"task": TASK})[1][
+            "plan"
+        ]["messages"][-1]["content"]
+    )
+
+
+def test_show_candidates_single_candidates_are_right_and_solve_only_when_complete() -> None:
+    solution = [row[:] for row in SOLUTION]
+    puzzle = [row[:] for row in solution]
+    puzzle[0][3] = puzzle[1][2] = 0  # two blanks: each has one candidate
+    env = masenvs.make("sudoku", single_agent=True, show_candidates=True, max_rounds=2)
+    _, infos = env.reset(seed=0, options={"task": {"puzzle": puzzle}})
+    prompt = infos["plan"]["messages"][-1]["content"]
+    assert "[0, 3, 4] (only 4 fits); [1, 2, 1] (only 1 fits)" in prompt
+    _, _, _, _, infos = env.step({"plan": "#### [[0, 3, 4]]"})  # one of two: not solved
+    assert not infos["plan"]["success"]
+    assert "[1, 2, 1] (only 1 fits)" in infos["plan"]["messages"][-1]["content"]
+    assert "[0, 3" not in infos["plan"]["messages"][-1]["content"]  # filled: no longer listed
+    _, _, terms, _, infos = env.step({"plan": "#### [[1, 2, 1]]"})
+    assert infos["plan"]["success"] and is_solved(env.state.board, env.task.puzzle)

@@ -11,6 +11,7 @@ also run code; its episode ends when it gives the same answer twice in a row.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
@@ -57,6 +58,19 @@ class MathConfig(EnvConfig):
         "answer and a step-by-step solution (the paper's roles); 'print', one `print(...)` line "
         "of the problem's expression and the reasoner's \\boxed{} answer at once (roles a "
         "135M model can play, see docs/learning.md).",
+    )
+    plain_text: bool = Field(
+        False,
+        description="Show the problem with its LaTeX math as plain text ('Compute $2 + 3 "
+        "\\\\times 4$.' -> 'Compute 2 + 3 * 4.'), and the print role's example in the same "
+        "form, so a small model can copy the expression into Python.",
+    )
+    answer_format: Literal["boxed", "number"] = Field(
+        "boxed",
+        description="How the reasoner gives its answer: 'boxed', in \\boxed{} (the paper's "
+        "format); 'number', as a plain number, the last one in its answer (e.g. '14'), which "
+        "a 135M model writes where it never closes a \\boxed{}. Either way the answer is "
+        "judged against the task's.",
     )
 
 
@@ -110,6 +124,26 @@ PRINT_REMINDER = {
     "reasoner": "Answer with the final answer in \\boxed{}, for example: \\boxed{14}",
     "tool": "Answer with one line of Python, for example: print(2 + 3 * 4)",
 }
+PLAIN_TOOL_REMINDER = (
+    "Answer with one line of Python that prints this problem's expression, as print(2 + 3 * 4) "
+    "does for 'Compute 2 + 3 * 4.'"
+)
+# answer_format "number": the reasoner answers with a plain number.
+NUMBER_SYSTEM = (
+    "You are the reasoning agent of a math team. The tool agent's Python program and its "
+    "output are shown. Check them and give the final answer at once as a plain number, e.g. 14."
+)
+NUMBER_REMINDER = "Answer with the final answer as a plain number only:"
+_NUMBER = re.compile(r"-?\d+(?:\.\d+)?(?:/\d+)?")
+
+
+def last_number(text: str) -> str | None:
+    """The last number written in `text` ('14', '-3', '2.5', '3/4'), commas between digits
+    dropped ('1,200' is 1200); None when there is none."""
+    found = _NUMBER.findall(re.sub(r"(?<=\d),(?=\d{3}\b)", "", text))
+    return found[-1] if found else None
+
+
 SOLO_SYSTEM = (
     "You solve math problems. Reason step by step and end with your final answer in "
     "\\boxed{}, e.g. \\boxed{\\frac{3}{4}}. You may also write a Python program in a ```python "
@@ -159,8 +193,12 @@ class MathEnv(MASEnv):
         cfg, state = self.config, self.state
         roles = PRINT_SYSTEM if cfg.tool_task == "print" else SYSTEM
         system = SOLO_SYSTEM if cfg.single_agent else roles[agent]
+        if cfg.answer_format == "number" and (agent == "reasoner" or cfg.single_agent):
+            system = NUMBER_SYSTEM if not cfg.single_agent else _solo_number(system)
+        if cfg.plain_text and agent == "tool":  # its example in the problem's form
+            system = plain_math(system)
         lines = [
-            f"Problem:\n{self.task.question}",
+            f"Problem:\n{plain_math(self.task.question) if cfg.plain_text else self.task.question}",
             "",
             f"Round {self.round + 1} of {cfg.max_rounds}.",
         ]
@@ -181,8 +219,17 @@ class MathEnv(MASEnv):
         feedback = self.last_feedback.get(agent)
         if feedback:
             lines += ["", feedback]
-        if cfg.tool_task == "print" and not cfg.single_agent:  # the format, last, as plan-path does
-            lines += ["", PRINT_REMINDER[agent]]
+        if cfg.answer_format == "number" and (agent == "reasoner" or cfg.single_agent):
+            shown = None if cfg.single_agent else state.answers.get("tool")
+            lines += [  # the format, last, as plan-path does; the tool's answer as the example
+                "",
+                NUMBER_REMINDER
+                if shown is None
+                else f"{NUMBER_REMINDER[:-1]}, e.g. {shown} if the tool agent is right:",
+            ]
+        elif cfg.tool_task == "print" and not cfg.single_agent:
+            plain = cfg.plain_text and agent == "tool"
+            lines += ["", PLAIN_TOOL_REMINDER if plain else PRINT_REMINDER[agent]]
         return [
             {"role": "system", "content": system},
             {"role": "user", "content": "\n".join(lines)},
@@ -219,12 +266,15 @@ class MathEnv(MASEnv):
         previous = state.answers.get("reasoner")
         if cfg.single_agent and last_code_block(text) is not None:
             state.tool_runs.append(run_tool(text, cfg.tool_timeout))
-        answer = last_boxed(text)
+        answer = last_boxed(text) if cfg.answer_format == "boxed" else last_number(text)
         correct = answer is not None and judge.equal(self.task.answer, answer, cfg.verify_timeout)
         state.answers["reasoner"], state.correct["reasoner"] = answer, correct
-        self.last_feedback["reasoner"] = (
-            "" if answer is not None else "No \\boxed{} answer found: end with \\boxed{answer}."
+        missing = (
+            "No \\boxed{} answer found: end with \\boxed{answer}."
+            if cfg.answer_format == "boxed"
+            else "No number found: answer with a plain number."
         )
+        self.last_feedback["reasoner"] = "" if answer is not None else missing
         # Multi-agent: the two roles agree; single-agent: the same answer twice in a row.
         other = previous if cfg.single_agent else state.answers.get("tool")
         state.agreed = judge.agree(answer, other, cfg.verify_timeout)
@@ -249,6 +299,34 @@ class MathEnv(MASEnv):
         over = self.round > 0 and not self.agents  # the reference is shown once it cannot help
         reference = self.task.answer if over else "shown at the end"
         return f"math {self.task.id} ({status}): {answers}; reference {reference}"
+
+
+_PLAIN = (
+    ("\\times", "*"),
+    ("\\cdot", "*"),
+    ("\\div", "/"),
+    ("\\left", ""),
+    ("\\right", ""),
+    ("$", ""),
+)
+
+
+def plain_math(text: str) -> str:
+    """LaTeX math as plain text: '$35 + 6 \\times 10$' -> '35 + 6 * 10', '\\frac{a}{b}' ->
+    '(a)/(b)', 'a^{2}' -> 'a**2'."""
+    text = re.sub(r"\\d?frac\{([^{}]*)\}\{([^{}]*)\}", r"(\1)/(\2)", text)
+    text = re.sub(r"\^\{([^{}]*)\}", r"**\1", text)
+    text = text.replace("^", "**")
+    for latex, plain in _PLAIN:
+        text = text.replace(latex, plain)
+    return re.sub(r" {2,}", " ", text)
+
+
+def _solo_number(system: str) -> str:
+    return system.replace(
+        "end with your final answer in \\boxed{}, e.g. \\boxed{\\frac{3}{4}}",
+        "end with your final answer as a plain number, e.g. 14",
+    )
 
 
 def _bare_print(text: str) -> str:

@@ -56,6 +56,15 @@ class SokobanConfig(EnvConfig):
     )
     format_penalty: float = Field(-1.0, description="For an answer with no parsable moves.")
     tool_timeout: float = Field(5.0, gt=0, description="Wall seconds for the tool's program.")
+    show_offset: bool = Field(
+        False,
+        description="Also state, for each box off a goal, where its nearest goal lies from it "
+        "and the cell to push it from, with the straight moves, e.g. 'The box at row 2, column "
+        "2: its goal is 1 column right of it. To push it right, stand at row 2, column 1 (from "
+        "you: D) and push R: D, R if no wall is in the way.': the arithmetic a small model gets "
+        "wrong, done for it (as plan_path's show_offset); walls still need detours. Single-agent "
+        "mode then asks for the moves alone, no program.",
+    )
     solver_states: int = Field(
         100_000, ge=100, description="State budget of the searches that generate and check levels."
     )
@@ -408,6 +417,51 @@ SOLO_SYSTEM = (
 )
 
 
+def _offset(src: Cell, dst: Cell) -> tuple[str, str]:
+    """Where `dst` lies from `src` in words, and the straight moves there (rows first)."""
+    dr, dc = dst[0] - src[0], dst[1] - src[1]
+    steps = [("row", "down", "D", dr) if dr > 0 else ("row", "up", "U", -dr)]
+    steps.append(("column", "right", "R", dc) if dc > 0 else ("column", "left", "L", -dc))
+    steps = [s for s in steps if s[3]]
+    where = " and ".join(f"{n} {unit}{'s' if n != 1 else ''} {word}" for unit, word, _, n in steps)
+    return where, ", ".join(letter for _, _, letter, n in steps for _ in range(n))
+
+
+_WORD = {"U": "up", "D": "down", "L": "left", "R": "right"}
+
+
+def offset_lines(task: SokobanTask, player: Cell, boxes: frozenset[Cell]) -> list[str]:
+    """For each box off a goal: its nearest free goal and the player, relative to the box, e.g.
+    'The box at row 2, column 2: its goal is 2 columns right of it. To push it right, stand at
+    row 2, column 1 (from you: D, L) and push R, R: D, L, R, R if no wall is in the way.'
+    Straight moves; walls are not taken into account."""
+    free = sorted(task.goals - boxes)
+    lines = []
+    for box in sorted(boxes - task.goals):
+        goal = min(free, key=lambda g: abs(g[0] - box[0]) + abs(g[1] - box[1]))
+        to_goal, pushes = _offset(box, goal)
+        first = grid.step_cell(box, pushes[0])  # the first push's direction
+        behind = (2 * box[0] - first[0], 2 * box[1] - first[1])
+        walk = _offset(player, behind)[1]
+        moves = ", ".join(m for m in (walk, pushes) if m)
+        lines.append(
+            f"The box at row {box[0]}, column {box[1]}: its goal is {to_goal} of it. To push it "
+            f"{_WORD[pushes[0]]}, stand at row {behind[0]}, column {behind[1]}"
+            + (f" (from you: {walk})" if walk else " (you are there)")
+            + f" and push {pushes}: {moves} if no wall is in the way."
+        )
+    return lines
+
+
+# show_offset, single agent: the moves alone (no program).
+HINTED_SOLO_SYSTEM = (
+    "You solve Sokoban levels: push the box onto the goal. Symbols: '#' wall, '_' floor, '.' "
+    "goal, '$' box, '*' box on a goal, '@' you. Moves: U (row-1), D (row+1), L (column-1), R "
+    "(column+1); walking into a box pushes it. End your answer with `#### [moves]`, e.g. "
+    "`#### [R, R, D]`."
+)
+
+
 @dataclass
 class SokobanState(EpisodeState):
     player: Cell = (0, 0)
@@ -456,7 +510,8 @@ class SokobanEnv(MASEnv):
         return self.task.rows(self.state.player, self.state.boxes)
 
     def prompt(self, agent: str) -> list[Message]:
-        system = SOLO_SYSTEM if self.config.single_agent else SYSTEM[agent]
+        solo = HINTED_SOLO_SYSTEM if self.config.show_offset else SOLO_SYSTEM
+        system = solo if self.config.single_agent else SYSTEM[agent]
         on_goal = len(self.state.boxes & self.task.goals)
         pos = self.state.player
         lines = [
@@ -464,6 +519,7 @@ class SokobanEnv(MASEnv):
             grid.grid_text(self.board()),
             f"You are at row {pos[0]}, column {pos[1]}. Boxes on goals: {on_goal} of "
             f"{len(self.task.goals)}.",
+            *(offset_lines(self.task, pos, self.state.boxes) if self.config.show_offset else []),
             f"Round {self.round + 1} of {self.config.max_rounds}.",
         ]
         lines += round_context(
@@ -472,6 +528,8 @@ class SokobanEnv(MASEnv):
             self.state.tool_runs,
             show_tool=not self.config.single_agent,
         )
+        if self.config.show_offset and agent == "plan":  # the format, last, as plan_path does
+            lines += ["", "Answer with `#### [moves]`, for example: #### [R, R, D]"]
         return [
             {"role": "system", "content": system},
             {"role": "user", "content": "\n".join(lines)},

@@ -48,6 +48,13 @@ class SudokuConfig(EnvConfig):
     clue_penalty: float = Field(-0.5, description="When the answer tries to change a given clue.")
     format_penalty: float = Field(-1.0, description="For an answer with no parsable grid or fills.")
     tool_timeout: float = Field(5.0, gt=0, description="Wall seconds for the tool's program.")
+    show_candidates: bool = Field(
+        False,
+        description="Also list each empty cell's candidates (the digits its row, column and box "
+        "do not hold yet) as fills, e.g. '[0, 2, 3] (only 3 fits)' or '[1, 1, 2 or 4]', and ask "
+        "for the fills (single-agent mode: the answer alone, no program): the elimination a small "
+        "model gets wrong, done for it.",
+    )
 
     @model_validator(mode="after")
     def _clues_fit(self) -> SudokuConfig:
@@ -430,6 +437,41 @@ SOLO_SYSTEM = (
 )
 
 
+def candidates(board: Board, r: int, c: int) -> list[int]:
+    """The digits that empty cell (r, c) may hold: none of its row, column or box has them."""
+    n, b = len(board), math.isqrt(len(board))
+    used = set(board[r]) | {board[i][c] for i in range(n)}
+    used |= {
+        board[i][j]
+        for i in range(r // b * b, r // b * b + b)
+        for j in range(c // b * b, c // b * b + b)
+    }
+    return [d for d in range(1, n + 1) if d not in used]
+
+
+def candidate_lines(board: Board) -> list[str]:
+    """Each empty cell as a `[row, column, value]` fill with its candidates, e.g.
+    'Empty cells as [row, column, value]: [0, 2, 3] (only 3 fits); [1, 1, 2 or 4].'"""
+    cells = []
+    for r, row in enumerate(board):
+        for c, v in enumerate(row):
+            if v == 0:
+                digits = candidates(board, r, c)
+                if len(digits) == 1:
+                    cells.append(f"[{r}, {c}, {digits[0]}] (only {digits[0]} fits)")
+                else:
+                    options = " or ".join(map(str, digits)) or "nothing fits: a digit is wrong"
+                    cells.append(f"[{r}, {c}, {options}]")
+    return ["Empty cells as [row, column, value]: " + "; ".join(cells) + "."] if cells else []
+
+
+# show_candidates, single agent: the answer alone (no program), in one format.
+HINTED_SOLO_SYSTEM = (
+    "You solve sudoku puzzles: fill each empty cell with the digit that fits. End your answer "
+    "with #### and the fills as [row, column, value], e.g. #### [[0, 1, 4]]. "
+)
+
+
 @dataclass
 class SudokuState(EpisodeState):
     board: Board = field(default_factory=list)
@@ -474,12 +516,14 @@ class SudokuEnv(MASEnv):
 
     def prompt(self, agent: str) -> list[Message]:
         n = self.task.size
-        system = (SOLO_SYSTEM if self.config.single_agent else SYSTEM[agent]) + _rules(n)
+        solo = HINTED_SOLO_SYSTEM if self.config.show_candidates else SOLO_SYSTEM
+        system = (solo if self.config.single_agent else SYSTEM[agent]) + _rules(n)
         empty = sum(v == 0 for row in self.state.board for v in row)
         lines = [
             f"Board ({n}x{n}, {empty} empty cells):",
             grid.grid_text(self.board_rows()),
             f"As a JSON list of rows (0 = empty): {json.dumps(self.state.board)}",
+            *(candidate_lines(self.state.board) if self.config.show_candidates else []),
             f"Round {self.round + 1} of {self.config.max_rounds}.",
         ]
         lines += round_context(
@@ -488,6 +532,11 @@ class SudokuEnv(MASEnv):
             self.state.tool_runs,
             show_tool=not self.config.single_agent,
         )
+        if self.config.show_candidates and agent == "plan":  # the format, last
+            lines += [
+                "",
+                "Answer with #### and the fills, for example: #### [[0, 1, 4]]",
+            ]
         return [
             {"role": "system", "content": system},
             {"role": "user", "content": "\n".join(lines)},
