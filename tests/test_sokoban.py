@@ -292,9 +292,10 @@ def test_show_offset_names_the_push_and_the_cell_to_push_from() -> None:
     prompt = infos["plan"]["messages"][-1]["content"]
     line = (
         "The box at row 2, column 2: its goal is 2 columns right of it. To push it right, stand "
-        "at row 2, column 1 (from you: D) and push R, R: D, R, R if no wall is in the way."
+        "at row 2, column 1 (from you: D) and push R, R: [D, R, R] if no wall is in the way."
     )
-    assert line in prompt and prompt.endswith("#### [R, R, D]")
+    assert line in prompt and prompt.endswith("as written above.")
+    assert "R, R, D" not in prompt  # no fixed example answer to copy
     assert "Python" not in infos["plan"]["messages"][0]["content"]  # the moves alone
     # Following the line solves the level; the env's own check decides (the box on the goal).
     _, rewards, terms, _, infos = env.step({"plan": "#### [D, R, R]"})
@@ -309,7 +310,7 @@ def test_show_offset_when_standing_behind_the_box_and_wrong_moves_fail() -> None
     env = masenvs.make("sokoban", single_agent=True, show_offset=True, max_rounds=1)
     _, infos = env.reset(seed=0, options={"task": LINE})
     assert (
-        "stand at row 2, column 1 (you are there) and push R, R: R, R if no wall is in the way."
+        "stand at row 2, column 1 (you are there) and push R, R: [R, R] if no wall is in the way."
         in (infos["plan"]["messages"][-1]["content"])
     )
     _, _, _, _, infos = env.step({"plan": "#### [R]"})  # one push short: not solved

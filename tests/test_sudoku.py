@@ -391,7 +391,7 @@ def test_show_candidates_lists_each_empty_cell_and_its_digits() -> None:
     assert "[3, 2, 2 or 3]" in prompt
     (line,) = [x for x in prompt.splitlines() if x.startswith("Empty cells as")]
     assert len(line.split("; ")) == 10  # one entry per empty cell
-    assert prompt.endswith("#### [[0, 1, 4]]")
+    assert prompt.endswith("#### [[row, column, value], ...]")  # no example fill to copy
     assert "Python" not in infos["plan"]["messages"][0]["content"]  # the fills alone
     assert (
         "fits"
@@ -408,10 +408,14 @@ def test_show_candidates_single_candidates_are_right_and_solve_only_when_complet
     env = masenvs.make("sudoku", single_agent=True, show_candidates=True, max_rounds=2)
     _, infos = env.reset(seed=0, options={"task": {"puzzle": puzzle}})
     prompt = infos["plan"]["messages"][-1]["content"]
-    assert "[0, 3, 4] (only 4 fits); [1, 2, 1] (only 1 fits)" in prompt
+    # Every cell forced: one list in the answer's form, which solves the puzzle as written.
+    assert "only one digit fits each: [[0, 3, 4], [1, 2, 1]]." in prompt
+    listed = prompt.split("fits each: ")[1].splitlines()[0]
+    assert parse_answer(listed, 4).fills == [(0, 3, 4), (1, 2, 1)]
+    assert parse_answer(prompt.rsplit("\n", 1)[1], 4) is None  # the placeholder does not parse
     _, _, _, _, infos = env.step({"plan": "#### [[0, 3, 4]]"})  # one of two: not solved
     assert not infos["plan"]["success"]
-    assert "[1, 2, 1] (only 1 fits)" in infos["plan"]["messages"][-1]["content"]
+    assert "fits each: [[1, 2, 1]]." in infos["plan"]["messages"][-1]["content"]
     assert "[0, 3" not in infos["plan"]["messages"][-1]["content"]  # filled: no longer listed
     _, _, terms, _, infos = env.step({"plan": "#### [[1, 2, 1]]"})
     assert infos["plan"]["success"] and is_solved(env.state.board, env.task.puzzle)

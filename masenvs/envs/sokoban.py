@@ -61,7 +61,7 @@ class SokobanConfig(EnvConfig):
         description="Also state, for each box off a goal, where its nearest goal lies from it "
         "and the cell to push it from, with the straight moves, e.g. 'The box at row 2, column "
         "2: its goal is 1 column right of it. To push it right, stand at row 2, column 1 (from "
-        "you: D) and push R: D, R if no wall is in the way.': the arithmetic a small model gets "
+        "you: D) and push R: [D, R] if no wall is in the way.': the arithmetic a small model gets "
         "wrong, done for it (as plan_path's show_offset); walls still need detours. Single-agent "
         "mode then asks for the moves alone, no program.",
     )
@@ -433,7 +433,7 @@ _WORD = {"U": "up", "D": "down", "L": "left", "R": "right"}
 def offset_lines(task: SokobanTask, player: Cell, boxes: frozenset[Cell]) -> list[str]:
     """For each box off a goal: its nearest free goal and the player, relative to the box, e.g.
     'The box at row 2, column 2: its goal is 2 columns right of it. To push it right, stand at
-    row 2, column 1 (from you: D, L) and push R, R: D, L, R, R if no wall is in the way.'
+    row 2, column 1 (from you: D, L) and push R, R: [D, L, R, R] if no wall is in the way.'
     Straight moves; walls are not taken into account."""
     free = sorted(task.goals - boxes)
     lines = []
@@ -448,7 +448,7 @@ def offset_lines(task: SokobanTask, player: Cell, boxes: frozenset[Cell]) -> lis
             f"The box at row {box[0]}, column {box[1]}: its goal is {to_goal} of it. To push it "
             f"{_WORD[pushes[0]]}, stand at row {behind[0]}, column {behind[1]}"
             + (f" (from you: {walk})" if walk else " (you are there)")
-            + f" and push {pushes}: {moves} if no wall is in the way."
+            + f" and push {pushes}: [{moves}] if no wall is in the way."
         )
     return lines
 
@@ -457,8 +457,8 @@ def offset_lines(task: SokobanTask, player: Cell, boxes: frozenset[Cell]) -> lis
 HINTED_SOLO_SYSTEM = (
     "You solve Sokoban levels: push the box onto the goal. Symbols: '#' wall, '_' floor, '.' "
     "goal, '$' box, '*' box on a goal, '@' you. Moves: U (row-1), D (row+1), L (column-1), R "
-    "(column+1); walking into a box pushes it. End your answer with `#### [moves]`, e.g. "
-    "`#### [R, R, D]`."
+    "(column+1); walking into a box pushes it. End your answer with #### and the list of "
+    "moves in brackets."
 )
 
 
@@ -529,7 +529,7 @@ class SokobanEnv(MASEnv):
             show_tool=not self.config.single_agent,
         )
         if self.config.show_offset and agent == "plan":  # the format, last, as plan_path does
-            lines += ["", "Answer with `#### [moves]`, for example: #### [R, R, D]"]
+            lines += ["", "Answer with #### and the list of moves in brackets, as written above."]
         return [
             {"role": "system", "content": system},
             {"role": "user", "content": "\n".join(lines)},

@@ -451,24 +451,33 @@ def candidates(board: Board, r: int, c: int) -> list[int]:
 
 def candidate_lines(board: Board) -> list[str]:
     """Each empty cell as a `[row, column, value]` fill with its candidates, e.g.
-    'Empty cells as [row, column, value]: [0, 2, 3] (only 3 fits); [1, 1, 2 or 4].'"""
+    'Empty cells as [row, column, value]: [0, 2, 3] (only 3 fits); [1, 1, 2 or 4].' When every
+    cell has one candidate, one list in the answer's form: '...: [[0, 2, 3], [1, 1, 4]].'"""
+    empty = [
+        (r, c, candidates(board, r, c))
+        for r, row in enumerate(board)
+        for c, v in enumerate(row)
+        if v == 0
+    ]
+    if not empty:
+        return []
+    if all(len(digits) == 1 for _, _, digits in empty):
+        fills = ", ".join(f"[{r}, {c}, {digits[0]}]" for r, c, digits in empty)
+        return [f"Empty cells as [row, column, value], only one digit fits each: [{fills}]."]
     cells = []
-    for r, row in enumerate(board):
-        for c, v in enumerate(row):
-            if v == 0:
-                digits = candidates(board, r, c)
-                if len(digits) == 1:
-                    cells.append(f"[{r}, {c}, {digits[0]}] (only {digits[0]} fits)")
-                else:
-                    options = " or ".join(map(str, digits)) or "nothing fits: a digit is wrong"
-                    cells.append(f"[{r}, {c}, {options}]")
-    return ["Empty cells as [row, column, value]: " + "; ".join(cells) + "."] if cells else []
+    for r, c, digits in empty:
+        if len(digits) == 1:
+            cells.append(f"[{r}, {c}, {digits[0]}] (only {digits[0]} fits)")
+        else:
+            options = " or ".join(map(str, digits)) or "nothing fits: a digit is wrong"
+            cells.append(f"[{r}, {c}, {options}]")
+    return ["Empty cells as [row, column, value]: " + "; ".join(cells) + "."]
 
 
 # show_candidates, single agent: the answer alone (no program), in one format.
 HINTED_SOLO_SYSTEM = (
     "You solve sudoku puzzles: fill each empty cell with the digit that fits. End your answer "
-    "with #### and the fills as [row, column, value], e.g. #### [[0, 1, 4]]. "
+    "with #### and one [row, column, value] fill per empty cell: #### [[row, column, value], ...]. "
 )
 
 
@@ -535,7 +544,8 @@ class SudokuEnv(MASEnv):
         if self.config.show_candidates and agent == "plan":  # the format, last
             lines += [
                 "",
-                "Answer with #### and the fills, for example: #### [[0, 1, 4]]",
+                "Answer with #### and the fill of every empty cell, in the form "
+                "#### [[row, column, value], ...]",
             ]
         return [
             {"role": "system", "content": system},
