@@ -21,6 +21,17 @@ def manhattan(a: Cell, b: Cell) -> int:
     return abs(a[0] - b[0]) + abs(a[1] - b[1])
 
 
+def straight_moves(src: Cell, dst: Cell) -> tuple[str, str]:
+    """Where `dst` lies from `src` in words and the straight moves there, rows first:
+    ('2 rows down and 1 column left', 'D, D, L'); ('', '') when they are the same cell."""
+    dr, dc = dst[0] - src[0], dst[1] - src[1]
+    steps = [("row", "down", "D", dr) if dr > 0 else ("row", "up", "U", -dr)]
+    steps.append(("column", "right", "R", dc) if dc > 0 else ("column", "left", "L", -dc))
+    steps = [s for s in steps if s[3]]
+    where = " and ".join(f"{n} {unit}{'s' if n != 1 else ''} {word}" for unit, word, _, n in steps)
+    return where, ", ".join(letter for _, _, letter, n in steps for _ in range(n))
+
+
 def bfs_distances(free: np.ndarray, source: Cell) -> np.ndarray:
     """Shortest move counts from `source` over cells where `free` is True (-1: unreachable)."""
     rows, cols = free.shape

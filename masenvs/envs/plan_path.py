@@ -183,13 +183,8 @@ SOLO_SYSTEM = (
 def offset_text(pos: grid.Cell, goal: grid.Cell) -> str:
     """Where G lies from A and the straight moves there, e.g.
     'G is 2 rows down and 1 column left of A: D, D, L if no wall is in the way.'"""
-    dr, dc = goal[0] - pos[0], goal[1] - pos[1]
-    steps = [("row", "down", "D", dr) if dr > 0 else ("row", "up", "U", -dr)]
-    steps.append(("column", "right", "R", dc) if dc > 0 else ("column", "left", "L", -dc))
-    steps = [s for s in steps if s[3]]
-    where = " and ".join(f"{n} {unit}{'s' if n != 1 else ''} {word}" for unit, word, _, n in steps)
-    moves = ", ".join(letter for _, _, letter, n in steps for _ in range(n))
-    return f"G is {where} of A: {moves} if no wall is in the way." if steps else "G is at A."
+    where, moves = grid.straight_moves(pos, goal)
+    return f"G is {where} of A: {moves} if no wall is in the way." if where else "G is at A."
 
 
 @dataclass

@@ -417,16 +417,6 @@ SOLO_SYSTEM = (
 )
 
 
-def _offset(src: Cell, dst: Cell) -> tuple[str, str]:
-    """Where `dst` lies from `src` in words, and the straight moves there (rows first)."""
-    dr, dc = dst[0] - src[0], dst[1] - src[1]
-    steps = [("row", "down", "D", dr) if dr > 0 else ("row", "up", "U", -dr)]
-    steps.append(("column", "right", "R", dc) if dc > 0 else ("column", "left", "L", -dc))
-    steps = [s for s in steps if s[3]]
-    where = " and ".join(f"{n} {unit}{'s' if n != 1 else ''} {word}" for unit, word, _, n in steps)
-    return where, ", ".join(letter for _, _, letter, n in steps for _ in range(n))
-
-
 _WORD = {"U": "up", "D": "down", "L": "left", "R": "right"}
 
 
@@ -438,11 +428,11 @@ def offset_lines(task: SokobanTask, player: Cell, boxes: frozenset[Cell]) -> lis
     free = sorted(task.goals - boxes)
     lines = []
     for box in sorted(boxes - task.goals):
-        goal = min(free, key=lambda g: abs(g[0] - box[0]) + abs(g[1] - box[1]))
-        to_goal, pushes = _offset(box, goal)
+        goal = min(free, key=lambda g: grid.manhattan(g, box))
+        to_goal, pushes = grid.straight_moves(box, goal)
         first = grid.step_cell(box, pushes[0])  # the first push's direction
         behind = (2 * box[0] - first[0], 2 * box[1] - first[1])
-        walk = _offset(player, behind)[1]
+        walk = grid.straight_moves(player, behind)[1]
         moves = ", ".join(m for m in (walk, pushes) if m)
         lines.append(
             f"The box at row {box[0]}, column {box[1]}: its goal is {to_goal} of it. To push it "
