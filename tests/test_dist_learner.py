@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from tiny_runs import plan_path_run
 
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.checkpoint import SHARDED, TrainState, load_latest, save_checkpoint
@@ -217,20 +218,7 @@ def test_train_runs_two_steps_on_two_learner_ranks(tmp_path: Path) -> None:
     from masenvs.trainer.metrics import read_metrics
     from masenvs.trainer.train import train
 
-    cfg = config(
-        f"run_dir={tmp_path}",
-        "steps=2",
-        "env.name=plan_path",
-        "env.options={size: 4}",
-        "rollout.branches=2",
-        "rollout.tasks_per_step=2",
-        "rollout.max_rounds=1",
-        "rollout.max_tokens=8",
-        "validation.every=0",
-        "logging.tensorboard=false",
-        "backend.dtype=float32",
-        "backend.max_batch_size=8",
-    )
+    cfg = config(*plan_path_run(tmp_path))
     train(cfg, console=Console(quiet=True))
     rows = [r for r in read_metrics(tmp_path / "metrics.jsonl") if "learner/lr" in r]
     assert len(rows) == 2

@@ -14,6 +14,7 @@ from pathlib import Path
 import openai
 import pytest
 import torch
+from tiny_runs import plan_path_run
 
 from masenvs.adapters.backends.base import BackendError, GenerateRequest, SamplingParams
 from masenvs.adapters.backends.pool import EnginePool
@@ -343,20 +344,7 @@ def train_config(run_dir: Path, *overrides: str):
             "lora.rank=4",
             "optim.warmup_steps=0",
             "optim.lr=1e-3",
-            f"run_dir={run_dir}",
-            "steps=2",
-            "env.name=plan_path",
-            "env.options={size: 4}",
-            "rollout.branches=2",
-            "rollout.tasks_per_step=2",
-            "rollout.max_rounds=1",
-            "rollout.max_tokens=8",
-            "validation.every=0",
-            "logging.tensorboard=false",
-            "backend.dtype=float32",
-            "backend.quantize=none",
-            "backend.max_batch_size=8",
-            *overrides,
+            *plan_path_run(run_dir, "backend.quantize=none", *overrides),
         ],
     )
 

@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from tiny_runs import plan_path_run
 
 from masenvs.adapters.backends.base import BackendError, GenerateRequest, SamplingParams
 from masenvs.adapters.backends.embedded import EmbeddedBackend
@@ -184,18 +185,7 @@ def test_training_separate_full_models_with_a_frozen_agent(
     from masenvs.trainer.train import train
 
     cfg = config(
-        f"run_dir={tmp_path / 'run'}",
-        "steps=2",
-        "env.name=plan_path",
-        "env.options={size: 4}",
-        "rollout.branches=2",
-        "rollout.tasks_per_step=2",
-        "rollout.max_rounds=1",
-        "rollout.max_tokens=8",
-        "validation.every=0",
-        "logging.tensorboard=false",
-        "backend.dtype=float32",
-        "backend.max_batch_size=8",
+        *plan_path_run(tmp_path / "run"),
         "policy.mode=separate",
         "policy.finetune=full",
         f"policy.models={{tool: {other_base}}}",
