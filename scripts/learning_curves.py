@@ -1,4 +1,4 @@
-"""Validation curves of several runs (one per seed) in one PNG, and their before/after table.
+"""Success and reward curves of several runs (one per seed) in one PNG, and their before/after table.
 
     python scripts/learning_curves.py runs/quickstart-s0 runs/quickstart-s1 runs/quickstart-s2 \
         --out docs/img/quickstart.png --title "plan-path 4x4, tool + plan"
@@ -60,14 +60,23 @@ def main() -> None:
     print(
         "| run | seed | val success (first -> last) | "
         + " | ".join(f"val reward {a}" for a in agents)
-        + " |"
+        + " | wall after model load |"
     )
-    print("| --- | --- | --- | " + " | ".join("---" for _ in agents) + " |")
+    print("| --- | --- | --- | " + " | ".join("---" for _ in agents) + " | --- |")
     for i, (run, records) in enumerate(runs.items()):
         vals = validations(records)
         steps = [v["step"] for v in vals]
         ax_s.plot(
             steps, [v["val/success"] for v in vals], "o-", color=colors[i % 10], label=run.name
+        )
+        trained = [r for r in records if "train/success" in r]
+        ax_s.plot(
+            [r["step"] for r in trained],
+            [r["train/success"] for r in trained],
+            ":",
+            color=colors[i % 10],
+            alpha=0.7,
+            label=f"{run.name} sampled (train)",
         )
         for j, agent in enumerate(agents):
             key = f"val/reward/{agent}"
@@ -93,7 +102,7 @@ def main() -> None:
             + " | ".join(cells)
             + f" | {wall / 60:.1f} min |"
         )
-    ax_s.set_title("Greedy validation success")
+    ax_s.set_title("Success: greedy validation (o-), sampled training (:)")
     ax_s.set_xlabel("training step")
     ax_s.set_ylim(-0.03, 1.03)
     ax_r.set_title("Validation reward per agent (o plan/reasoner/first, s second)")
