@@ -162,9 +162,12 @@ int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *s, uint16_t 
 
 // ---- decode attention ------------------------------------------------------------------
 //
-// One new token per row b (row b owns cache slot b): write its key and value at position
-// positions[b], then attend over positions 0..positions[b] of the slot. Grouped-query
+// One new token per row b, in cache slot slots[b] (slot b when slots is NULL): write its
+// key and value at position positions[b] (unless `write` is 0: a prefill stored them
+// already), then attend over positions 0..positions[b] of the slot. Grouped-query
 // attention: query head h * groups + i reads KV head h. bfloat16 in and out, fp32 inside.
+// A row's result depends on its own query and cached keys only, never on the other rows
+// or the thread count: the batch-invariant prefill runs every prompt token through here.
 //
 //   qk:  [B, (n_kv * groups + n_kv) * D] rows of qk_stride elements: the B rows' queries
 //        (after rotary embedding), then their new keys
@@ -206,11 +209,11 @@ static inline __m512 exp_ps(__m512 x) {
 
 int decode_attention(const uint16_t *qk, int qk_stride, const uint16_t *v, int v_stride,
                      uint16_t *k_cache, uint16_t *v_cache, const int64_t *positions,
-                     uint16_t *out, int B, int n_kv, int groups, int D, int capacity,
-                     float scale) {
+                     const int64_t *slots, int write, uint16_t *out, int B, int n_kv,
+                     int groups, int D, int capacity, float scale) {
     if (B <= 0 || n_kv <= 0 || groups <= 0 || D <= 0 || D % 16) return -1;
     for (int b = 0; b < B; b++)
-        if (positions[b] < 0 || positions[b] >= capacity) return -1;
+        if (positions[b] < 0 || positions[b] >= capacity || (slots && slots[b] < 0)) return -1;
     const int heads = n_kv * groups;
     int failed = 0;
 #pragma omp parallel
@@ -226,12 +229,16 @@ int decode_attention(const uint16_t *qk, int qk_stride, const uint16_t *v, int v
             const int b = task / n_kv, h = task % n_kv;
             const int64_t pos = positions[b];
             const int len = (int)pos + 1;
-            uint16_t *keys = k_cache + ((size_t)b * n_kv + h) * D * capacity;
-            uint16_t *values = v_cache + ((size_t)b * n_kv + h) * capacity * D;
+            const size_t slot = slots ? (size_t)slots[b] : (size_t)b;
+            uint16_t *keys = k_cache + (slot * n_kv + h) * D * capacity;
+            uint16_t *values = v_cache + (slot * n_kv + h) * capacity * D;
             const uint16_t *row = qk + (size_t)b * qk_stride;
-            const uint16_t *new_key = row + (size_t)(heads + h) * D;
-            for (int d = 0; d < D; d++) keys[(size_t)d * capacity + pos] = new_key[d];
-            memcpy(values + (size_t)pos * D, v + (size_t)b * v_stride + (size_t)h * D, 2 * (size_t)D);
+            if (write) {
+                const uint16_t *new_key = row + (size_t)(heads + h) * D;
+                for (int d = 0; d < D; d++) keys[(size_t)d * capacity + pos] = new_key[d];
+                memcpy(values + (size_t)pos * D, v + (size_t)b * v_stride + (size_t)h * D,
+                       2 * (size_t)D);
+            }
             for (int i = 0; i < groups; i++) {
                 const uint16_t *query = row + (size_t)(h * groups + i) * D;
                 // scores[p] = scale * q . k_p, 16 positions at a time
@@ -367,6 +374,37 @@ int silu_mul(const uint16_t *gate_up, uint16_t *out, int M, int I) {
             const __m512 y = _mm512_mul_ps(_mm512_mul_ps(g, sigmoid), load_bf16(up + i, 0xFFFF));
             _mm256_storeu_si256((__m256i *)(out + (size_t)m * I + i), (__m256i)_mm512_cvtneps_pbh(y));
         }
+    }
+    return 0;
+}
+
+// ---- log-sum-exp -----------------------------------------------------------------------
+//
+// out[b] = log(sum_v e^x[b, v]) for float32 rows x [B, V], each row in one fixed order (16
+// lanes, then their sum), so that its value never depends on B or the thread count as
+// torch's reductions do: the log-probabilities of the batch-invariant engine.
+int logsumexp_rows(const float *x, float *out, int B, int V) {
+    if (B <= 0 || V <= 0) return -1;
+#pragma omp parallel for schedule(static) if (B > 1)
+    for (int b = 0; b < B; b++) {
+        const float *row = x + (size_t)b * V;
+        const int whole = V / 16 * 16;
+        const __mmask16 tail = (__mmask16)((1u << (V - whole)) - 1);
+        __m512 peak = _mm512_set1_ps(-INFINITY);
+        for (int v = 0; v < whole; v += 16) peak = _mm512_max_ps(peak, _mm512_loadu_ps(row + v));
+        peak = _mm512_mask_max_ps(peak, tail, peak, _mm512_maskz_loadu_ps(tail, row + whole));
+        const float top = _mm512_reduce_max_ps(peak);
+        if (!isfinite(top)) {  // all -inf, or an inf or NaN logit
+            out[b] = top;
+            continue;
+        }
+        const __m512 t = _mm512_set1_ps(top);
+        __m512 sums = _mm512_setzero_ps();
+        for (int v = 0; v < whole; v += 16)
+            sums = _mm512_add_ps(sums, exp_ps(_mm512_sub_ps(_mm512_loadu_ps(row + v), t)));
+        const __m512 rest = _mm512_sub_ps(_mm512_maskz_loadu_ps(tail, row + whole), t);
+        sums = _mm512_add_ps(sums, _mm512_maskz_mov_ps(tail, exp_ps(_mm512_min_ps(rest, _mm512_setzero_ps()))));
+        out[b] = top + logf(_mm512_reduce_add_ps(sums));
     }
     return 0;
 }

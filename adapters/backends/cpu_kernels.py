@@ -8,9 +8,11 @@
   (`bench/cpu_kernels.py`). With AVX2 the inputs become int16 per group (a power-of-two
   scale) and `vpmaddwd` multiplies 16 levels per instruction, summing exactly in int32; 4
   rows per pass.
-- `decode_attention`: a decode step's cache writes and attention for one layer.
+- `decode_attention`: a decode step's cache writes and attention for one layer (in the
+  batch-invariant mode, every prefill token's attention too: see `llama`).
 - `lora_add`, `add_rms_norm`, `silu_mul`: a LoRA delta, RMSNorm fused with the residual
   add before it, SwiGLU; one call each instead of several torch ops.
+- `logsumexp`: per row, in a fixed order (the batch-invariant engine's log-probabilities).
 
 Two kernel sets implement the same functions on the same packed weights (`KERNEL_SETS`):
 "avx512" (`cpu_kernels.c`: AVX-512 BF16, e.g. Intel Sapphire Rapids and later, AMD Zen 4
@@ -210,26 +212,34 @@ def decode_attention(
     positions: Tensor,
     n_kv: int,
     scale: float,
+    slots: Tensor | None = None,
+    write: bool = True,
 ) -> Tensor:
     """One decode step's attention, cache writes included (see cpu_kernels.c).
 
     `qk` [B, heads + n_kv, D]: each row's queries, then its new keys; `v` [B, n_kv, D]
     (rows may be strided); `k_cache` [slots, n_kv, D, capacity] and `v_cache` [slots, n_kv,
-    capacity, D], slot b for row b; `positions` [B]. Returns [B, heads * D]; all bfloat16.
+    capacity, D]; `positions` [B]. Row b uses cache slot `slots[b]` (slot b when `slots` is
+    None); with `write` False its key and value must be in the cache already (a prefill
+    stored them) and are not written. Returns [B, heads * D]; all bfloat16.
     """
     library = _loaded()
     batch, columns, dim = qk.shape
     heads = columns - n_kv
+    highest = batch if slots is None else int(slots.max()) + 1 if slots.numel() else 0
     if (
         any(t.dtype != torch.bfloat16 for t in (qk, v, k_cache, v_cache))
         or qk.stride()[1:] != (dim, 1)
         or v.stride()[1:] != (dim, 1)
         or not (k_cache.is_contiguous() and v_cache.is_contiguous())
-        or k_cache.shape[0] < batch
+        or k_cache.shape[0] < highest
+        or (slots is not None and slots.shape != (batch,))
         or heads % n_kv
     ):
         raise ValueError("decode_attention: unsupported dtypes, layouts or shapes")
     positions = positions.to(torch.int64).contiguous()
+    if slots is not None:
+        slots = slots.to(torch.int64).contiguous()
     out = torch.empty(batch, heads * dim, dtype=torch.bfloat16)
     status = library.decode_attention(
         qk.data_ptr(),
@@ -239,6 +249,8 @@ def decode_attention(
         k_cache.data_ptr(),
         v_cache.data_ptr(),
         positions.data_ptr(),
+        None if slots is None else slots.data_ptr(),
+        int(write),
         out.data_ptr(),
         batch,
         n_kv,
@@ -311,6 +323,19 @@ def silu_mul(gate_up: Tensor) -> Tensor:
     return out
 
 
+def logsumexp(x: Tensor) -> Tensor:
+    """log(sum(exp(x[b]))) for each row of float32 x [B, V] -> [B]: each row summed in one
+    fixed order, so a row's value never depends on the others (torch's reductions split a
+    lone row across threads)."""
+    library = _loaded()
+    if x.dtype != torch.float32 or x.dim() != 2 or x.shape[0] == 0 or x.shape[1] == 0:
+        raise ValueError(f"logsumexp takes float32 [rows, V], got {x.dtype} {list(x.shape)}")
+    x = x.contiguous()
+    out = torch.empty(x.shape[0], dtype=torch.float32)
+    library.logsumexp_rows(x.data_ptr(), out.data_ptr(), *x.shape)
+    return out
+
+
 def cpu_supports(name: str | None = None) -> bool:
     """Whether this CPU has the instructions kernel set `name` uses (by default: any set);
     x86-64 Linux only."""
@@ -357,11 +382,12 @@ def _library(name: str) -> ctypes.CDLL | None:
     library.int4_matmul.argtypes = [pointer] * 5 + [integer] * 3
     library.int8_matmul.argtypes = [pointer] * 4 + [integer] * 3
     library.decode_attention.argtypes = [pointer, integer, pointer, integer] + [pointer] * 4
-    library.decode_attention.argtypes += [integer] * 5 + [ctypes.c_float]
+    library.decode_attention.argtypes += [integer, pointer] + [integer] * 5 + [ctypes.c_float]
     library.lora_add.argtypes = [pointer, pointer, pointer, integer, integer, pointer, pointer]
     library.lora_add.argtypes += [integer] * 4
     library.add_rms_norm.argtypes = [pointer] * 4 + [integer] * 2 + [ctypes.c_float]
     library.silu_mul.argtypes = [pointer] * 2 + [integer] * 2
+    library.logsumexp_rows.argtypes = [pointer] * 2 + [integer] * 2
     functions = (
         library.int4_matmul,
         library.int8_matmul,
@@ -369,6 +395,7 @@ def _library(name: str) -> ctypes.CDLL | None:
         library.lora_add,
         library.add_rms_norm,
         library.silu_mul,
+        library.logsumexp_rows,
     )
     for function in functions:
         function.restype = integer

@@ -308,11 +308,11 @@ static inline __m256 exp_ps(__m256 x) {
 
 int decode_attention(const uint16_t *qk, int qk_stride, const uint16_t *v, int v_stride,
                      uint16_t *k_cache, uint16_t *v_cache, const int64_t *positions,
-                     uint16_t *out, int B, int n_kv, int groups, int D, int capacity,
-                     float scale) {
+                     const int64_t *slots, int write, uint16_t *out, int B, int n_kv,
+                     int groups, int D, int capacity, float scale) {
     if (B <= 0 || n_kv <= 0 || groups <= 0 || D <= 0 || D % 16) return -1;
     for (int b = 0; b < B; b++)
-        if (positions[b] < 0 || positions[b] >= capacity) return -1;
+        if (positions[b] < 0 || positions[b] >= capacity || (slots && slots[b] < 0)) return -1;
     const int heads = n_kv * groups;
     int failed = 0;
 #pragma omp parallel
@@ -330,12 +330,16 @@ int decode_attention(const uint16_t *qk, int qk_stride, const uint16_t *v, int v
             const int b = task / n_kv, h = task % n_kv;
             const int64_t pos = positions[b];
             const int len = (int)pos + 1, whole = len / 8 * 8;
-            uint16_t *keys = k_cache + ((size_t)b * n_kv + h) * D * capacity;
-            uint16_t *values = v_cache + ((size_t)b * n_kv + h) * capacity * D;
+            const size_t slot = slots ? (size_t)slots[b] : (size_t)b;
+            uint16_t *keys = k_cache + (slot * n_kv + h) * D * capacity;
+            uint16_t *values = v_cache + (slot * n_kv + h) * capacity * D;
             const uint16_t *row = qk + (size_t)b * qk_stride;
-            const uint16_t *new_key = row + (size_t)(heads + h) * D;
-            for (int d = 0; d < D; d++) keys[(size_t)d * capacity + pos] = new_key[d];
-            memcpy(values + (size_t)pos * D, v + (size_t)b * v_stride + (size_t)h * D, 2 * (size_t)D);
+            if (write) {
+                const uint16_t *new_key = row + (size_t)(heads + h) * D;
+                for (int d = 0; d < D; d++) keys[(size_t)d * capacity + pos] = new_key[d];
+                memcpy(values + (size_t)pos * D, v + (size_t)b * v_stride + (size_t)h * D,
+                       2 * (size_t)D);
+            }
             for (int i = 0; i < groups; i++) {
                 const uint16_t *q = row + (size_t)(h * groups + i) * D;
                 for (int d = 0; d < D; d++) query[d] = bf16_scalar(q[d]) * scale;
@@ -509,6 +513,35 @@ int silu_mul(const uint16_t *gate_up, uint16_t *out, int M, int I) {
             const __m256 y = _mm256_mul_ps(_mm256_mul_ps(g, sigmoid), load_bf16x8(up + i));
             store_bf16x8(out + (size_t)m * I + i, y);
         }
+    }
+    return 0;
+}
+
+// ---- log-sum-exp (see cpu_kernels.c) ---------------------------------------------------
+
+int logsumexp_rows(const float *x, float *out, int B, int V) {
+    if (B <= 0 || V <= 0) return -1;
+#pragma omp parallel for schedule(static) if (B > 1)
+    for (int b = 0; b < B; b++) {
+        const float *row = x + (size_t)b * V;
+        const int whole = V / 8 * 8;
+        float padded[8];  // the last V % 8 values, then -inf
+        for (int i = 0; i < 8; i++) padded[i] = whole + i < V ? row[whole + i] : -INFINITY;
+        __m256 peak = _mm256_loadu_ps(padded);
+        for (int v = 0; v < whole; v += 8) peak = _mm256_max_ps(peak, _mm256_loadu_ps(row + v));
+        const float top = hmax(peak);
+        if (!isfinite(top)) {  // all -inf, or an inf or NaN logit
+            out[b] = top;
+            continue;
+        }
+        const __m256 t = _mm256_set1_ps(top);
+        __m256 sums = _mm256_setzero_ps();
+        for (int v = 0; v < whole; v += 8)
+            sums = _mm256_add_ps(sums, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(row + v), t)));
+        const __m256 rest = _mm256_sub_ps(_mm256_loadu_ps(padded), t);  // -inf past V
+        const __m256 valid = _mm256_cmp_ps(rest, _mm256_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        sums = _mm256_add_ps(sums, _mm256_and_ps(valid, exp_ps(rest)));
+        out[b] = top + logf(hsum(sums));
     }
     return 0;
 }

@@ -24,6 +24,7 @@ import numpy as np
 import torch
 from torch import Tensor
 
+from masenvs.adapters.backends import cpu_kernels
 from masenvs.adapters.backends.base import (
     BackendError,
     Completion,
@@ -140,6 +141,7 @@ class EmbeddedBackend:
         prefix_cache_rows: int = 4,
         quantize: str | None = "auto",
         single_thread_rows: int | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)
@@ -156,7 +158,11 @@ class EmbeddedBackend:
         # KV of recently finished sequences, so a prompt that extends one skips its prefill.
         try:
             self.forward = LlamaForward(
-                self.model, max_batch_size + prefix_cache_rows, self.max_model_len, quantize
+                self.model,
+                max_batch_size + prefix_cache_rows,
+                self.max_model_len,
+                quantize,
+                batch_invariant,
             )
         except ValueError as exc:
             raise BackendError(str(exc)) from exc
@@ -709,7 +715,8 @@ class EmbeddedBackend:
 
     def _accept(self, sequences: list[_Sequence], logits: Tensor) -> None:
         """Record the sampled tokens, stream them, and retire finished sequences."""
-        drawn = sample(logits, [seq.sampling for seq in sequences])
+        totals = cpu_kernels.logsumexp(logits) if self.forward.batch_invariant else None
+        drawn = sample(logits, [seq.sampling for seq in sequences], totals)
         for row, seq in enumerate(sequences):
             job = seq.request
             seq.token_ids.append(drawn.tokens[row])

@@ -57,6 +57,9 @@ class _Projection:
     sources: list[Any]  # nn.Linear modules, in output order
     parts: list[tuple[str, int, int]]  # (module name, first output column, end column)
     quantize: str | None = None
+    # Batch-invariant: every row count reads the packed copy through the native kernels,
+    # whose rows never depend on one another (see LlamaForward).
+    invariant: bool = False
     weight: Tensor | None = None
     bias: Tensor | None = None
     packed: _Packed | None = None
@@ -71,15 +74,28 @@ class _Projection:
             self.weight = weights[0] if len(weights) == 1 else torch.cat(weights)
             biases = [m.bias for m in self.sources]
             self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
-            self.packed = _pack(self.weight, self.quantize)
+            self.packed = _pack(self.weight, self.quantize, self.invariant)
         self.stamp = stamp
 
     def __call__(self, x: Tensor, quantized: bool) -> Tensor:
         self.refresh()
-        if not quantized or self.packed is None or x.shape[0] > self.packed.max_rows:
+        dense = not quantized or self.packed is None or x.shape[0] > self.packed.max_rows
+        if dense and not self.invariant:
             return F.linear(x, self.weight, self.bias)
         y = self.packed(x)
         return y if self.bias is None else y + self.bias
+
+    def make_invariant(self) -> None:
+        """Read the packed native copy at every row count (see LlamaForward.batch_invariant)."""
+        self.invariant, self.stamp = True, ()  # repacked under the batch-invariant rules
+        self.refresh()
+        if self.packed is None or not self.packed.kernel.endswith("-native"):
+            names = ", ".join(name for name, _, _ in self.parts)
+            rows, columns = self.weight.shape
+            raise ValueError(
+                f"batch_invariant: {names} [{rows}, {columns}] has no copy the native kernels "
+                "read (they need out % 16 == 0 and in % 32 == 0)"
+            )
 
 
 @dataclass
@@ -227,7 +243,12 @@ class LlamaForward:
     """Runs a Llama-family transformers model over a KV cache with `max_slots` rows."""
 
     def __init__(
-        self, model: Any, max_slots: int, max_len: int, quantize: str | None = None
+        self,
+        model: Any,
+        max_slots: int,
+        max_len: int,
+        quantize: str | None = None,
+        batch_invariant: bool = False,
     ) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -282,6 +303,9 @@ class LlamaForward:
             and config.hidden_size % 16 == 0
             and cpu_kernels.enabled()
         )
+        self.batch_invariant = batch_invariant
+        if batch_invariant:
+            self._make_batch_invariant()
         self.gqa = self.n_kv != self.n_heads
         self.scale = self.head_dim**-0.5
         self.max_slots = max_slots
@@ -293,6 +317,34 @@ class LlamaForward:
         # step's q @ K^T reads them in place; values as [slot, kv head, position, dim].
         self.k_cache: list[Tensor] = []
         self.v_cache: list[Tensor] = []
+
+    def _make_batch_invariant(self) -> None:
+        """Check that every step can run batch-invariant, and switch the projections over.
+
+        A token's logits then depend on its own prompt only, never on the requests batched
+        with it, on how its prompt was split (a cached prefix, a shared prefill) or on the
+        thread count: every matmul reads the native low-bit kernels, whose rows are
+        independent (the dense matmuls' blocking, and so their rounding, depends on the row
+        count), and every token attends through `cpu_kernels.decode_attention`, prefill
+        tokens included, in the same order of operations as a decode step.
+        """
+        if not self.native:
+            raise ValueError(
+                "batch_invariant needs the native CPU kernels (an x86-64 CPU with AVX2, FMA "
+                "and F16C, or AVX-512 BF16, and gcc) and bfloat16 weights on the CPU "
+                f"(this engine: {self.dtype} on {self.device.type}, kernels "
+                f"{cpu_kernels.kernel_set() or 'off'})"
+            )
+        if self.quantize is None:
+            raise ValueError(
+                "batch_invariant reads every matrix through the native low-bit kernels: use "
+                "quantize 'auto', 'int8' or 'int4', not 'none'"
+            )
+        projections = [self.lm_head]
+        for layer in self.layers:
+            projections += [layer.qkv, layer.o, layer.gate_up, layer.down]
+        for projection in projections:
+            projection.make_invariant()
 
     # ---- cache -------------------------------------------------------------------------
 
@@ -362,7 +414,7 @@ class LlamaForward:
         offsets = [0, *ends.add(1).tolist()[:-1]]
         spans = [slice(o, o + n) for o, n in zip(offsets, lengths)]
 
-        def attend(qk: Tensor, v: Tensor, index: int) -> Tensor:
+        def per_prompt(qk: Tensor, v: Tensor, index: int) -> Tensor:
             # Per prompt: one packed pass with a block-diagonal mask would cost
             # (sum of lengths)^2 instead of the sum of squares.
             q, k = self._store(qk, v, index, slots, positions)
@@ -381,6 +433,16 @@ class LlamaForward:
                 ).transpose(0, 1)
             return out.view(total, -1)
 
+        def as_decoded(qk: Tensor, v: Tensor, index: int) -> Tensor:
+            # Batch-invariant: each token attends as a decode step would (same kernel, same
+            # order of operations), whatever the other prompts or the prefix it reused.
+            self._store(qk, v, index, slots, positions)
+            k_cache, v_cache = self.k_cache[index], self.v_cache[index]
+            return cpu_kernels.decode_attention(
+                qk, v, k_cache, v_cache, positions, self.n_kv, self.scale, slots, write=False
+            )
+
+        attend = as_decoded if self.batch_invariant else per_prompt
         rows = _group_rows([(p.lora, span) for p, span in zip(prompts, spans)], device)
         quantized = self.quantize is not None  # where few tokens: see QUANTIZED_MAX_ROWS
         return self._forward(tokens, positions, attend, rows, ends, quantized=quantized)
@@ -606,8 +668,9 @@ def _check_quantize(quantize: str | None, model: Any) -> str | None:
     )
 
 
-def _pack(weight: Tensor, quantize: str | None) -> _Packed | None:
-    """The quantized copy of `weight` [out, in] that `quantize` asks for, if any."""
+def _pack(weight: Tensor, quantize: str | None, invariant: bool = False) -> _Packed | None:
+    """The quantized copy of `weight` [out, in] that `quantize` asks for, if any; with
+    `invariant` (batch-invariant engine), 16-bit weights go to 8 bits as with AVX2."""
     fits = cpu_kernels.supports(*weight.shape)  # torch's int4 kernel has the same rules
     native = fits and cpu_kernels.enabled()
     if quantize == "int8":
@@ -623,7 +686,7 @@ def _pack(weight: Tensor, quantize: str | None) -> _Packed | None:
         return _Packed("int4", *_quantize_int4(weight, *grid))
     if native:  # "auto": 8-bit weights (a GGUF Q8_0 matrix) have a kernel of their own
         grid8 = _int8_grid(weight)
-        if _is_8bit(*grid8) or cpu_kernels.kernel_set() == "avx2":
+        if _is_8bit(*grid8) or invariant or cpu_kernels.kernel_set() == "avx2":
             # AVX2 CPUs emulate bfloat16 matmuls, so there 16-bit weights go to 8 bits per
             # group of 32 (as a GGUF Q8_0 file stores them) rather than stay dense.
             return _Packed("int8-native", _quantize_int8_native(*grid8))

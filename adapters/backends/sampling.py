@@ -32,14 +32,17 @@ class Sampled:
     top_logprobs: list[dict[int, float] | None]
 
 
-def sample(logits: Tensor, rows: list[RowSampling]) -> Sampled:
-    """Sample one token per row of `logits` [B, V] (float32)."""
+def sample(logits: Tensor, rows: list[RowSampling], log_total: Tensor | None = None) -> Sampled:
+    """Sample one token per row of `logits` [B, V] (float32); `log_total` [B], if given, is
+    each row's log(sum(exp(logits))) (the batch-invariant engine sums each row in a fixed
+    order: see cpu_kernels.logsumexp)."""
     batch = logits.shape[0]
     # log p(token) = logit - log(sum exp(logits)); the exp weights double as the T=1
     # sampling weights (the inverse CDF needs no normalisation).
     peak = logits.amax(dim=-1, keepdim=True)
     weights = (logits - peak).exp_()
-    log_total = peak[:, 0] + weights.sum(dim=-1).log()
+    if log_total is None:
+        log_total = peak[:, 0] + weights.sum(dim=-1).log()
     tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
 
     greedy = [i for i, r in enumerate(rows) if r.temperature <= 0.0]
