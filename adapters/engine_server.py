@@ -106,6 +106,7 @@ def launch_engine_server(
     port: int = 0,
     dtype: str = "auto",
     quantize: str = "auto",
+    batch_invariant: bool = False,
     max_batch_size: int = 32,
     threads: int | None = None,
     device: str = "cpu",
@@ -138,6 +139,8 @@ def launch_engine_server(
     ]
     if threads:
         args += ["--threads", str(threads)]
+    if batch_invariant:
+        args.append("--batch-invariant")
     log_file = (
         Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="engine-", suffix=".log")[1])
     )

@@ -74,7 +74,7 @@ def parse_pairs(pairs: list[str], flag: str) -> dict[str, str]:
 
 
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """--dtype and --quantize: how the embedded engine holds the weights."""
+    """--dtype, --quantize and --batch-invariant: how the embedded engine runs."""
     parser.add_argument(
         "--dtype",
         choices=["auto", "float32", "bfloat16"],
@@ -91,11 +91,22 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "Q4_1 layers and Q8_0 head, up to the float16 rounding of the file's scales), "
         "int4/int8: every matrix (lossy), none: dense",
     )
+    parser.add_argument(
+        "--batch-invariant",
+        action="store_true",
+        help="embedded engine: every answer bit-identical however requests are batched "
+        "(greedy results reproduce exactly); needs the native CPU kernels (AVX2 or AVX-512 "
+        "BF16) and a quantize mode other than none",
+    )
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for the embedded engine from the flags of `add_engine_arguments`."""
-    return {"dtype": args.dtype, "quantize": args.quantize}
+    return {
+        "dtype": args.dtype,
+        "quantize": args.quantize,
+        "batch_invariant": args.batch_invariant,
+    }
 
 
 def make_backend(

@@ -183,6 +183,7 @@ class Mode:
     hf: bool = False
     lora: bool = False  # requests go to a random rank-8 adapter on every projection
     native: bool = True  # False: MASENVS_CPU_KERNELS=0, the torch code paths only
+    batch_invariant: bool = False
 
 
 MODES = {
@@ -194,6 +195,7 @@ MODES = {
     "lora": Mode("default + LoRA r8", torch.bfloat16, quantize="auto", lora=True),
     "torch": Mode("default, torch kernels", torch.bfloat16, quantize="auto", native=False),
     "int8": Mode("engine int8", torch.bfloat16, quantize="int8"),
+    "invariant": Mode("batch-invariant", torch.bfloat16, quantize="auto", batch_invariant=True),
 }
 
 
@@ -247,6 +249,7 @@ def _serve_mode(name: str, options: dict, pipe) -> None:
                 dtype=mode.dtype,
                 max_batch_size=max(args.batches),
                 quantize=mode.quantize,
+                batch_invariant=mode.batch_invariant,
             )
             if mode.lora:
                 engine.add_adapter("lora", random_lora(engine.model), rank=8, alpha=16)

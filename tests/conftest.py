@@ -1,13 +1,16 @@
-"""Fixtures shared by the learner tests: the tiny model, loaded once, copied per learner."""
+"""Shared fixtures: the tiny model (loaded once, copied per learner), each native kernel set."""
 
 from __future__ import annotations
 
 import copy
+import shutil
+from collections.abc import Iterator
 from typing import Any
 
 import pytest
 import torch
 
+from masenvs.adapters.backends import cpu_kernels
 from masenvs.adapters.models import load_model
 
 
@@ -23,3 +26,25 @@ def loader(tiny: Any) -> Any:
         return copy.deepcopy(tiny).to(device=device, dtype=dtype)
 
     return load
+
+
+@pytest.fixture(
+    params=[
+        pytest.param(
+            name,
+            marks=pytest.mark.skipif(
+                not cpu_kernels.cpu_supports(name) or shutil.which("gcc") is None,
+                reason=f"needs gcc and a CPU with {', '.join(kernels.cpu_flags)}",
+            ),
+        )
+        for name, kernels in cpu_kernels.KERNEL_SETS.items()
+    ]
+)
+def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Each kernel set in turn, forced with MASENVS_CPU_KERNELS."""
+    cpu_kernels._resolve.cache_clear()  # forget the set chosen before
+    monkeypatch.setenv("MASENVS_CPU_KERNELS", request.param)
+    assert cpu_kernels.kernel_set() == request.param
+    yield request.param
+    monkeypatch.delenv("MASENVS_CPU_KERNELS")
+    cpu_kernels._resolve.cache_clear()

@@ -1,6 +1,6 @@
 """The native CPU kernels (adapters/backends/cpu_kernels*.c) against float32 math: every
-test that takes `kernels` runs once per kernel set this CPU can run (AVX-512 BF16, AVX2),
-so an AVX-512 machine checks the AVX2 set too."""
+test that takes `kernels` (conftest.py) runs once per kernel set this CPU can run (AVX-512
+BF16, AVX2), so an AVX-512 machine checks the AVX2 set too."""
 
 from __future__ import annotations
 
@@ -29,25 +29,6 @@ def fresh_choice() -> Iterator[None]:
     cpu_kernels._resolve.cache_clear()
     yield
     cpu_kernels._resolve.cache_clear()
-
-
-@pytest.fixture(
-    params=[
-        pytest.param(
-            name,
-            marks=pytest.mark.skipif(
-                not cpu_kernels.cpu_supports(name) or shutil.which("gcc") is None,
-                reason=f"needs gcc and a CPU with {', '.join(kernels.cpu_flags)}",
-            ),
-        )
-        for name, kernels in cpu_kernels.KERNEL_SETS.items()
-    ]
-)
-def kernels(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Each kernel set in turn, forced with MASENVS_CPU_KERNELS."""
-    monkeypatch.setenv("MASENVS_CPU_KERNELS", request.param)
-    assert cpu_kernels.kernel_set() == request.param
-    return request.param
 
 
 def bf16_rows(rows: int, width: int, seed: int) -> torch.Tensor:

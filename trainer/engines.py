@@ -143,6 +143,7 @@ def _launcher(
                 server.model,
                 dtype=b.dtype,
                 quantize=b.quantize,
+                batch_invariant=b.batch_invariant,
                 max_batch_size=b.max_batch_size,
                 device=device,
                 threads=threads,

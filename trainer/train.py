@@ -363,6 +363,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
             "device": str(learner.device),
             "dtype": cfg.backend.dtype,
             "quantize": cfg.backend.quantize,
+            "batch_invariant": cfg.backend.batch_invariant,
         }
         if several_engines(cfg):  # distributed.engines: replicas behind pools
             backend = engine_pools(cfg, learner, run_dir)

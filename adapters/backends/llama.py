@@ -332,8 +332,9 @@ class LlamaForward:
             raise ValueError(
                 "batch_invariant needs the native CPU kernels (an x86-64 CPU with AVX2, FMA "
                 "and F16C, or AVX-512 BF16, and gcc) and bfloat16 weights on the CPU "
-                f"(this engine: {self.dtype} on {self.device.type}, kernels "
-                f"{cpu_kernels.kernel_set() or 'off'})"
+                f"(this engine: {str(self.dtype).removeprefix('torch.')} on "
+                f"{self.device.type}, kernels {cpu_kernels.kernel_set() or 'off'}); for "
+                "bfloat16 pass dtype 'bfloat16' (--dtype bfloat16)"
             )
         if self.quantize is None:
             raise ValueError(
