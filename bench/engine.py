@@ -11,7 +11,8 @@ embedded engine in float32, dense bfloat16, its default (bfloat16 on CPUs with n
 4- and 8-bit weights read as the GGUF file stores them: `--quantize auto`), the default
 serving a rank-8 LoRA adapter on every projection (what training rollouts run), the default
 with the native CPU kernels off (`MASENVS_CPU_KERNELS=0`: what CPUs without AVX2 or gcc
-get), and bfloat16 with int8 weights (`--quantize int8`).
+get), bfloat16 with int8 weights (`--quantize int8`), and the default with
+`batch_invariant=True` (`invariant`; its own bench: bench/batch_invariant.py).
 
 `--isa avx2` emulates an AVX2+FMA CPU (no AVX-512) on a newer one: the engine runs its
 AVX2 kernel set (`MASENVS_CPU_KERNELS=avx2`) and torch, for HF `generate` too, is held to

@@ -153,7 +153,7 @@ class BackendConfig(_Section):
         description="Embedded engine: every answer (tokens and log-probs) bit-identical "
         "however requests are batched, so greedy validation of the same weights always gives "
         "the same numbers; needs the native CPU kernels (AVX2 or AVX-512 BF16) and quantize "
-        "other than 'none'. Slower prefills of long prompts on AVX-512 (docs/embedded-engine.md).",
+        "other than 'none' (docs/embedded-engine.md).",
     )
 
 
