@@ -53,7 +53,9 @@ def _measure(invariant: bool, model: str, tasks: int, repeats: int, pipe) -> Non
         async def waves() -> dict[int, tuple]:
             async def wave(start: int) -> list:
                 await asyncio.sleep(0.03 * start / 5)
-                return await asyncio.gather(*(answer(i) for i in range(start, min(start + 5, tasks))))
+                return await asyncio.gather(
+                    *(answer(i) for i in range(start, min(start + 5, tasks)))
+                )
 
             results = await asyncio.gather(*(wave(s) for s in range(0, tasks, 5)))
             return dict(enumerate(a for batch in results for a in batch))
