@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
-from test_embedded import adapter_dirs, make_adapter  # noqa: F401 (adapter_dirs: a fixture)
-from transformers import LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+from test_embedded import adapter_dirs  # noqa: F401 (a fixture)
+from test_models import small_model
 
 from masenvs.adapters.backends import cpu_kernels
 from masenvs.adapters.backends.base import BackendError, GenerateRequest, SamplingParams
@@ -50,23 +50,11 @@ def model_of(kind: str) -> torch.nn.Module:
     """Large enough (and with weights large enough) that attention computed another way
     changes some bfloat16 roundings: with the prefill attending through torch's SDPA, the
     first test below fails on both kernel sets."""
-    config_class, model_class = {
-        "llama": (LlamaConfig, LlamaForCausalLM),
-        "qwen2": (Qwen2Config, Qwen2ForCausalLM),  # biases on q, k and v
-    }[kind]
-    torch.manual_seed(0)
-    config = config_class(
-        vocab_size=320,
-        hidden_size=256,
-        intermediate_size=512,
-        num_hidden_layers=4,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=64,
-        max_position_embeddings=512,
-        initializer_range=0.05,
+    sizes = dict(hidden_size=256, intermediate_size=512, num_hidden_layers=4, head_dim=64)
+    model = small_model(
+        kind, vocab_size=320, max_position_embeddings=512, initializer_range=0.05, **sizes
     )
-    return model_class(config).eval().to(torch.bfloat16)
+    return model.to(torch.bfloat16)
 
 
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])

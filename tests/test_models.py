@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -79,7 +80,8 @@ def test_missing_smollm2_package_names_the_fix(tmp_path: Path, monkeypatch) -> N
     assert not any((tmp_path / "models").glob("smollm2-135m*/config.json"))  # nothing half-written
 
 
-def small_model(kind: str, vocab_size: int = 300) -> torch.nn.Module:
+def small_model(kind: str, vocab_size: int = 300, **sizes: Any) -> torch.nn.Module:
+    """A random Llama, Qwen2 or Qwen3 model; `sizes` override config fields."""
     common = dict(
         vocab_size=vocab_size,
         hidden_size=64,
@@ -90,6 +92,7 @@ def small_model(kind: str, vocab_size: int = 300) -> torch.nn.Module:
         head_dim=16,
         max_position_embeddings=128,
     )
+    common.update(sizes)
     torch.manual_seed(0)
     if kind == "llama":
         return LlamaForCausalLM(LlamaConfig(**common, tie_word_embeddings=True)).eval()
