@@ -106,7 +106,7 @@ def launch_engine_server(
     port: int = 0,
     dtype: str = "auto",
     quantize: str = "auto",
-    batch_invariant: bool = False,
+    batch_invariant: bool | str = False,
     max_batch_size: int = 32,
     threads: int | None = None,
     device: str = "cpu",
@@ -140,7 +140,7 @@ def launch_engine_server(
     if threads:
         args += ["--threads", str(threads)]
     if batch_invariant:
-        args.append("--batch-invariant")
+        args += ["--batch-invariant", "auto" if batch_invariant == "auto" else "on"]
     log_file = (
         Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="engine-", suffix=".log")[1])
     )

@@ -93,10 +93,14 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--batch-invariant",
-        action="store_true",
+        nargs="?",
+        const="on",
+        default="off",
+        choices=["on", "off", "auto"],
         help="embedded engine: every answer bit-identical however requests are batched "
-        "(greedy results reproduce exactly); needs the native CPU kernels (AVX2 or AVX-512 "
-        "BF16) and a quantize mode other than none",
+        "(greedy results reproduce exactly); on needs the native CPU kernels (AVX2 or "
+        "AVX-512 BF16) and a quantize mode other than none; auto: on where that changes no "
+        "weight, else off (default: off)",
     )
 
 
@@ -105,7 +109,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "dtype": args.dtype,
         "quantize": args.quantize,
-        "batch_invariant": args.batch_invariant,
+        "batch_invariant": {"on": True, "off": False}.get(args.batch_invariant, "auto"),
     }
 
 

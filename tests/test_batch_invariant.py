@@ -147,11 +147,31 @@ def test_where_it_cannot_run_it_says_why() -> None:
             )
 
 
+def test_auto_turns_it_on_only_where_no_weight_changes(kernels: str) -> None:
+    def invariant(**options) -> bool:
+        engine = EmbeddedBackend.from_spec("tiny", batch_invariant="auto", **options)
+        engine.shutdown()
+        return engine.forward.batch_invariant
+
+    assert invariant(dtype="bfloat16", quantize="int8")  # every matrix packed already
+    assert not invariant(dtype="float32")  # no kernels for float32: off, no error
+    assert not invariant(dtype="bfloat16", quantize="none")
+    # The tiny model's random weights are not on a 4- or 8-bit grid: with `quantize` auto the
+    # AVX-512 set leaves them dense (on only by packing them), the AVX2 set packs them.
+    assert invariant(dtype="bfloat16", quantize="auto") == (kernels == "avx2")
+
+
 def test_the_flag_reaches_the_engine_options() -> None:
     parser = argparse.ArgumentParser()
     add_engine_arguments(parser)
-    assert engine_options(parser.parse_args([]))["batch_invariant"] is False
-    assert engine_options(parser.parse_args(["--batch-invariant"]))["batch_invariant"] is True
+
+    def option(*argv: str) -> bool | str:
+        return engine_options(parser.parse_args(list(argv)))["batch_invariant"]
+
+    assert option() is False
+    assert option("--batch-invariant") is True
+    assert option("--batch-invariant", "auto") == "auto"
+    assert option("--batch-invariant", "off") is False
 
 
 def test_training_with_it_validates_the_same_weights_to_the_same_answers(

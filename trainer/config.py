@@ -148,12 +148,13 @@ class BackendConfig(_Section):
         "'int4'/'int8' pack every matrix (the samples come from a slightly rounded policy); "
         "'none' stays dense.",
     )
-    batch_invariant: bool = Field(
+    batch_invariant: bool | Literal["auto"] = Field(
         False,
         description="Embedded engine: every answer (tokens and log-probs) bit-identical "
         "however requests are batched, so greedy validation of the same weights always gives "
-        "the same numbers; needs the native CPU kernels (AVX2 or AVX-512 BF16) and quantize "
-        "other than 'none' (docs/embedded-engine.md).",
+        "the same numbers. true needs the native CPU kernels (AVX2 or AVX-512 BF16) and "
+        "quantize other than 'none'; 'auto' turns it on where that changes no weight "
+        "(SmolLM2 on those kernels) and leaves it off elsewhere (docs/embedded-engine.md).",
     )
 
 

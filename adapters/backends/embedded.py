@@ -129,7 +129,12 @@ class _AdapterUpdate:
 
 
 class EmbeddedBackend:
-    """Serves a transformers causal LM and its LoRA adapters from a background thread."""
+    """Serves a transformers causal LM and its LoRA adapters from a background thread.
+
+    `batch_invariant` True makes each answer independent of the requests batched with it
+    (an error where it cannot run); 'auto' turns it on where that changes no weight (see
+    `LlamaForward`); `forward.batch_invariant` says which.
+    """
 
     def __init__(
         self,
@@ -141,7 +146,7 @@ class EmbeddedBackend:
         prefix_cache_rows: int = 4,
         quantize: str | None = "auto",
         single_thread_rows: int | None = None,
-        batch_invariant: bool = False,
+        batch_invariant: bool | str = False,
     ) -> None:
         if num_threads is not None:
             torch.set_num_threads(num_threads)

@@ -85,11 +85,19 @@ class _Projection:
         y = self.packed(x)
         return y if self.bias is None else y + self.bias
 
+    def native_copy(self) -> bool:
+        """Whether the native kernels read this projection's packed copy."""
+        self.refresh()
+        return self.packed is not None and self.packed.kernel.endswith("-native")
+
     def make_invariant(self) -> None:
         """Read the packed native copy at every row count (see LlamaForward.batch_invariant)."""
-        self.invariant, self.stamp = True, ()  # repacked under the batch-invariant rules
+        self.invariant = True
         self.refresh()
-        if self.packed is None or not self.packed.kernel.endswith("-native"):
+        if not self.native_copy():  # left dense: repack under the batch-invariant rules
+            self.stamp = ()
+            self.refresh()
+        if not self.native_copy():
             names = ", ".join(name for name, _, _ in self.parts)
             rows, columns = self.weight.shape
             raise ValueError(
@@ -248,7 +256,7 @@ class LlamaForward:
         max_slots: int,
         max_len: int,
         quantize: str | None = None,
-        batch_invariant: bool = False,
+        batch_invariant: bool | str = False,
     ) -> None:
         config = model.config
         if config.model_type not in SUPPORTED_MODEL_TYPES:
@@ -303,8 +311,12 @@ class LlamaForward:
             and config.hidden_size % 16 == 0
             and cpu_kernels.enabled()
         )
-        self.batch_invariant = batch_invariant
-        if batch_invariant:
+        if batch_invariant not in (True, False, "auto"):
+            raise ValueError(f"batch_invariant is True, False or 'auto', not {batch_invariant!r}")
+        if batch_invariant == "auto":
+            batch_invariant = self._invariant_as_it_is()
+        self.batch_invariant = bool(batch_invariant)
+        if self.batch_invariant:
             self._make_batch_invariant()
         self.gqa = self.n_kv != self.n_heads
         self.scale = self.head_dim**-0.5
@@ -317,6 +329,20 @@ class LlamaForward:
         # step's q @ K^T reads them in place; values as [slot, kv head, position, dim].
         self.k_cache: list[Tensor] = []
         self.v_cache: list[Tensor] = []
+
+    def _projections(self) -> list[_Projection]:
+        projections = [self.lm_head]
+        for layer in self.layers:
+            projections += [layer.qkv, layer.o, layer.gate_up, layer.down]
+        return projections
+
+    def _invariant_as_it_is(self) -> bool:
+        """Whether batch_invariant 'auto' turns it on: where the native kernels run and
+        already read every matrix, so that it changes no weight (SmolLM2's GGUF on any kernel
+        set; on AVX2, every model with `quantize` auto). Elsewhere it stays off, silently."""
+        if not self.native or self.quantize is None:
+            return False
+        return all(projection.native_copy() for projection in self._projections())
 
     def _make_batch_invariant(self) -> None:
         """Check that every step can run batch-invariant, and switch the projections over.
@@ -341,10 +367,7 @@ class LlamaForward:
                 "batch_invariant reads every matrix through the native low-bit kernels: use "
                 "quantize 'auto', 'int8' or 'int4', not 'none'"
             )
-        projections = [self.lm_head]
-        for layer in self.layers:
-            projections += [layer.qkv, layer.o, layer.gate_up, layer.down]
-        for projection in projections:
+        for projection in self._projections():
             projection.make_invariant()
 
     # ---- cache -------------------------------------------------------------------------
