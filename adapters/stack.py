@@ -95,12 +95,11 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
         "--batch-invariant",
         nargs="?",
         const="on",
-        default="off",
         choices=["on", "off", "auto"],
         help="embedded engine: every answer bit-identical however requests are batched "
         "(greedy results reproduce exactly); on needs the native CPU kernels (AVX2 or "
         "AVX-512 BF16) and a quantize mode other than none; auto: on where that changes no "
-        "weight, else off (default: off)",
+        "weight, else off (default: off; masenvs eval: the first checkpoint's setting)",
     )
 
 
@@ -109,7 +108,7 @@ def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     return {
         "dtype": args.dtype,
         "quantize": args.quantize,
-        "batch_invariant": {"on": True, "off": False}.get(args.batch_invariant, "auto"),
+        "batch_invariant": {"on": True, "auto": "auto"}.get(args.batch_invariant, False),
     }
 
 

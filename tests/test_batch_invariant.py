@@ -168,6 +168,7 @@ def test_the_flag_reaches_the_engine_options() -> None:
     def option(*argv: str) -> bool | str:
         return engine_options(parser.parse_args(list(argv)))["batch_invariant"]
 
+    assert parser.parse_args([]).batch_invariant is None  # eval: the checkpoint's setting
     assert option() is False
     assert option("--batch-invariant") is True
     assert option("--batch-invariant", "auto") == "auto"
@@ -218,3 +219,12 @@ def test_training_with_it_validates_the_same_weights_to_the_same_answers(
     assert started == [True, True]
     assert len(validations[0]) == 16  # 8 tasks x 2 agents
     assert validations[0] == validations[1]
+
+    # `masenvs eval` of the checkpoint validates as the run did, unless told otherwise.
+    from masenvs.trainer.evaluate import main as evaluate
+
+    for flags, expected in (([], True), (["--batch-invariant", "off"], False)):
+        argv = ["--checkpoint", str(tmp_path / "a"), "--episodes", "2", "--temperature", "0"]
+        argv += ["--dtype", "bfloat16", "--max-tokens", "4", "--out", str(tmp_path / "e.json")]
+        assert evaluate(argv + flags) == 0
+        assert started[-1] is expected

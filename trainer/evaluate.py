@@ -490,6 +490,8 @@ class _Setup:
         from masenvs.adapters.stack import StackError, engine_options, make_backend
 
         options = engine_options(args)
+        if args.batch_invariant is None and checkpoints:  # validate as the run did
+            options["batch_invariant"] = checkpoints[0].config.backend.batch_invariant
         if args.device != "auto":
             options["device"] = args.device
         setup.backend = backend = make_backend(model, "embedded", **options)
