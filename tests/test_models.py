@@ -148,6 +148,27 @@ def test_continued_and_fresh_prompts_prefill_together() -> None:
     assert torch.allclose(logits[1], expected[1], atol=1e-4)
 
 
+def test_prefill_attends_alike_through_torch_and_the_decode_kernel(kernels: str) -> None:
+    # bfloat16, where the native kernels run: fresh and continued prompts in one pass, each
+    # way of attending, against float32 transformers.
+    model = small_model("qwen3", 320, hidden_size=128, num_attention_heads=6, head_dim=32)
+    first, second = torch.randint(0, 300, (70,)), torch.randint(0, 300, (23,))
+    with torch.no_grad():
+        expected = [model(p[None]).logits[0, -1] for p in (first, second)]
+    forward = LlamaForward(model.to(torch.bfloat16), max_slots=3, max_len=128)
+    assert forward.native and forward.prefill_attention == "sdpa"
+    answers = {}
+    for mode in ("sdpa", "decode-kernel"):
+        forward.prefill_attention = mode
+        forward.prefill([Prefill(0, first[:40])])
+        answers[mode] = forward.prefill([Prefill(0, first[40:], start=40), Prefill(1, second)])
+        for got, want in zip(answers[mode], expected):
+            assert (got - want).abs().max() < 0.05 * want.abs().max()
+    assert (answers["sdpa"] - answers["decode-kernel"]).abs().max() < 0.05
+    invariant = LlamaForward(model, 1, 64, quantize="auto", batch_invariant=True)
+    assert invariant.prefill_attention == "decode-kernel"
+
+
 def test_unsupported_architecture_is_named() -> None:
     from transformers import GPT2Config, GPT2LMHeadModel
 
