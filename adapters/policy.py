@@ -98,8 +98,10 @@ class ChatPolicy:
         messages: list[dict[str, Any]],
         n: int = 1,
         sampling: Sampling | None = None,
+        seed: int | None = None,
     ) -> list[Reply]:
-        """`n` answers of `agent` to `messages` (one request; the backend shares the prefill)."""
+        """`n` answers of `agent` to `messages` (one request; the backend shares the prefill).
+        `seed`, where given, replaces the sampling settings' seed for this call."""
         s = sampling or self.agent_sampling.get(agent, self.sampling)
         extra: dict[str, Any] = {"return_token_ids": True}
         if s.top_k:
@@ -112,7 +114,7 @@ class ChatPolicy:
                 temperature=s.temperature,
                 top_p=s.top_p,
                 max_tokens=s.max_tokens,
-                seed=s.seed,
+                seed=s.seed if seed is None else seed,
                 logprobs=True,
                 extra_body=extra,
             )

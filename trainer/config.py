@@ -92,6 +92,14 @@ class RolloutConfig(_Section):
         ge=1,
         description="Tasks (or workflow runs) in flight at once; the backend batches their calls.",
     )
+    seeded: bool = Field(
+        True,
+        description="Seed every training call from the run's seed, the step, the task, the "
+        "round and the agent, so a rerun or a resumed run asks for the same candidates (the "
+        "whole run repeats bit for bit with backend.batch_invariant on the embedded engine). "
+        "False: each call draws its own. Tree sampling only; workflow programs make their own "
+        "calls.",
+    )
     turn_order: Literal["sequential", "simultaneous"] = Field(
         "sequential",
         description="'sequential' (the paper's): within a round agents act in the env's turn "

@@ -13,6 +13,7 @@ candidate becomes a training sample in group (task, round, agent).
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -72,6 +73,7 @@ async def tree_rollout(
     select_by: Literal["team", "agent"] = "agent",
     rollout_id: str,
     reset_options: dict[str, Any] | None = None,
+    sample_seed: int | None = None,
 ) -> TaskRollout:
     env = make_env()
     _, infos = env.reset(seed=seed, options=reset_options)
@@ -84,7 +86,9 @@ async def tree_rollout(
         agent, round_ = env.acting, env.round
         snapshot = env.snapshot()
         try:
-            replies = await policy.act(rollout_id, agent, infos[agent]["messages"], n=branches)
+            seed = call_seed(sample_seed, rollout_id, round_, agent)
+            messages = infos[agent]["messages"]
+            replies = await policy.act(rollout_id, agent, messages, n=branches, seed=seed)
         except Exception as exc:  # a failed call drops this task from the batch, not the run
             result.error = f"{type(exc).__name__}: {exc}"
             return result
@@ -114,6 +118,18 @@ async def tree_rollout(
     result.rounds = env.round
     result.rewards = dict(totals)
     return result
+
+
+def call_seed(sample_seed: int | None, rollout_id: str, round_: int, agent: str) -> int | None:
+    """The sampling seed of one turn's call: a fixed function of the run's seed, the rollout
+    (step and task) and the turn, in 31 bits as every backend takes it; None: unseeded.
+
+    A rerun, or a resumed run, asks for the same candidates; the engine then samples them
+    bit-identically where it is batch-invariant, and alike in practice elsewhere."""
+    if sample_seed is None:
+        return None
+    key = f"{sample_seed}:{rollout_id}:{round_}:{agent}".encode()
+    return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") >> 1
 
 
 def _play(branch: MASEnv, snapshot: Snapshot, agent: str, reply: Reply) -> Scored:
@@ -164,8 +180,10 @@ async def collect_tree_batch(
     select_by: Literal["team", "agent"] = "agent",
     rollout_prefix: str = "train",
     concurrency: int = 8,
+    sample_seed: int | None = None,
 ) -> list[TaskRollout]:
-    """Tree rollouts of many tasks in flight at once (the backend batches their calls)."""
+    """Tree rollouts of many tasks in flight at once (the backend batches their calls);
+    `sample_seed` seeds every call (see `call_seed`)."""
     limit = asyncio.Semaphore(concurrency)
 
     async def one(seed: int) -> TaskRollout:
@@ -178,6 +196,7 @@ async def collect_tree_batch(
                 policy_of=policy_of,
                 select_by=select_by,
                 rollout_id=f"{rollout_prefix}-{seed}",
+                sample_seed=sample_seed,
             )
 
     return await asyncio.gather(*(one(s) for s in seeds))

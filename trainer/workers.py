@@ -58,6 +58,7 @@ class WorkerSpec:
     branches: int = 1
     select_by: Literal["team", "agent"] = "agent"
     concurrency: int = 8  # tasks in flight in this worker
+    sample_seed: int | None = None  # seeds tree sampling's calls (rollout.call_seed)
     workflow: WorkflowSpec | None = None  # workflow mode: the program runs in the worker
     # The trainer's working directory and import path, where they exist on the worker's node:
     # user programs (workflow factories, env packages) import as they do in the trainer.
@@ -100,6 +101,7 @@ class RolloutWorker:
             select_by=s.select_by,
             rollout_prefix=prefix,
             concurrency=s.concurrency,
+            sample_seed=s.sample_seed,
         )
 
     async def workflow(
@@ -171,6 +173,7 @@ def worker_spec(
         branches=cfg.rollout.branches,
         select_by=cfg.rollout.select_by,
         concurrency=math.ceil(cfg.rollout.concurrency / cfg.distributed.rollout_workers),
+        sample_seed=cfg.seed if cfg.rollout.seeded else None,
     )
 
 
