@@ -320,8 +320,8 @@ class LlamaForward:
             self._make_batch_invariant()
         # How prefills attend: torch's flash attention over each prompt ("sdpa"), or, where
         # batch-invariant, each token as a decode step would, through the native kernel
-        # ("decode-kernel"). bench/prefill.py times both: sdpa is up to 1.4x faster on
-        # long prompts with AVX-512 BF16 and within 10% either way on AVX2.
+        # ("decode-kernel"). bench/prefill.py times both: alike on short prompts, sdpa
+        # 1.1-1.4x faster on long ones.
         self.prefill_attention = "decode-kernel" if self.batch_invariant else "sdpa"
         self.gqa = self.n_kv != self.n_heads
         self.scale = self.head_dim**-0.5
