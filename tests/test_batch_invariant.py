@@ -175,17 +175,28 @@ def test_the_flag_reaches_the_engine_options() -> None:
     assert option("--batch-invariant", "off") is False
 
 
-def test_training_with_it_validates_the_same_weights_to_the_same_answers(
-    kernels: str, tmp_path, monkeypatch
-) -> None:
-    """Two runs of the trainer: step 0's greedy validation (the same base weights, 8 tasks
-    in flight together) gives bit-identical calls."""
+def _train_invariant(run_dir, *overrides: str) -> list[dict]:
+    """A tiny bfloat16 batch-invariant training run (tiny_runs' 2 steps, then `overrides`):
+    the call records it traced."""
     from rich.console import Console
     from tiny_runs import plan_path_run
 
     from masenvs.trainer.config import load_config
     from masenvs.trainer.train import train
 
+    invariant = ("model.name=tiny", "backend.dtype=bfloat16", "backend.batch_invariant=true")
+    config = load_config(None, plan_path_run(run_dir, *invariant, *overrides))
+    train(config, console=Console(quiet=True))
+    lines = (run_dir / "traces").glob("*.jsonl")
+    records = [json.loads(line) for path in lines for line in path.read_text().splitlines()]
+    return [r for r in records if r["type"] == "call"]
+
+
+def test_training_with_it_validates_the_same_weights_to_the_same_answers(
+    kernels: str, tmp_path, monkeypatch
+) -> None:
+    """Two runs of the trainer: step 0's greedy validation (the same base weights, 8 tasks
+    in flight together) gives bit-identical calls."""
     started = []
     original = EmbeddedBackend.__init__
 
@@ -196,20 +207,10 @@ def test_training_with_it_validates_the_same_weights_to_the_same_answers(
     monkeypatch.setattr(EmbeddedBackend, "__init__", spy)
     validations = []
     for run in ("a", "b"):
-        overrides = plan_path_run(
-            tmp_path / run,
-            "model.name=tiny",
-            "steps=1",
-            "backend.dtype=bfloat16",
-            "backend.batch_invariant=true",
-            "validation.every=1",
-            "validation.episodes=8",
-            "rollout.max_tokens=12",
-        )
-        train(load_config(None, overrides), console=Console(quiet=True))
-        lines = (tmp_path / run / "traces").glob("*.jsonl")
-        records = [json.loads(line) for path in lines for line in path.read_text().splitlines()]
-        calls = [r for r in records if r["type"] == "call" and r["rollout_id"].startswith("val0")]
+        every = ("steps=1", "validation.every=1", "validation.episodes=8", "rollout.max_tokens=12")
+        calls = [
+            c for c in _train_invariant(tmp_path / run, *every) if c["rollout_id"][:4] == "val0"
+        ]
         validations.append(
             sorted(
                 (c["prompt_token_ids"], c["choices"][0]["token_ids"], c["choices"][0]["logprobs"])
@@ -233,30 +234,15 @@ def test_training_with_it_validates_the_same_weights_to_the_same_answers(
 def test_a_seeded_run_repeats_bit_for_bit(kernels: str, tmp_path) -> None:
     """Two 2-step training runs, seeded calls on a batch-invariant engine: every training
     call (step 2's come from step 1's update) and the final adapters are identical."""
-    from rich.console import Console
-    from tiny_runs import plan_path_run
-
-    from masenvs.trainer.config import load_config
-    from masenvs.trainer.train import train
-
     runs = []
     for run in ("a", "b"):
-        overrides = plan_path_run(
-            tmp_path / run,
-            "model.name=tiny",
-            "backend.dtype=bfloat16",
-            "backend.batch_invariant=true",
-            "rollout.tasks_per_step=4",
-            "rollout.temperature=1.0",
+        records = _train_invariant(
+            tmp_path / run, "rollout.tasks_per_step=4", "rollout.temperature=1.0"
         )
-        train(load_config(None, overrides), console=Console(quiet=True))
-        lines = (tmp_path / run / "traces").glob("*.jsonl")
-        records = [json.loads(line) for path in lines for line in path.read_text().splitlines()]
         calls = sorted(
             (c["rollout_id"], c["prompt_token_ids"], [ch["token_ids"] for ch in c["choices"]])
             + tuple(tuple(ch["logprobs"]) for ch in c["choices"])
             for c in records
-            if c["type"] == "call"
         )
         adapters = sorted((tmp_path / run / "checkpoints").rglob("*.safetensors"))
         runs.append((calls, [path.read_bytes() for path in adapters]))
