@@ -35,12 +35,19 @@ class ScriptedPolicy:
     def __init__(self, script: Callable[[str, int, int], list[str]]) -> None:
         self.script = script
         self.calls: list[tuple[str, int, str]] = []  # (agent, n, the prompt's user message)
+        self.seeds: list[int | None] = []
 
     async def act(
-        self, rollout_id: str, agent: str, messages: list[dict[str, Any]], n: int = 1
+        self,
+        rollout_id: str,
+        agent: str,
+        messages: list[dict[str, Any]],
+        n: int = 1,
+        seed: int | None = None,
     ) -> list[Reply]:
         prompt = messages[-1]["content"]
         self.calls.append((agent, n, prompt))
+        self.seeds.append(seed)
         round_ = int(prompt.split("Round ")[1].split(" ")[0]) - 1
         texts = self.script(agent, round_, n)
         assert len(texts) == n
@@ -53,7 +60,11 @@ class ScriptedPolicy:
 
 
 def rollout(
-    policy: ScriptedPolicy, branches: int = 3, select_by: str = "agent", **env_config: Any
+    policy: ScriptedPolicy,
+    branches: int = 3,
+    select_by: str = "agent",
+    sample_seed: int | None = None,
+    **env_config: Any,
 ) -> TaskRollout:
     def make_env() -> MASEnv:
         return masenvs.make("plan_path", **env_config)
@@ -68,6 +79,7 @@ def rollout(
             select_by=select_by,  # type: ignore[arg-type]
             rollout_id="t",
             reset_options={"task": TASK},
+            sample_seed=sample_seed,
         )
     )
 
@@ -229,3 +241,17 @@ def test_masenvs_play_asks_each_agent_in_turn_and_shows_the_tools_output() -> No
     assert "plan · user" not in tool_turn and "plan > " in plan_turn
     assert "Moves: LLLLLLL" in plan_turn.split("plan > ")[0]  # before the plan answers
     assert "round 1, plan's turn" in shown and "episode over after 1 round(s)" in shown
+
+
+def test_each_turn_asks_with_its_own_seed_when_seeded() -> None:
+    from masenvs.trainer.rollout import call_seed
+
+    def script(agent: str, round_: int, n: int) -> list[str]:
+        return ["Moves: [R]"] * n
+
+    for sample_seed in (None, 5):
+        policy = ScriptedPolicy(script)
+        rollout(policy, branches=2, sample_seed=sample_seed, max_rounds=2, tool_task="propose")
+        turns = [(agent, i // 2) for i, (agent, _, _) in enumerate(policy.calls)]
+        assert policy.seeds == [call_seed(sample_seed, "t", r, a) for a, r in turns]
+        assert (len(set(policy.seeds)) == len(turns)) == (sample_seed is not None)
