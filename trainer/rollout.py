@@ -87,8 +87,9 @@ async def tree_rollout(
         snapshot = env.snapshot()
         try:
             seed = call_seed(sample_seed, rollout_id, round_, agent)
+            extra = {} if seed is None else {"seed": seed}  # policies written before seeds
             messages = infos[agent]["messages"]
-            replies = await policy.act(rollout_id, agent, messages, n=branches, seed=seed)
+            replies = await policy.act(rollout_id, agent, messages, n=branches, **extra)
         except Exception as exc:  # a failed call drops this task from the batch, not the run
             result.error = f"{type(exc).__name__}: {exc}"
             return result

@@ -103,11 +103,14 @@ class RolePolicy:
             )
         return self._fallback
 
-    async def act(self, rollout_id: str, agent: str, messages: Messages, n: int = 1) -> list[Reply]:
-        """`n` answers of `agent`: n runs of its program (concurrent), or ChatPolicy's."""
+    async def act(
+        self, rollout_id: str, agent: str, messages: Messages, n: int = 1, seed: int | None = None
+    ) -> list[Reply]:
+        """`n` answers of `agent`: n runs of its program (concurrent), or ChatPolicy's.
+        `seed` reaches the fallback's call only: a program makes its own calls."""
         role = self.roles.get(agent)
         if role is None:
-            return await self.fallback.act(rollout_id, agent, messages, n=n)
+            return await self.fallback.act(rollout_id, agent, messages, n=n, seed=seed)
         started = time.time()
         texts = await asyncio.gather(
             *(self._run_role(rollout_id, agent, role, messages) for _ in range(n))
