@@ -251,7 +251,10 @@ def test_each_turn_asks_with_its_own_seed_when_seeded() -> None:
 
     for sample_seed in (None, 5):
         policy = ScriptedPolicy(script)
-        rollout(policy, branches=2, sample_seed=sample_seed, max_rounds=2, tool_task="propose")
+        result = rollout(
+            policy, branches=2, sample_seed=sample_seed, max_rounds=2, tool_task="propose"
+        )
+        assert {sample.meta["seed"] for sample in result.samples} == {0}  # the task's seed
         turns = [(agent, i // 2) for i, (agent, _, _) in enumerate(policy.calls)]
         assert policy.seeds == [call_seed(sample_seed, "t", r, a) for a, r in turns]
         assert (len(set(policy.seeds)) == len(turns)) == (sample_seed is not None)

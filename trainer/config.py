@@ -538,6 +538,11 @@ class TrainConfig(_Section):
             }
         )
 
+    @property
+    def sample_seed(self) -> int | None:
+        """The seed tree sampling derives each call's from (rollout.call_seed); None: unseeded."""
+        return self.seed if self.rollout.seeded else None
+
     def train_seeds(self) -> range:
         """Every task seed training will draw."""
         start = self.env.seed_start

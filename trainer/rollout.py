@@ -86,8 +86,9 @@ async def tree_rollout(
         agent, round_ = env.acting, env.round
         snapshot = env.snapshot()
         try:
-            seed = call_seed(sample_seed, rollout_id, round_, agent)
-            extra = {} if seed is None else {"seed": seed}  # policies written before seeds
+            turn_seed = call_seed(sample_seed, rollout_id, round_, agent)
+            # Only when seeded: policies written before seeds take no `seed`.
+            extra = {} if turn_seed is None else {"seed": turn_seed}
             messages = infos[agent]["messages"]
             replies = await policy.act(rollout_id, agent, messages, n=branches, **extra)
         except Exception as exc:  # a failed call drops this task from the batch, not the run

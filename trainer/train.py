@@ -158,7 +158,7 @@ class TreeSource:
                 select_by=cfg.rollout.select_by,
                 rollout_prefix=f"s{step}",
                 concurrency=cfg.rollout.concurrency,
-                sample_seed=cfg.seed if cfg.rollout.seeded else None,
+                sample_seed=cfg.sample_seed,
             )
         for r in results:
             if r.error:

@@ -173,7 +173,7 @@ def worker_spec(
         branches=cfg.rollout.branches,
         select_by=cfg.rollout.select_by,
         concurrency=math.ceil(cfg.rollout.concurrency / cfg.distributed.rollout_workers),
-        sample_seed=cfg.seed if cfg.rollout.seeded else None,
+        sample_seed=cfg.sample_seed,
     )
 
 
