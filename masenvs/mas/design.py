@@ -86,6 +86,8 @@ class DesignRunner:
             self.models,
             max_calls=self.max_calls,
             api_key=self.api_key,
+            max_tokens=self.max_tokens,
+            temperature=self.temperature,
         )
         try:
             job = {

@@ -6,7 +6,14 @@ endpoint's `/r/{rollout_id}/v1` (so every call is recorded under that rollout), 
 checking the model name against the allowed ones (`executor`, or `executor@node`, which
 the trace records as the call's step) and counting the call against the
 design's budget. Everything else is refused: other paths and rollouts (403/404), unknown
-models and streaming (400), calls over the budget (429).
+models and streaming (400), calls over the budget (429), bodies without a length or over
+`MAX_BODY` (411/413, before they are read).
+
+The gate also enforces the env's sampling settings: a design's calls become the executor's
+training samples, so they must be drawn as the env says (n=1, its max_tokens and
+temperature, nothing that bends the distribution such as `ignore_eos` or `logit_bias`).
+Every field it drops or overrides is sent along in the `X-Masenvs-Gate` header, and the
+endpoint keeps it in the call's record (`metadata["gate"]`).
 """
 
 from __future__ import annotations
@@ -25,6 +32,13 @@ from typing import Any
 GATE_DIR = Path(os.environ.get("MASENVS_GATE_DIR", "/var/tmp/masenvs-gates"))
 MAX_BODY = 4 << 20  # bytes of one request
 _NODE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
+GATE_HEADER = "X-Masenvs-Gate"  # what the gate changed in a request, as JSON
+# Request fields a design may set: none of them changes how tokens are drawn. Everything
+# else (n, top_p, seed, ignore_eos, min_tokens, logit_bias, penalties, ...) is dropped;
+# max_tokens and temperature are the env's.
+_KEPT = frozenset(
+    {"model", "messages", "stop", "tools", "tool_choice", "parallel_tool_calls", "user"}
+)
 
 
 _client: Any = None
@@ -64,7 +78,11 @@ class Gate:
         max_calls: int | None = None,
         api_key: str | None = None,
         timeout: float = 300.0,
+        max_tokens: int | None = None,
+        temperature: float | None = None,
     ) -> None:
+        """`max_tokens` / `temperature`: the env's settings every call is sent with (None:
+        the endpoint's default, whatever the design asks)."""
         if "/" in rollout_id or not rollout_id:
             raise ValueError(f"bad rollout id {rollout_id!r}")
         self.target = f"{endpoint_url.rstrip('/')}/r/{rollout_id}/v1/chat/completions"
@@ -74,6 +92,11 @@ class Gate:
         self._lock = threading.Lock()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = timeout
+        self.sampling: dict[str, Any] = {"n": 1}
+        if max_tokens is not None:
+            self.sampling["max_tokens"] = max_tokens
+        if temperature is not None:
+            self.sampling["temperature"] = temperature
         # The directory is searchable but not listable by the sandbox uid (0711), so a
         # design reaches only a socket whose name it was given.
         GATE_DIR.mkdir(parents=True, exist_ok=True)
@@ -103,7 +126,9 @@ class Gate:
         try:
             request = json.loads(body)
             model = request["model"]
-        except (ValueError, KeyError, TypeError):
+        except (ValueError, KeyError, TypeError, RecursionError):  # deep nesting: RecursionError
+            return self._refuse(400, "the body must be a JSON chat request with a model")
+        if not isinstance(request, dict):
             return self._refuse(400, "the body must be a JSON chat request with a model")
         name, _, node = str(model).partition("@")
         if name not in self.models or (node and not _NODE.fullmatch(node)):
@@ -123,13 +148,26 @@ class Gate:
         # The node's name travels as the call's step (`executor@solver`): the trace
         # names the node of every call; the policy is the executor's either way.
         request["model"] = f"{self.models[name]}@{node}" if node else self.models[name]
+        request, changed = self.enforce(request)
+        headers = dict(self._headers)
+        if changed:
+            headers[GATE_HEADER] = json.dumps(changed, separators=(",", ":"))
         try:
-            reply = _http().post(
-                self.target, json=request, headers=self._headers, timeout=self._timeout
-            )
+            reply = _http().post(self.target, json=request, headers=headers, timeout=self._timeout)
         except Exception as exc:  # the endpoint is down: the design fails with this reason
             return self._refuse(502, f"the endpoint did not answer: {type(exc).__name__}: {exc}")
         return reply.status_code, reply.content
+
+    def enforce(self, request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The request as it is forwarded (the env's sampling settings, only `_KEPT` fields
+        besides) and what changed: {field: what the design asked} ("dropped" or a value)."""
+        out = {k: v for k, v in request.items() if k in _KEPT}
+        changed: dict[str, Any] = {k: _short(v) for k, v in request.items() if k not in _KEPT}
+        for key, value in self.sampling.items():
+            out[key] = value
+            if key in request and request[key] == value:
+                del changed[key]
+        return out, changed
 
     def _refuse(self, status: int, message: str) -> tuple[int, dict[str, Any]]:
         self.refused.append(f"{status}: {message}")
@@ -148,17 +186,36 @@ class Gate:
         self.close()
 
 
+def _short(value: Any) -> Any:
+    """A field's value as the trace shows it: scalars as they are, anything else cut short."""
+    if value is None or isinstance(value, (bool, int, float)):
+        return value
+    text = value if isinstance(value, str) else json.dumps(value, default=str)
+    return text if len(text) <= 200 else text[:200] + "..."
+
+
 class _Handler(BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
+    timeout = 60  # seconds a design may stall mid-request before its connection is closed
 
     def do_POST(self) -> None:  # noqa: N802 (http.server's naming)
-        length = int(self.headers.get("content-length") or 0)
-        if length > MAX_BODY:
-            self._answer(413, {"error": {"message": "request too large", "code": 413}})
-            self.close_connection = True
+        # A body is read only with a valid length within the cap: a missing or negative
+        # length, or a chunked body, would read to EOF, as long as the design keeps sending.
+        length = self.headers.get("content-length", "").strip()
+        refusal = None
+        if self.headers.get("transfer-encoding"):
+            refusal = 411, "chunked bodies are not accepted: send Content-Length"
+        elif not length.isdigit():
+            refusal = 411, "a POST needs a Content-Length: a non-negative number of bytes"
+        elif int(length) > MAX_BODY:
+            refusal = 413, f"request too large: the gate takes at most {MAX_BODY} bytes"
+        if refusal is not None:
+            self.close_connection = True  # the unread body must not be parsed as a request
+            status, message = refusal
+            self._answer(*self.server.gate._refuse(status, message))
             return
-        status, body = self.server.gate.forward(self.path, self.rfile.read(length))
+        status, body = self.server.gate.forward(self.path, self.rfile.read(int(length)))
         self._answer(status, body)
 
     def do_GET(self) -> None:  # noqa: N802
@@ -169,6 +226,8 @@ class _Handler(BaseHTTPRequestHandler):
         self.send_response(status)
         self.send_header("Content-Type", "application/json")
         self.send_header("Content-Length", str(len(data)))
+        if self.close_connection:
+            self.send_header("Connection", "close")
         self.end_headers()
         self.wfile.write(data)
 
