@@ -854,6 +854,8 @@ class _Mismatch:
 
     def add(self, batch: Sequence[Sample], idx: Sequence[int], raw: Sequence[torch.Tensor]) -> None:
         for i, lp in zip(idx, raw, strict=True):
+            # Kept per sample for the viewer (`masenvs ui` shows both, token by token).
+            batch[i].meta["learner_logprobs"] = lp.cpu().tolist()
             behavior = batch[i].behavior_logprobs
             if not behavior:
                 continue

@@ -103,14 +103,19 @@ async def tree_rollout(
                 for branch, reply in zip(branch_envs, replies)
             )
         )
-        for s in scored:
+        turn: dict[int, Sample] = {}
+        for k, s in enumerate(scored):
             result.completion_tokens += len(s.reply.token_ids)
             _keep_captured(result, s.infos.get(agent, {}), s.reward, round_)
             if s.reply.token_ids and s.reply.prompt_token_ids:
-                result.samples.append(_sample(s, agent, policy_of, task_id, round_, seed))
+                turn[k] = _sample(s, agent, policy_of, task_id, round_, seed)
+                turn[k].meta["choice"] = k  # the call's k-th candidate
+                result.samples.append(turn[k])
 
         # The winning branch already holds the committed state: swap it in, replay nothing.
         best = choose(scored, select_by)
+        if best in turn:  # the viewer marks the branch that continued (samples.jsonl)
+            turn[best].meta["continued"] = True
         env, branch_envs[best] = branch_envs[best], env
         infos = scored[best].infos
         for name, reward in scored[best].rewards.items():
@@ -168,7 +173,12 @@ def _sample(
         policy=policy_of(agent),
         group=tree_group(task_id, round_, agent),
         reward=s.reward,
-        meta={"call_id": reply.call_id, "seed": seed},
+        meta={
+            "call_id": reply.call_id,
+            "seed": seed,
+            "round": round_,
+            "reward_parts": s.infos.get(agent, {}).get("reward_parts"),
+        },
     )
 
 

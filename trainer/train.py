@@ -38,6 +38,7 @@ from masenvs.trainer.plots import plot_curves
 from masenvs.trainer.rollout import TaskRollout, collect_tree_batch
 from masenvs.trainer.samples import Sample
 from masenvs.trainer.serving import training_backend
+from masenvs.trainer.steplog import SAMPLES_FILE, write_step_samples
 from masenvs.trainer.sync import WeightSync, vllm_backend
 
 log = logging.getLogger(__name__)
@@ -454,6 +455,9 @@ async def _loop(
             # pool that competes with the engine's once the next rollout starts.
             update = learner.step(trainable, lr_scale=lr_scale) if trainable else {}
             update_s = time.perf_counter() - started
+            # what the step did with each sample, for `masenvs ui` (after the update: the
+            # learner's log-probs are in it)
+            write_step_samples(Path(cfg.run_dir) / SAMPLES_FILE, step, samples, trained, trainable)
             await sync.push(step)
             stack.endpoint.policy_version = step
 
