@@ -53,6 +53,7 @@ from masenvs.adapters.openai_schema import (
 )
 from masenvs.adapters.policy_map import BASE, PolicyMap, UnknownModel
 from masenvs.adapters.tool_parsers import TOOL_PARSERS, ParsedOutput, ToolParser, tool_parser_for
+from masenvs.listeners import MAX_JSON_DEPTH, BodyError, parse_json
 from masenvs.traces import CallRecord, ChoiceRecord, TraceStore
 
 log = logging.getLogger("masenvs.endpoint")
@@ -63,6 +64,7 @@ _ANY = ["GET", "POST", "PUT", "PATCH", "DELETE"]  # wrong methods get a JSON 405
 
 
 STEP_HEADER = "X-Masenvs-Step"
+GATE_HEADER = "X-Masenvs-Gate"  # set by masenvs.mas.gate: the fields it dropped or overrode
 
 
 def agent_and_step(model: str, header: str | None = None) -> tuple[str, str | None]:
@@ -102,6 +104,7 @@ class _Call:
     stream: bool
     step: str | None = None
     requested: str = ""  # the request's `model` as sent ("critic@verdict"), echoed back
+    gate: dict[str, Any] | None = None  # what an auto-MAS gate changed in the request
 
 
 class Endpoint:
@@ -243,18 +246,7 @@ class Endpoint:
         return Response(status_code=200)
 
     async def _json_body(self, request: Request) -> Any:
-        length = request.headers.get("content-length")
-        if length is not None and length.isdigit() and int(length) > MAX_BODY_BYTES:
-            raise APIError(413, f"The request body is larger than {MAX_BODY_BYTES} bytes.")
-        raw = await request.body()
-        try:
-            return json.loads(raw)
-        except (json.JSONDecodeError, UnicodeDecodeError):
-            raise APIError(
-                400,
-                "We could not parse the JSON body of your request. The body must be JSON "
-                "with 'Content-Type: application/json'.",
-            ) from None
+        return json_body(await read_body(request))
 
     def _resolve(self, agent: str) -> str:
         try:
@@ -343,6 +335,7 @@ class Endpoint:
             stream=body.stream,
             step=step,
             requested=body.model,
+            gate=_gate_changes(request.headers.get(GATE_HEADER)),
         )
         parser = self._tool_parser if body.parse_tool_calls else None
         if body.parse_tool_calls and self._tools_unseen:
@@ -684,10 +677,39 @@ class Endpoint:
             else generation.policy_version,
             started_at=call.started_at,
             finished_at=time.time(),
-            metadata=self._metadata.get(call.rollout_id, {}) if call.rollout_id else {},
+            metadata=_call_metadata(self._metadata.get(call.rollout_id or "", {}), call.gate),
             step=call.step,
         )
         await self.store.append_async(record)
+
+
+async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
+    """The request's body, refused (413) as soon as it passes `limit` bytes: the length a
+    client announces is checked first, and a chunked body is counted while it streams."""
+    length = request.headers.get("content-length")
+    if length is not None and not length.strip().isdigit():
+        raise APIError(400, "Content-Length must be a non-negative number of bytes.")
+    if length is not None and int(length) > limit:
+        raise APIError(413, f"The request body is larger than {limit} bytes.")
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise APIError(413, f"The request body is larger than {limit} bytes.")
+        chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def json_body(raw: bytes) -> Any:
+    """`raw` parsed as JSON, or a 400 APIError: not JSON, or nested deeper than any request."""
+    try:
+        return parse_json(raw)
+    except BodyError as exc:
+        raise APIError(
+            400,
+            f"We could not parse the JSON body of your request ({exc}). The body must be "
+            f"JSON, nested at most {MAX_JSON_DEPTH} levels, with 'Content-Type: application/json'.",
+        ) from None
 
 
 def create_app(
@@ -771,6 +793,21 @@ def _choice_record(index: int, completion: Completion, output: ParsedOutput) -> 
         tool_calls=output.tool_calls or None,
         stop_reason=completion.stop_reason,
     )
+
+
+def _gate_changes(header: str | None) -> dict[str, Any] | None:
+    """The gate's header as a dict (anything else is ignored: it is only a note)."""
+    if not header or len(header) > 8192:
+        return None
+    try:
+        changes = json.loads(header)
+    except (ValueError, RecursionError):
+        return None
+    return changes if isinstance(changes, dict) else None
+
+
+def _call_metadata(rollout: dict[str, Any], gate: dict[str, Any] | None) -> dict[str, Any]:
+    return {**rollout, "gate": gate} if gate else rollout
 
 
 def _params(request: GenerateRequest) -> dict[str, Any]:

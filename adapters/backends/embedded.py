@@ -159,6 +159,10 @@ class EmbeddedBackend:
         self.name = loaded.name
         self.max_batch_size = max_batch_size
         self.max_model_len = min(max_model_len or loaded.context_length, loaded.context_length)
+        # No token spans more characters than the vocabulary's longest, so a prompt longer
+        # than this cannot fit the context: it is refused before the tokenizer (whose memory
+        # grows ~75x the text) ever sees it.
+        self.max_prompt_chars = _longest_token(self.tokenizer) * self.max_model_len
         # Rows 0..max_batch_size-1 hold running sequences; the rows after them keep the
         # KV of recently finished sequences, so a prompt that extends one skips its prefill.
         try:
@@ -414,6 +418,15 @@ class EmbeddedBackend:
     def _prompt_ids(self, request: GenerateRequest) -> list[int]:
         if (request.messages is None) == (request.prompt is None):
             raise BackendError("Give either chat messages or a prompt, not both or neither.")
+        chars = _text_chars([request.messages, request.tools, request.prompt])
+        if chars > self.max_prompt_chars:
+            raise BackendError(
+                f"The prompt has {chars} characters, more than fit the context window of "
+                f"{self.max_model_len} tokens ({self.max_prompt_chars} characters at most); "
+                "shorten the prompt.",
+                400,
+                "context_length_exceeded",
+            )
         if request.messages is not None:
             if not request.messages:
                 raise BackendError("messages is empty; give at least one message.")
@@ -932,6 +945,28 @@ def _choice_seeds(seed: int | None, n: int) -> list[int]:
     base = secrets.randbits(63) if seed is None else seed
     state = np.random.SeedSequence([abs(base), int(base < 0)]).generate_state(n, dtype=np.uint64)
     return [int(s) >> 1 for s in state]
+
+
+def _longest_token(tokenizer: Any) -> int:
+    """Characters of the vocabulary's longest token (special tokens included)."""
+    return max((len(token) for token in tokenizer.get_vocab()), default=1) or 1
+
+
+def _text_chars(value: Any) -> int:
+    """Characters of the strings in `value` (nested lists and dicts; a token id counts 1)."""
+    total, stack = 0, [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+        elif item is not None:
+            total += 1
+    return total
 
 
 def _plain_message(message: dict[str, Any]) -> dict[str, Any]:

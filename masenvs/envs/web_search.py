@@ -63,6 +63,10 @@ class WebSearchConfig(EnvConfig):
         None, description="The /retrieve URL of a FlashRAG-style retriever (backend=http)."
     )
     search_timeout: float = Field(30.0, gt=0, description="Seconds for one HTTP search call.")
+    search_api_key: str | None = Field(
+        None,
+        description="Key the search server wants (backend=http; None: $MASENVS_SEARCH_API_KEY).",
+    )
     top_k: int = Field(3, ge=1, le=50, description="Documents returned per query.")
     max_queries: int = Field(3, ge=1, le=20, description="Queries run per turn; more are ignored.")
     search_cost: float = Field(
@@ -157,7 +161,7 @@ def build_backend(cfg: WebSearchConfig) -> SearchBackend:
     if cfg.backend == "http":
         if not cfg.search_url:
             raise ValueError("backend='http' needs search_url=http://host:port/retrieve")
-        return HttpBackend(cfg.search_url, cfg.search_timeout)
+        return HttpBackend(cfg.search_url, cfg.search_timeout, cfg.search_api_key)
     if ":" in cfg.backend:
         return load_backend(cfg.backend)
     raise ValueError(f"backend must be 'bm25', 'http' or 'module:attr', got {cfg.backend!r}")

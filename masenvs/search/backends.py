@@ -7,6 +7,7 @@ import heapq
 import importlib
 import json
 import math
+import os
 import re
 import urllib.error
 import urllib.request
@@ -16,6 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
 from masenvs.search.data import Doc
+
+API_KEY_ENV = "MASENVS_SEARCH_API_KEY"  # the key search-serve wants and HttpBackend sends
 
 
 class SearchError(RuntimeError):
@@ -166,17 +169,20 @@ class PlainBM25:
 
 class HttpBackend:
     """A retriever at `url` speaking FlashRAG/Search-R1's `/retrieve`: POST
-    {"queries", "topk", "return_scores": true} -> {"result": [[{"document", "score"}]]}."""
+    {"queries", "topk", "return_scores": true} -> {"result": [[{"document", "score"}]]};
+    `api_key` (default $MASENVS_SEARCH_API_KEY) goes as `Authorization: Bearer KEY`."""
 
-    def __init__(self, url: str, timeout: float = 30.0) -> None:
+    def __init__(self, url: str, timeout: float = 30.0, api_key: str | None = None) -> None:
         self.url = url if url.rstrip("/").endswith("/retrieve") else url.rstrip("/") + "/retrieve"
         self.timeout = timeout
+        self.api_key = api_key or os.environ.get(API_KEY_ENV)
 
     def search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         body = json.dumps({"queries": list(queries), "topk": k, "return_scores": True})
-        request = urllib.request.Request(
-            self.url, body.encode(), {"Content-Type": "application/json"}, method="POST"
-        )
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        request = urllib.request.Request(self.url, body.encode(), headers, method="POST")
         try:
             with urllib.request.urlopen(request, timeout=self.timeout) as response:
                 data = json.loads(response.read())
