@@ -59,6 +59,9 @@ class AutoMASConfig(EnvConfig):
         EXECUTOR, description="The endpoint's model name for the executor policy."
     )
     max_calls: int = Field(16, ge=1, description="LLM calls one execution may make (budget).")
+    max_tool_runs: int = Field(
+        16, ge=0, description="Runs of the Python tool (ToolAgent nodes) one execution may make."
+    )
     max_tokens: int | None = Field(256, ge=1, description="Tokens per executor call.")
     temperature: float | None = Field(
         None, ge=0, description="Executor temperature (None: the endpoint's default)."
@@ -109,7 +112,11 @@ Write Python in <code></code> tags that builds `system` from these blocks (alrea
 - Reflect(actor, critic, rounds=1): the critic checks, the actor revises until the critic says APPROVE.
 - Router(Agent("router"), {"name": block, ...}): the router picks one block.
 - Loop(block, max_iters=3): repeats until the answer has a \\boxed{}.
-Every block gets the question and returns text. The final answer must be in \\boxed{}."""
+- ToolAgent(name, system_prompt, max_turns=4): an agent with a Python tool: each ```python
+  block it writes is run (no network) and the output shown back, until it answers.
+Every block gets the question and returns text. The final answer must be in \\boxed{}.
+Scripts written against the `workflow` API (from workflow import AgentNode, Workflow,
+ToolRegistry, ...) also run: the answer is the last `workflow.run(...)` result."""
 
 EXAMPLE = """\
 <code>
@@ -118,7 +125,10 @@ checker = Agent("checker", "Check the solution. Reply APPROVE if it is right.")
 system = Reflect(solver, checker)
 </code>"""
 
-CODE_NOTE = "The final answer must be a complete Python program in a ```python block."
+CODE_NOTE = (
+    "The final answer must be a complete Python program in a ```python block, or in "
+    "<solution></solution> tags (a ToolAgent's ```python blocks are run as tool calls)."
+)
 
 
 @dataclass
@@ -266,6 +276,7 @@ class AutoMASEnv(MASEnv):
             temperature=cfg.temperature,
             seconds=cfg.design_seconds,
             memory_mb=cfg.design_memory_mb,
+            max_tool_runs=cfg.max_tool_runs,
         )
         messages = [{"role": "user", "content": self.question()}]
         ids = [f"mas-{design_id}-{m}" for m in range(cfg.executions)]
@@ -289,7 +300,7 @@ class AutoMASEnv(MASEnv):
         else:
             from masenvs.tasks.code_judge import CodeJudge
 
-            code = last_code_block(run.answer)
+            code = solution_code(run.answer)
             ex.answered = code is not None
             if code is not None:
                 task = self.task
@@ -315,6 +326,19 @@ class AutoMASEnv(MASEnv):
         return (
             f"auto_mas {self.task.id} design {len(self.state.designs)} [{graph}]: {last['summary']}"
         )
+
+
+def solution_code(text: str) -> str | None:
+    """A code answer: the last `<solution>...</solution>` (a fence inside unwrapped), as the
+    published system's nodes write it, else the last ```python block."""
+    start = text.rfind("<solution>")
+    if start >= 0:
+        end = text.find("</solution>", start)
+        body = text[start + len("<solution>") : end if end >= 0 else len(text)]
+        code = (last_code_block(body) or body).strip()
+        if code:
+            return code
+    return last_code_block(text)
 
 
 def _short(e: Execution) -> str:

@@ -16,6 +16,7 @@ from masenvs.mas.blocks import (
     Reflect,
     Router,
     Sequential,
+    ToolAgent,
     answer_of,
     vote,
 )
@@ -35,6 +36,7 @@ __all__ = [
     "Reflect",
     "Router",
     "Sequential",
+    "ToolAgent",
     "answer_of",
     "connect",
     "current",

@@ -14,12 +14,15 @@ still a block. Each LLM call goes to the executor model through `masenvs.mas.use
 from __future__ import annotations
 
 import asyncio
+import inspect
+import json
 import re
 from collections import Counter
 from collections.abc import Callable, Iterator, Sequence
+from typing import Any
 
 from masenvs.mas.llm import LLM, Message, current
-from masenvs.parsing import last_boxed
+from masenvs.parsing import last_boxed, last_code_block
 
 Input = str | Sequence[Message]
 
@@ -130,6 +133,91 @@ class Agent(Block):
 
     def describe(self) -> str:
         return self.name
+
+
+FINAL_PROMPT = "Stop using tools now and give your final answer."
+
+
+class ToolAgent(Agent):
+    """An agent that works in turns with a Python tool. A reply holding a ```python block
+    (and no final answer: no `\\boxed{}`, `<solution>` or `FINAL ANSWER`) is a tool call:
+    the code runs in the sandbox and its output is shown back as the next user turn. The
+    first reply without a tool call is the answer; the code runs at most `max_turns` times,
+    and the last observation tells the agent to stop and answer (at most max_turns + 1
+    calls). `<tool_call>{"name": ..., "arguments": {...}}</tool_call>` calls a
+    tool of `tools` (name -> function) instead."""
+
+    def __init__(
+        self,
+        name: str,
+        system: str | None = None,
+        *,
+        max_turns: int = 4,
+        tools: dict[str, Callable[..., Any]] | None = None,
+        llm: LLM | None = None,
+    ) -> None:
+        super().__init__(name, system, llm=llm)
+        if not isinstance(max_turns, int) or isinstance(max_turns, bool) or max_turns < 1:
+            raise ValueError(f"ToolAgent max_turns must be an integer >= 1, got {max_turns!r}")
+        self.max_turns, self.tools = max_turns, dict(tools or {})
+
+    async def run(self, messages: list[Message]) -> str:
+        llm = self.llm or current()
+        talk = [dict(m) for m in messages]
+        if self.system:
+            talk = [{"role": "system", "content": self.system}, *talk]
+        for turn in range(self.max_turns + 1):
+            reply = await llm.chat(self.name, talk)
+            call = tool_call(reply)
+            if call is None or turn == self.max_turns:  # its answer, or out of turns
+                return reply
+            observation = await self.use_tool(llm, *call)
+            if turn + 1 == self.max_turns:
+                observation += f"\n\n{FINAL_PROMPT}"
+            talk += [
+                {"role": "assistant", "content": reply},
+                {"role": "user", "content": observation},
+            ]
+        raise AssertionError("unreachable")
+
+    async def use_tool(self, llm: LLM, name: str, arguments: dict[str, Any]) -> str:
+        """Run one tool call and return what the agent is shown; errors become text."""
+        if not name:
+            return (
+                'Error: the <tool_call> is not valid: write <tool_call>{"name": "...", '
+                '"arguments": {...}}</tool_call>, or a ```python block.'
+            )
+        if name in ("python", "python_execute") and name not in self.tools:
+            return await llm.execute_python(str(arguments.get("code", "")))
+        if name not in self.tools:
+            known = ", ".join(["python", *self.tools]) if self.tools else "python"
+            return f"Error: there is no tool {name!r}; the tools are: {known}."
+        try:
+            result = self.tools[name](**arguments)
+            if inspect.isawaitable(result):
+                result = await result
+        except Exception as exc:  # the tool's failure is the agent's observation
+            return f"Error: the tool {name!r} failed: {type(exc).__name__}: {exc}"
+        return f"Tool {name!r} returned:\n{result}"
+
+
+def tool_call(reply: str) -> tuple[str, dict[str, Any]] | None:
+    """The tool call in an agent's reply, as (tool, arguments), or None when it answers."""
+    if answer_of(reply) is not None or "<solution>" in reply or "FINAL ANSWER" in reply.upper():
+        return None
+    start = reply.find("<tool_call>")
+    end = reply.find("</tool_call>", start)
+    if start >= 0 and end > start:
+        try:
+            call = json.loads(reply[start + len("<tool_call>") : end])
+        except (ValueError, RecursionError):
+            call = None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return "", {}
+        arguments = call.get("arguments") or call.get("parameters") or {}
+        return call["name"], arguments if isinstance(arguments, dict) else {}
+    code = last_code_block(reply, ("python", "py"))
+    return ("python", {"code": code}) if code and code.strip() else None
 
 
 class Sequential(Block):

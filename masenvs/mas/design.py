@@ -72,6 +72,7 @@ class DesignRunner:
     temperature: float | None = None
     seconds: float = 120.0  # wall time of one execution
     memory_mb: int = 1024
+    max_tool_runs: int = 16  # runs of the Python tool (ToolAgent) per execution
 
     def run(self, source: str, messages: list[Message], rollout_id: str) -> DesignRun:
         from masenvs.mas.gate import Gate
@@ -88,6 +89,7 @@ class DesignRunner:
             api_key=self.api_key,
             max_tokens=self.max_tokens,
             temperature=self.temperature,
+            max_tool_runs=self.max_tool_runs,
         )
         try:
             job = {

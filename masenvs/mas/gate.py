@@ -5,7 +5,8 @@ this run is told; the gate behind it forwards `POST /v1/chat/completions` to the
 endpoint's `/r/{rollout_id}/v1` (so every call is recorded under that rollout), after
 checking the model name against the allowed ones (`executor`, or `executor@node`, which
 the trace records as the call's step) and counting the call against the
-design's budget. Everything else is refused: other paths and rollouts (403/404), unknown
+design's budget. `POST /v1/tools/python` runs the Python tool of tool-using nodes in a
+fresh sandbox process (`masenvs.mas.tools`), within its own budget. Everything else is refused: other paths and rollouts (403/404), unknown
 models and streaming (400), calls over the budget (429), bodies without a length or over
 `MAX_BODY` (411/413, before they are read).
 
@@ -80,14 +81,17 @@ class Gate:
         timeout: float = 300.0,
         max_tokens: int | None = None,
         temperature: float | None = None,
+        max_tool_runs: int | None = None,
     ) -> None:
         """`max_tokens` / `temperature`: the env's settings every call is sent with (None:
-        the endpoint's default, whatever the design asks)."""
+        the endpoint's default, whatever the design asks). `max_tool_runs` bounds the runs
+        of the Python tool (`POST /v1/tools/python`)."""
         if "/" in rollout_id or not rollout_id:
             raise ValueError(f"bad rollout id {rollout_id!r}")
         self.target = f"{endpoint_url.rstrip('/')}/r/{rollout_id}/v1/chat/completions"
         self.rollout_id, self.models, self.max_calls = rollout_id, dict(models), max_calls
         self.calls = 0
+        self.max_tool_runs, self.tool_runs = max_tool_runs, 0
         self.refused: list[str] = []  # why each refused request was refused
         self._lock = threading.Lock()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
@@ -119,6 +123,8 @@ class Gate:
             return self._refuse(
                 403, "this gate serves only its own rollout; use /v1/chat/completions"
             )
+        if path.rstrip("/") == "/v1/tools/python":
+            return self.run_tool(body)
         if path.rstrip("/") != "/v1/chat/completions":
             return self._refuse(
                 404, f"the gate forwards only POST /v1/chat/completions, not {path}"
@@ -157,6 +163,26 @@ class Gate:
         except Exception as exc:  # the endpoint is down: the design fails with this reason
             return self._refuse(502, f"the endpoint did not answer: {type(exc).__name__}: {exc}")
         return reply.status_code, reply.content
+
+    def run_tool(self, body: bytes) -> tuple[int, dict[str, Any]]:
+        """Run the design's Python (`{"code": ...}`) in a fresh sandbox process, out here:
+        a design's own sandbox cannot start one. Counted against `max_tool_runs`."""
+        from masenvs.mas.tools import run_python
+
+        try:
+            code = json.loads(body)["code"]
+        except (ValueError, KeyError, TypeError, RecursionError):
+            code = None
+        if not isinstance(code, str):
+            return self._refuse(400, 'the body must be JSON {"code": "..."}')
+        with self._lock:
+            if self.max_tool_runs is not None and self.tool_runs >= self.max_tool_runs:
+                return self._refuse(
+                    429, f"the design's budget of {self.max_tool_runs} tool runs is spent"
+                )
+            self.tool_runs += 1
+        result = run_python(code)
+        return 200, {"observation": result.observation(), **result.to_dict()}
 
     def enforce(self, request: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
         """The request as it is forwarded (the env's sampling settings, only `_KEPT` fields

@@ -42,6 +42,10 @@ class LLM:
     temperature: float | None = None
     per_node: bool = False  # send `model@node`: the endpoint records the node as the step
     calls: list[NodeCall] = field(default_factory=list)
+    # Inside a design's sandbox: the client of its gate, which runs the Python tool outside
+    # (a sandboxed design cannot start a sandbox); None runs it in a local sandbox.
+    gate: Any = None
+    tool_runs: int = 0
 
     async def chat(self, node: str, messages: list[Message]) -> str:
         """One completion for `node`; its call id is recorded under the node's name."""
@@ -61,6 +65,26 @@ class LLM:
         )
         record.call_id = response.id
         return response.choices[0].message.content or ""
+
+    async def execute_python(self, code: str) -> str:
+        """Run `code` in the sandbox (through the gate inside a design) and return what the
+        agent is shown: its output, or why it failed. Bad code never raises."""
+        self.tool_runs += 1
+        if self.gate is None:
+            import asyncio
+
+            from masenvs.mas.tools import run_python
+
+            return (await asyncio.to_thread(run_python, code)).observation()
+        reply = await self.gate.post("http://gate/v1/tools/python", json={"code": code})
+        try:
+            body = reply.json()
+        except ValueError:
+            body = {}
+        if reply.status_code == 200 and isinstance(body.get("observation"), str):
+            return body["observation"]
+        message = (body.get("error") or {}).get("message") or f"HTTP {reply.status_code}"
+        return f"Error: the Python tool is not available: {message}"
 
     def calls_by_node(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
@@ -105,7 +129,7 @@ def connect(
     client = AsyncOpenAI(
         base_url=base_url, api_key=api_key, http_client=http_client, max_retries=0, timeout=timeout
     )
-    return LLM(client, model, max_calls, max_tokens, temperature, per_node)
+    return LLM(client, model, max_calls, max_tokens, temperature, per_node, gate=http_client)
 
 
 _current: contextvars.ContextVar[LLM | None] = contextvars.ContextVar(
