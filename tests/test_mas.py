@@ -191,7 +191,7 @@ def post(gate: Gate, path: str, body: dict) -> httpx.Response:
 
 def test_the_gate_forwards_only_its_rollouts_chat_calls_within_budget(served) -> None:
     chat = {"model": "executor", "messages": QUESTION, "max_tokens": 4}
-    with Gate(served.url, "gated", {"executor": "executor"}, max_calls=2) as gate:
+    with Gate(served.url, "gated", {"executor": "executor"}, max_calls=2, max_tokens=4) as gate:
         assert post(gate, "/v1/chat/completions", chat).status_code == 200
         assert post(gate, "/r/other/v1/chat/completions", chat).status_code == 403
         assert post(gate, "/v1/completions", chat).status_code == 404
@@ -212,9 +212,9 @@ def test_the_gate_forwards_only_its_rollouts_chat_calls_within_budget(served) ->
 def test_the_gate_sends_the_endpoint_api_key(backend, tmp_path) -> None:
     chat = {"model": "executor", "messages": QUESTION, "max_tokens": 4}
     with serve(backend, tmp_path / "t", policy_map={"executor": "base"}, api_key="s3cret") as s:
-        with Gate(s.url, "keyed", {"executor": "executor"}) as gate:
+        with Gate(s.url, "keyed", {"executor": "executor"}, max_tokens=4) as gate:
             assert post(gate, "/v1/chat/completions", chat).status_code == 401
-        with Gate(s.url, "keyed", {"executor": "executor"}, api_key="s3cret") as gate:
+        with Gate(s.url, "keyed", {"executor": "executor"}, api_key="s3cret", max_tokens=4) as gate:
             assert post(gate, "/v1/chat/completions", chat).status_code == 200
 
 
