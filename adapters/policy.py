@@ -5,10 +5,12 @@ from __future__ import annotations
 import asyncio
 import re
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
-from openai import AsyncOpenAI
+
+if TYPE_CHECKING:  # openai takes ~1 s to import: loaded on first use (fast --help)
+    from openai import AsyncOpenAI
 
 _ROLLOUT_PATH = re.compile(r"/r/[^/]+/v1$")
 
@@ -84,6 +86,8 @@ class ChatPolicy:
 
     def client(self, rollout_id: str) -> AsyncOpenAI:
         """An `openai` client whose calls land in `rollout_id`'s trace."""
+        from openai import AsyncOpenAI
+
         return AsyncOpenAI(
             base_url=f"{self.root_url}/r/{rollout_id}/v1",
             api_key=self.api_key,

@@ -28,13 +28,14 @@ import shutil
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import torch
 
 from masenvs.trainer.config import TrainConfig, config_yaml
-from masenvs.trainer.learner import Learner
+
+if TYPE_CHECKING:  # torch is imported on use: `masenvs train` checks run_dir before it loads
+    from masenvs.trainer.learner import Learner
 
 CHECKPOINTS = "checkpoints"
 ADAPTERS = "adapters"  # LoRA: one peft directory per policy
@@ -62,6 +63,8 @@ class Checkpoint:
 
     def restore(self, learner: Learner) -> TrainState:
         """Load weights, optimizer states, LR schedule position and RNG states."""
+        import torch
+
         for policy in learner.policies:
             if learner.full:
                 if learner.trains(policy):  # frozen models are the base: not saved
@@ -94,6 +97,8 @@ def save_checkpoint(
     keep_last: int = 3,
 ) -> Path:
     """Write a checkpoint of `state.step` atomically and keep only the newest `keep_last`."""
+    import torch
+
     root = Path(run_dir) / CHECKPOINTS
     root.mkdir(parents=True, exist_ok=True)
     name = f"{_PREFIX}{state.step:08d}"
@@ -176,6 +181,8 @@ def _prune(root: Path, keep_last: int, keep: Path) -> None:
 
 
 def _save_rng(directory: Path) -> None:
+    import torch
+
     version, mt, gauss = random.getstate()
     kind, keys, pos, has_gauss, cached = np.random.get_state(legacy=True)
     (directory / "rng.json").write_text(
@@ -193,6 +200,8 @@ def _save_rng(directory: Path) -> None:
 
 
 def _set_rng(directory: Path) -> None:
+    import torch
+
     saved = json.loads((directory / "rng.json").read_text())
     version, mt, gauss = saved["python"]
     random.setstate((version, tuple(mt), gauss))

@@ -25,9 +25,8 @@ import time
 from collections import defaultdict
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from openai import AsyncOpenAI
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 from rich.table import Table
@@ -37,6 +36,9 @@ from masenvs.adapters.rollout import EpisodeResult, run_episode
 from masenvs.registry import make
 from masenvs.tasks.records import TaskSourceError
 from masenvs.traces import TraceStore
+
+if TYPE_CHECKING:  # openai takes ~1 s to import: loaded on first use (fast --help)
+    from openai import AsyncOpenAI
 
 DEFAULT_SEED_START = 1_000_000  # ValidationConfig's: held out from training seeds
 
@@ -116,6 +118,8 @@ class DirectPolicy(ChatPolicy):
         self.template_kwargs = template_kwargs or {}
 
     def client(self, rollout_id: str) -> AsyncOpenAI:
+        from openai import AsyncOpenAI
+
         return AsyncOpenAI(
             base_url=self.base_url, api_key=self.api_key, http_client=self._http, max_retries=2
         )

@@ -6,24 +6,46 @@ on its traced calls. Frameworks are used as they ship, through their OpenAI-comp
 clients pointed at the capture endpoint; each is imported only when used.
 """
 
-from masenvs.adapters.frameworks.clients import (
-    Clients,
-    ClientSettings,
-    autogen_client,
-    chat_openai,
-    openai_like,
-    rollout_url,
-)
-from masenvs.adapters.frameworks.programs import RunLimits, run_program
-from masenvs.adapters.frameworks.roles import FrameworkRole, RoleFailure, RolePolicy
-from masenvs.adapters.frameworks.workflow import (
-    WorkflowContext,
-    WorkflowRun,
-    WorkflowSpec,
-    load_factory,
-    run_tasks,
-    run_workflow,
-)
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+# name -> the module that defines it; imported on first use, so that reading a config's
+# `workflow:` section (and `masenvs train --help`) does not import openai and httpx.
+_WHERE = {
+    **dict.fromkeys(
+        (
+            "Clients",
+            "ClientSettings",
+            "autogen_client",
+            "chat_openai",
+            "openai_like",
+            "rollout_url",
+        ),
+        "clients",
+    ),
+    **dict.fromkeys(("RunLimits", "run_program"), "programs"),
+    **dict.fromkeys(("FrameworkRole", "RoleFailure", "RolePolicy"), "roles"),
+    **dict.fromkeys(
+        (
+            "WorkflowContext",
+            "WorkflowRun",
+            "WorkflowSpec",
+            "load_factory",
+            "run_tasks",
+            "run_workflow",
+        ),
+        "workflow",
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _WHERE:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f"{__name__}.{_WHERE[name]}"), name)
+
 
 __all__ = [
     "ClientSettings",
