@@ -30,6 +30,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "avg@k and pass@k of base models, checkpoints and OpenAI URLs, side by side",
     ),
     "mas-graph": ("masenvs.mas.cli:main", "draw or export an auto-MAS design (designs.jsonl)"),
+    "ui": ("masenvs.ui.server:main", "browse runs, trees, conversations and designs in a browser"),
     "search-serve": (
         "masenvs.search.server:main",
         "serve BM25 over a corpus at FlashRAG's /retrieve",

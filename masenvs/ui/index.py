@@ -1,0 +1,317 @@
+"""An incremental sqlite index of one run's files, so a step or a call opens in milliseconds.
+
+The trainer appends JSON lines (trace segments, `samples.jsonl`, `designs.jsonl`); the index
+keeps, per file, how many bytes it has read, and on `refresh()` reads only what was appended
+since, whole lines only (a line being written is read next time). Each row keeps the
+line's file and byte offset: the full record (token ids, log-probs, messages) is read back
+from the JSONL with one seek, never copied into the index.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import re
+import sqlite3
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+INDEX_NAME = ".masenvs-ui.sqlite"
+SCHEMA_VERSION = 3
+PREVIEW = 160  # characters of each choice's text kept in the index
+_STEP_OF_ROLLOUT = re.compile(r"^s(\d+)-")  # training rollouts are s{step}-{seed}[-{k}]
+
+_SCHEMA = """
+CREATE TABLE IF NOT EXISTS meta (key TEXT PRIMARY KEY, value TEXT);
+CREATE TABLE IF NOT EXISTS files (id INTEGER PRIMARY KEY, path TEXT UNIQUE, consumed INTEGER);
+CREATE TABLE IF NOT EXISTS calls (
+    id TEXT, rollout_id TEXT, agent TEXT, call_index INTEGER, step_name TEXT,
+    train_step INTEGER, n_choices INTEGER, started_at REAL, latency_s REAL,
+    policy_version INTEGER, prompt_tokens INTEGER, completion_tokens INTEGER,
+    finish_reason TEXT, previews TEXT, file INTEGER, offset INTEGER, length INTEGER);
+CREATE INDEX IF NOT EXISTS calls_id ON calls (id);
+CREATE INDEX IF NOT EXISTS calls_rollout ON calls (rollout_id);
+CREATE INDEX IF NOT EXISTS calls_step ON calls (train_step);
+CREATE TABLE IF NOT EXISTS episodes (
+    rollout_id TEXT, task_id TEXT, env TEXT, success INTEGER, rewards TEXT, error TEXT,
+    created_at REAL, file INTEGER, offset INTEGER, length INTEGER);
+CREATE INDEX IF NOT EXISTS episodes_rollout ON episodes (rollout_id);
+CREATE TABLE IF NOT EXISTS samples (
+    step INTEGER, batch TEXT, call_id TEXT, choice INTEGER, rollout_id TEXT, agent TEXT,
+    policy TEXT, grp TEXT, task_id TEXT, round INTEGER, reward REAL, parts TEXT,
+    advantage REAL, kept INTEGER, drop_reason TEXT, continued INTEGER, design_id TEXT,
+    failed INTEGER, completion_tokens INTEGER, file INTEGER, offset INTEGER, length INTEGER,
+    seq INTEGER);
+CREATE INDEX IF NOT EXISTS samples_step ON samples (step);
+CREATE INDEX IF NOT EXISTS samples_call ON samples (call_id);
+CREATE TABLE IF NOT EXISTS designs (
+    step INTEGER, task_id TEXT, round INTEGER, design_id TEXT, reward REAL, error TEXT,
+    structure TEXT, executions INTEGER, file INTEGER, offset INTEGER, length INTEGER);
+CREATE INDEX IF NOT EXISTS designs_step ON designs (step);
+CREATE INDEX IF NOT EXISTS designs_id ON designs (design_id);
+"""
+
+
+class RunIndex:
+    """The index of the run at `run_dir` (traces under `traces/`, or `run_dir` itself when it
+    is a trace store, as an eval's per-policy directories are)."""
+
+    def __init__(self, run_dir: str | Path, db_path: str | Path | None = None) -> None:
+        self.run_dir = Path(run_dir)
+        self.db_path = Path(db_path) if db_path else _db_path(self.run_dir)
+        self._lock = threading.RLock()
+        self._refreshed = 0.0
+        self._db = self._open()
+
+    # -- building --------------------------------------------------------------------------
+
+    def _open(self) -> sqlite3.Connection:
+        db = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
+        db.row_factory = sqlite3.Row
+        with contextlib.suppress(sqlite3.DatabaseError):
+            db.execute("PRAGMA journal_mode=WAL")
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version != SCHEMA_VERSION:  # written by another version: start over
+            for (name,) in db.execute(
+                "SELECT name FROM sqlite_master WHERE type='table'"
+            ).fetchall():
+                db.execute(f'DROP TABLE IF EXISTS "{name}"')
+            db.execute(f"PRAGMA user_version={SCHEMA_VERSION}")
+        db.executescript(_SCHEMA)
+        return db
+
+    def trace_dir(self) -> Path:
+        traces = self.run_dir / "traces"
+        return traces if traces.is_dir() else self.run_dir
+
+    def refresh(self, min_interval: float = 0.5) -> bool:
+        """Read what was appended since the last refresh; True when anything was new.
+
+        Called on every request; at most once per `min_interval` seconds it looks at the
+        files (a few stat calls when nothing changed)."""
+        with self._lock:
+            now = time.monotonic()
+            if now - self._refreshed < min_interval:
+                return False
+            self._refreshed = now
+            changed = False
+            for segment in sorted(self.trace_dir().glob("segment-*.jsonl")):
+                changed |= self._consume(segment, self._add_trace_line)
+            changed |= self._consume(self.run_dir / "samples.jsonl", self._add_sample_line)
+            changed |= self._consume(self.run_dir / "designs.jsonl", self._add_design_line)
+            return changed
+
+    def _consume(self, path: Path, add: Any) -> bool:
+        try:
+            size = path.stat().st_size
+        except OSError:
+            return False
+        row = self._db.execute(
+            "SELECT id, consumed FROM files WHERE path = ?", (str(path),)
+        ).fetchone()
+        if row is None:
+            file_id = self._db.execute(
+                "INSERT INTO files (path, consumed) VALUES (?, 0)", (str(path),)
+            ).lastrowid
+            consumed = 0
+        else:
+            file_id, consumed = row["id"], row["consumed"]
+        if size < consumed:  # rewritten (truncated): read it again from the start
+            self._forget(file_id)
+            consumed = 0
+        if size == consumed:
+            return False
+        self._db.execute("BEGIN")
+        try:
+            with open(path, "rb") as f:
+                f.seek(consumed)
+                offset = consumed
+                for line in _whole_lines(f):
+                    try:
+                        record = json.loads(line)
+                    except (json.JSONDecodeError, UnicodeDecodeError):
+                        record = None  # an unreadable line is skipped, as TraceStore does
+                    if isinstance(record, dict):
+                        add(record, file_id, offset, len(line))
+                    offset += len(line)
+            self._db.execute("UPDATE files SET consumed = ? WHERE id = ?", (offset, file_id))
+            self._db.execute("COMMIT")
+        except BaseException:
+            self._db.execute("ROLLBACK")
+            raise
+        return offset > consumed
+
+    def _forget(self, file_id: int) -> None:
+        for table in ("calls", "episodes", "samples", "designs"):
+            self._db.execute(f"DELETE FROM {table} WHERE file = ?", (file_id,))
+
+    def _add_trace_line(self, r: dict[str, Any], file_id: int, offset: int, length: int) -> None:
+        if r.get("type") == "call":
+            choices = r.get("choices") or []
+            first = choices[0] if choices else {}
+            rollout = r.get("rollout_id")
+            match = _STEP_OF_ROLLOUT.match(rollout or "")
+            self._db.execute(
+                "INSERT INTO calls VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+                (
+                    r.get("id"),
+                    rollout,
+                    r.get("agent"),
+                    r.get("call_index"),
+                    r.get("step"),
+                    int(match.group(1)) if match else None,
+                    len(choices),
+                    r.get("started_at"),
+                    r.get("latency_s"),
+                    r.get("policy_version"),
+                    len(r.get("prompt_token_ids") or []),
+                    sum(len(c.get("token_ids") or []) for c in choices),
+                    first.get("finish_reason"),
+                    json.dumps([str(c.get("text") or "")[:PREVIEW] for c in choices]),
+                    file_id,
+                    offset,
+                    length,
+                ),
+            )
+        elif r.get("type") == "episode":
+            extra = r.get("extra") or {}
+            self._db.execute(
+                "INSERT INTO episodes VALUES (?,?,?,?,?,?,?,?,?,?)",
+                (
+                    r.get("rollout_id"),
+                    r.get("task_id"),
+                    r.get("env"),
+                    int(bool(r.get("success"))),
+                    json.dumps(r.get("rewards") or {}),
+                    extra.get("error"),
+                    r.get("created_at"),
+                    file_id,
+                    offset,
+                    length,
+                ),
+            )
+
+    def _add_sample_line(self, r: dict[str, Any], file_id: int, offset: int, length: int) -> None:
+        step = r.get("step")
+        if not isinstance(step, int):
+            return
+        # A resumed run writes a step again: the newest write of a step replaces the older.
+        old = self._db.execute("SELECT batch FROM samples WHERE step = ? LIMIT 1", (step,))
+        old_batch = old.fetchone()
+        if old_batch is not None and old_batch["batch"] != r.get("batch"):
+            self._db.execute("DELETE FROM samples WHERE step = ?", (step,))
+        self._db.execute(
+            "INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                step,
+                r.get("batch"),
+                r.get("call_id"),
+                r.get("choice"),
+                r.get("rollout_id"),
+                r.get("agent"),
+                r.get("policy"),
+                json.dumps(r.get("group")),
+                r.get("task_id"),
+                r.get("round"),
+                r.get("reward"),
+                json.dumps(r.get("reward_parts")),
+                r.get("advantage"),
+                int(bool(r.get("kept"))),
+                r.get("drop"),
+                int(bool(r.get("continued"))),
+                r.get("design_id"),
+                None if r.get("failed") is None else int(bool(r.get("failed"))),
+                r.get("completion_tokens"),
+                file_id,
+                offset,
+                length,
+                offset,
+            ),
+        )
+
+    def _add_design_line(self, r: dict[str, Any], file_id: int, offset: int, length: int) -> None:
+        graph = r.get("graph") or {}
+        self._db.execute(
+            "INSERT INTO designs VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+            (
+                r.get("step"),
+                r.get("task_id"),
+                r.get("round"),
+                r.get("design_id"),
+                r.get("reward"),
+                r.get("error"),
+                graph.get("structure") if isinstance(graph, dict) else None,
+                len(r.get("executions") or []),
+                file_id,
+                offset,
+                length,
+            ),
+        )
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def query(self, sql: str, params: tuple[Any, ...] = ()) -> list[dict[str, Any]]:
+        with self._lock:
+            return [dict(row) for row in self._db.execute(sql, params).fetchall()]
+
+    def record(self, row: dict[str, Any]) -> dict[str, Any] | None:
+        """The full JSON record a row points at (one seek and one read)."""
+        with self._lock:
+            found = self._db.execute(
+                "SELECT path FROM files WHERE id = ?", (row["file"],)
+            ).fetchone()
+        if found is None:
+            return None
+        try:
+            with open(found["path"], "rb") as f:
+                f.seek(row["offset"])
+                return json.loads(f.read(row["length"]))
+        except (OSError, json.JSONDecodeError):
+            return None
+
+    def call(self, call_id: str) -> dict[str, Any] | None:
+        rows = self.query("SELECT * FROM calls WHERE id = ? LIMIT 1", (call_id,))
+        return self.record(rows[0]) if rows else None
+
+    def steps(self) -> list[int]:
+        """Training steps with samples (or, for runs written before samples.jsonl, calls)."""
+        rows = self.query("SELECT DISTINCT step FROM samples ORDER BY step")
+        if rows:
+            return [r["step"] for r in rows]
+        rows = self.query(
+            "SELECT DISTINCT train_step AS step FROM calls WHERE train_step IS NOT NULL "
+            "ORDER BY train_step"
+        )
+        return [r["step"] for r in rows]
+
+    def counts(self) -> dict[str, int]:
+        out = {}
+        for table in ("calls", "episodes", "samples", "designs"):
+            out[table] = self.query(f"SELECT COUNT(*) AS n FROM {table}")[0]["n"]
+        return out
+
+    def close(self) -> None:
+        with self._lock:
+            self._db.close()
+
+
+def _whole_lines(f: Any) -> Iterator[bytes]:
+    for line in f:
+        if not line.endswith(b"\n"):
+            return  # being written: read it whole on a later refresh
+        yield line
+
+
+def _db_path(run_dir: Path) -> Path:
+    """Next to the run when the run's directory is writable, else in the user's cache."""
+    if os.access(run_dir, os.W_OK):
+        return run_dir / INDEX_NAME
+    digest = hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("MASENVS_CACHE", Path.home() / ".cache" / "masenvs")) / "ui"
+    cache.mkdir(parents=True, exist_ok=True)
+    return cache / f"{digest}.sqlite"

@@ -1,0 +1,360 @@
+"""`masenvs ui [RUN_DIR ...]`: a local web app over what the trainer and `masenvs eval` wrote.
+
+Server-rendered pages (Starlette + Jinja2, autoescaped: model output is shown as text, never
+run as HTML) with two vendored scripts: htmx, which re-fetches the page of a live run and
+swaps in what changed, and uPlot for the curves. Loopback by default; any other address
+needs an API key (the same rule as `masenvs serve`).
+"""
+
+from __future__ import annotations
+
+import argparse
+import hmac
+import os
+import sys
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlencode
+
+from starlette.applications import Starlette
+from starlette.middleware import Middleware
+from starlette.middleware.trustedhost import TrustedHostMiddleware
+from starlette.requests import Request
+from starlette.responses import HTMLResponse, RedirectResponse, Response
+from starlette.routing import Mount, Route
+from starlette.staticfiles import StaticFiles
+from starlette.templating import Jinja2Templates
+
+from masenvs.ui import runs as data
+from masenvs.ui.runs import EvalReport, Run, RunError, Tokens, discover
+
+HERE = Path(__file__).parent
+COOKIE = "masenvs_ui_key"
+POLL_SECONDS = 2  # how often a live page asks whether its run changed
+LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "[::1]", "::1"]
+
+
+class Catalog:
+    """The runs and eval reports being shown, found again when a new run directory appears."""
+
+    def __init__(self, paths: list[str | Path]) -> None:
+        self.paths = list(paths)
+        self.runs: dict[str, Run] = {}
+        self.reports: dict[str, EvalReport] = {}
+        self.rescan()
+
+    def rescan(self) -> None:
+        runs, reports = discover(self.paths)
+        for run in runs:  # keep the open indexes of runs seen before
+            known = next((r for r in self.runs.values() if r.path == run.path), None)
+            self.runs.setdefault(known.id if known else run.id, known or run)
+        self.reports = {r.id: r for r in reports}
+        for report in reports:
+            for policy in report.policies:
+                self.runs.setdefault(policy.id, policy)
+
+    def run(self, rid: str) -> Run:
+        if rid not in self.runs:
+            self.rescan()
+        if rid not in self.runs:
+            raise NotFound(f"no run {rid!r}")
+        return self.runs[rid]
+
+    def training_runs(self) -> list[Run]:
+        return [r for r in self.runs.values() if r.kind == "train"]
+
+
+class NotFound(Exception):
+    pass
+
+
+def create_app(
+    paths: list[str | Path], api_key: str | None = None, host: str = "127.0.0.1"
+) -> Starlette:
+    """The app over `paths`; with `api_key`, every request must carry it (header, cookie or
+    `?key=` once, which sets the cookie)."""
+    catalog = Catalog(paths)
+    templates = Jinja2Templates(directory=str(HERE / "templates"))
+    templates.env.globals["poll_seconds"] = POLL_SECONDS
+    templates.env.filters["num"] = _num
+    for run in catalog.runs.values():  # token pieces need the tokenizer: load it now
+        Tokens.warm(run.model)
+
+    def page(request: Request, name: str, context: dict[str, Any], live: Run | None = None):
+        version = live.version() if live is not None else ""
+        is_live = live is not None and live.status() == "running"
+        since = request.headers.get("x-since")
+        if request.headers.get("hx-request") and since is not None and since == version:
+            return Response(status_code=204)  # nothing new: htmx keeps the page as it is
+        context = {"request": request, "version": version, "live": is_live, **context}
+        return templates.TemplateResponse(request, name, context)
+
+    async def index(request: Request) -> Response:
+        catalog.rescan()
+        runs = catalog.training_runs()
+        chosen = request.query_params.getlist("run") or [r.id for r in runs]
+        shown = [r for r in runs if r.id in chosen]
+        live = _Combined(shown)
+        return page(
+            request,
+            "runs.html",
+            {
+                "runs": runs,
+                "chosen": chosen,
+                "reports": list(catalog.reports.values()),
+                "charts": data.curves(shown, several=len(shown) > 1),
+            },
+            live,  # type: ignore[arg-type]
+        )
+
+    async def run_page(request: Request) -> Response:
+        run = catalog.run(request.path_params["rid"])
+        metrics = run.metrics()
+        index = run.index
+        steps = index.steps()
+        by_step = {r["step"]: r for r in metrics}
+        summary = {
+            r["step"]: r
+            for r in index.query(
+                "SELECT step, COUNT(*) AS samples, SUM(kept) AS kept, "
+                "SUM(drop_reason IS NOT NULL) AS dropped FROM samples GROUP BY step"
+            )
+        }
+        designs = index.query("SELECT COUNT(*) AS n FROM designs")[0]["n"]
+        return page(
+            request,
+            "run.html",
+            {
+                "run": run,
+                "agents": run.agents(),
+                "steps": steps,
+                "by_step": by_step,
+                "summary": summary,
+                "charts": data.curves([run], several=False),
+                "behaviour": data.behaviour(run),
+                "designs": designs,
+                "workflow_runs": data.workflow_runs(run) if run.workflow else [],
+                "counts": index.counts(),
+            },
+            run,
+        )
+
+    async def step_page(request: Request) -> Response:
+        run = catalog.run(request.path_params["rid"])
+        step = request.path_params["step"]
+        view = data.step_view(run, step)
+        steps = run.index.steps()
+        designs = run.index.query(
+            "SELECT design_id, task_id, round, reward, error, structure, executions "
+            "FROM designs WHERE step = ? ORDER BY rowid",
+            (step,),
+        )
+        live = run if not view["tasks"] else None  # a step still running fills in by itself
+        return page(
+            request,
+            "step.html",
+            {
+                "run": run,
+                "step": step,
+                "view": view,
+                "steps": steps,
+                "designs": designs,
+                "workflow_runs": data.workflow_runs(run, step) if run.workflow else [],
+            },
+            live,
+        )
+
+    async def call_page(request: Request) -> Response:
+        run = catalog.run(request.path_params["rid"])
+        try:
+            tolerance = float(request.query_params.get("tol", "0.05"))
+        except ValueError:
+            tolerance = 0.05
+        view = data.conversation(run, request.path_params["cid"], tolerance)
+        if view is None:
+            raise NotFound(f"no call {request.path_params['cid']!r} in run {run.id!r}")
+        return page(request, "call.html", {"run": run, "view": view})
+
+    async def design_page(request: Request) -> Response:
+        run = catalog.run(request.path_params["rid"])
+        view = data.design_view(run, request.path_params["did"])
+        if view is None:
+            raise NotFound(f"no design {request.path_params['did']!r} in run {run.id!r}")
+        return page(request, "design.html", {"run": run, "view": view})
+
+    async def rollout_page(request: Request) -> Response:
+        run = catalog.run(request.path_params["rid"])
+        rollout = request.path_params["rollout"]
+        view = data.rollout_view(run, rollout)
+        if not view["calls"] and view["episode"] is None:
+            raise NotFound(f"no rollout {rollout!r} in run {run.id!r}")
+        return page(request, "rollout.html", {"run": run, "rollout": rollout, "view": view})
+
+    async def eval_page(request: Request) -> Response:
+        catalog.rescan()
+        report = catalog.reports.get(request.path_params["eid"])
+        if report is None:
+            raise NotFound(f"no eval report {request.path_params['eid']!r}")
+        view = data.eval_task_view(report, request.query_params.get("task"))
+        return page(request, "eval.html", {"report": report, "view": view})
+
+    async def not_found(request: Request, exc: Exception) -> Response:
+        return templates.TemplateResponse(
+            request, "error.html", {"request": request, "message": str(exc)}, status_code=404
+        )
+
+    routes = [
+        Route("/", index),
+        Route("/run/{rid}", run_page),
+        Route("/run/{rid}/step/{step:int}", step_page),
+        Route("/run/{rid}/call/{cid:path}", call_page),
+        Route("/run/{rid}/design/{did}", design_page),
+        Route("/run/{rid}/rollout/{rollout:path}", rollout_page),
+        Route("/eval/{eid}", eval_page),
+        Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
+    ]
+    middleware = []
+    if _is_loopback(host):  # a page on another site cannot reach us by DNS rebinding
+        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=LOOPBACK_HOSTS))
+    app = Starlette(routes=routes, middleware=middleware, exception_handlers={NotFound: not_found})
+    app.state.catalog = catalog
+    if api_key:
+        return _KeyGate(app, api_key)  # type: ignore[return-value]
+    return app
+
+
+class _Combined:
+    """Several runs polled as one (the runs page)."""
+
+    def __init__(self, runs: list[Run]) -> None:
+        self.runs = runs
+
+    def version(self) -> str:
+        return "|".join(r.version() for r in self.runs)
+
+    def status(self) -> str:
+        return "running" if any(r.status() == "running" for r in self.runs) else "finished"
+
+
+class _KeyGate:
+    """Lets a request through with the key as 'Authorization: Bearer KEY', the cookie, or
+    `?key=KEY` (which sets the cookie and redirects to the address without it)."""
+
+    def __init__(self, app: Any, key: str) -> None:
+        self.app, self.key = app, key.encode()
+
+    def _ok(self, given: str | None) -> bool:
+        return bool(given) and hmac.compare_digest(given.strip().encode(), self.key)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request = Request(scope)
+        scheme, _, bearer = request.headers.get("authorization", "").partition(" ")
+        if (scheme.lower() == "bearer" and self._ok(bearer)) or self._ok(
+            request.cookies.get(COOKIE)
+        ):
+            await self.app(scope, receive, send)
+            return
+        given = request.query_params.get("key")
+        if given is not None and self._ok(given):
+            rest = [(k, v) for k, v in request.query_params.multi_items() if k != "key"]
+            target = request.url.path + (f"?{urlencode(rest)}" if rest else "")
+            response: Response = RedirectResponse(target, status_code=303)
+            response.set_cookie(COOKIE, given, httponly=True, samesite="strict")
+        else:
+            response = HTMLResponse(_KEY_FORM, status_code=401)
+        await response(scope, receive, send)
+
+
+_KEY_FORM = """<!doctype html><html><head><meta charset="utf-8"><title>masenvs ui: key</title>
+<link rel="stylesheet" href="/static/app.css"></head><body><main class="narrow">
+<h1>masenvs ui</h1><p>This server needs its API key (the one given with --api-key or
+MASENVS_API_KEY).</p><form method="get"><input type="password" name="key" autofocus
+aria-label="API key"> <button>Open</button></form></main></body></html>"""
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "–"
+    if isinstance(value, bool):
+        return "yes" if value else "no"
+    if isinstance(value, int):
+        return str(value)
+    try:
+        return f"{float(value):.{digits}g}"
+    except (TypeError, ValueError):
+        return str(value)
+
+
+def _is_loopback(host: str) -> bool:
+    from masenvs.adapters.serve import is_loopback
+
+    return is_loopback(host)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="masenvs ui",
+        description="Browse training runs, their steps, trees and conversations, auto-MAS "
+        "designs, workflow runs and eval reports in a web browser; live while a run trains.",
+    )
+    parser.add_argument(
+        "paths",
+        nargs="*",
+        metavar="RUN_DIR",
+        help="run directories, eval reports (eval-*.json) or folders of them (default: runs)",
+    )
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=8765, help="0 picks a free port")
+    parser.add_argument(
+        "--api-key",
+        default=os.environ.get("MASENVS_API_KEY"),
+        help="required from every browser (default: $MASENVS_API_KEY); mandatory when --host "
+        "is not a loopback address",
+    )
+    parser.add_argument("--log-level", default="warning")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    if not _is_loopback(args.host) and not args.api_key:
+        print(
+            f"masenvs ui: refusing to listen on {args.host} without an API key; anyone who can "
+            "reach this machine could read your runs. Pass --api-key KEY (or set "
+            "MASENVS_API_KEY), or bind to 127.0.0.1 and use an SSH port forward.",
+            file=sys.stderr,
+        )
+        return 2
+    paths = args.paths or ["runs"]
+    try:
+        app = create_app(paths, api_key=args.api_key, host=args.host)
+    except RunError as exc:
+        print(f"masenvs ui: {exc}", file=sys.stderr)
+        return 2
+    import socket
+
+    import uvicorn
+
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((args.host, args.port))
+    except OSError as exc:
+        print(f"masenvs ui: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
+        return 2
+    port = sock.getsockname()[1]
+    shown = "localhost" if _is_loopback(args.host) else args.host
+    url = f"http://{shown}:{port}/"
+    if args.api_key:
+        url += "?key=<your key>"
+    print(f"masenvs ui: {url}  ({', '.join(str(p) for p in paths)})", flush=True)
+    config = uvicorn.Config(app, log_level=args.log_level)
+    uvicorn.Server(config).run(sockets=[sock])
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
