@@ -10,6 +10,7 @@ set, and a checkpoint save killed at its worst moment.
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import select
@@ -272,3 +273,73 @@ def test_search_serve_validates_every_parameter(corpus: Path) -> None:
             assert reply.status_code == 400, (body if len(str(body)) < 100 else "...", reply.text)
         assert httpx.post(url, content=DEEP).status_code == 400
         assert httpx.post(url, json={"queries": ["mentor"], "topk": 2}).status_code == 200
+
+
+# -- the gate enforces the env's sampling settings --------------------------------------------
+
+
+GREEDY_DESIGN = """
+async def solve(messages):
+    reply = await current().client.chat.completions.create(
+        model="executor@solver", messages=messages, n=16, max_tokens=200, temperature=0,
+        extra_body={"ignore_eos": True, "seed": 7},
+    )
+    return "\\\\boxed{%d}" % len(reply.choices)
+"""
+
+
+def test_the_gate_samples_as_the_env_says_whatever_the_design_asks(tmp_path: Path) -> None:
+    from framework_support import serve
+
+    from masenvs.adapters.backends.embedded import EmbeddedBackend
+    from masenvs.mas.design import DesignRunner
+    from masenvs.mas.gate import Gate
+
+    backend = EmbeddedBackend.from_spec("tiny", max_batch_size=32, max_model_len=512)
+    question = [{"role": "user", "content": "What is 2 + 2?"}]
+    asked = {
+        "model": "executor@solver",
+        "messages": question,
+        "n": 16,
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logit_bias": {"0": 100},
+        "seed": 7,
+    }
+    try:
+        with serve(backend, tmp_path / "traces", policy_map={"executor": "base"}) as served:
+            # A design in the sandbox, as the auto-MAS env runs it (env: 6 tokens at T=0.7).
+            runner = DesignRunner(served.url, max_tokens=6, temperature=0.7, seconds=30)
+            run = runner.run(GREEDY_DESIGN, question, "mas-design-0")
+            assert run.ok and run.answer == "\\boxed{1}", (run.error, run.answer)
+            # The same request sent raw to a gate's socket.
+            gate = Gate(served.url, "mas-x-0", {"executor": "executor"}, max_tokens=8)
+            with gate, unix(gate.path) as sock:
+                assert post_raw(sock, "/v1/chat/completions", json.dumps(asked).encode()) == 200
+            (designed,) = served.store.rollout("mas-design-0")
+            (raw,) = served.store.rollout("mas-x-0")
+    finally:
+        backend.shutdown()
+    for record, max_tokens, temperature in ((designed, 6, 0.7), (raw, 8, 1.0)):
+        assert len(record.choices) == 1 and len(record.choices[0].token_ids) <= max_tokens
+        params = record.params
+        assert (params["n"], params["max_tokens"]) == (1, max_tokens)
+        assert params["temperature"] == temperature  # the env's, or the endpoint's default
+        assert not params["ignore_eos"] and params["seed"] is None
+    # What the gate changed is in the call's record, for whoever reads the trace.
+    assert designed.metadata["gate"] == {
+        "n": 16,
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "seed": 7,
+    }
+    assert raw.metadata["gate"] == {
+        "n": 16,
+        "max_tokens": 200,
+        "temperature": 0,
+        "ignore_eos": True,
+        "logit_bias": '{"0": 100}',
+        "seed": 7,
+    }
