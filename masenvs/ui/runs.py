@@ -121,6 +121,7 @@ class Run:
             except OSError:
                 continue
         parts.append(str(sizes))
+        parts.append(self.status())  # a run that just finished stops its pages polling
         return ".".join(parts)
 
     def last_change(self) -> float:
@@ -227,7 +228,7 @@ def discover(paths: list[str | Path]) -> tuple[list[Run], list[EvalReport]]:
         path = Path(raw).expanduser()
         if not path.exists():
             raise RunError(f"{path} does not exist; give a run directory (run_dir of a config)")
-        if not add(path, 2):
+        if not add(path, 2) and not path.is_dir():  # an empty folder: runs to come
             raise RunError(
                 f"{path} holds no run: a run directory has metrics.jsonl, config.yaml or "
                 "traces/; an eval report is the JSON `masenvs eval` writes"
@@ -564,7 +565,7 @@ def design_view(run: Run, design_id: str) -> dict[str, Any] | None:
     graph = record.get("graph") or {"structure": "", "nodes": [], "edges": []}
     calls = {}
     for node in graph.get("nodes", []):
-        ids = node.get("calls") or []
+        ids = [c for c in node.get("calls") or [] if c]  # '': a call the gate refused
         found = []
         for cid in ids:
             meta = run.index.query(
@@ -620,7 +621,7 @@ def graph_layout(graph: dict[str, Any]) -> dict[str, Any]:
                 "name": node["name"],
                 "x": pos[node["name"]][0],
                 "y": pos[node["name"]][1],
-                "calls": len(node.get("calls") or []),
+                "calls": len([c for c in node.get("calls") or [] if c]),
             }
             for node in nodes
         ],  # fmt: skip

@@ -80,13 +80,22 @@ def create_app(
     for run in catalog.runs.values():  # token pieces need the tokenizer: load it now
         Tokens.warm(run.model)
 
-    def page(request: Request, name: str, context: dict[str, Any], live: Run | None = None):
+    def page(
+        request: Request, name: str, context: dict[str, Any], live: Any = None, poll: bool = False
+    ) -> Response:
         version = live.version() if live is not None else ""
-        is_live = live is not None and live.status() == "running"
+        is_live = live is not None and (poll or live.status() == "running")
         since = request.headers.get("x-since")
         if request.headers.get("hx-request") and since is not None and since == version:
             return Response(status_code=204)  # nothing new: htmx keeps the page as it is
-        context = {"request": request, "version": version, "live": is_live, **context}
+        running = live is not None and live.status() == "running"
+        context = {
+            "request": request,
+            "version": version,
+            "live": is_live,
+            "running": running,
+            **context,
+        }
         return templates.TemplateResponse(request, name, context)
 
     async def index(request: Request) -> Response:
@@ -94,7 +103,7 @@ def create_app(
         runs = catalog.training_runs()
         chosen = request.query_params.getlist("run") or [r.id for r in runs]
         shown = [r for r in runs if r.id in chosen]
-        live = _Combined(shown)
+        live = _Combined(shown, [r.id for r in runs] + list(catalog.reports))
         return page(
             request,
             "runs.html",
@@ -104,7 +113,8 @@ def create_app(
                 "reports": list(catalog.reports.values()),
                 "charts": data.curves(shown, several=len(shown) > 1),
             },
-            live,  # type: ignore[arg-type]
+            live,
+            poll=True,  # a new run directory shows up by itself
         )
 
     async def run_page(request: Request) -> Response:
@@ -226,11 +236,11 @@ def create_app(
 class _Combined:
     """Several runs polled as one (the runs page)."""
 
-    def __init__(self, runs: list[Run]) -> None:
-        self.runs = runs
+    def __init__(self, runs: list[Run], names: list[str]) -> None:
+        self.runs, self.names = runs, names
 
     def version(self) -> str:
-        return "|".join(r.version() for r in self.runs)
+        return "|".join([*self.names, *(r.version() for r in self.runs)])
 
     def status(self) -> str:
         return "running" if any(r.status() == "running" for r in self.runs) else "finished"
@@ -345,6 +355,7 @@ def main(argv: list[str] | None = None) -> int:
     except OSError as exc:
         print(f"masenvs ui: cannot listen on {args.host}:{args.port}: {exc}", file=sys.stderr)
         return 2
+    sock.listen(128)  # connections queue from now on: the printed address answers at once
     port = sock.getsockname()[1]
     shown = "localhost" if _is_loopback(args.host) else args.host
     url = f"http://{shown}:{port}/"
