@@ -14,6 +14,7 @@ import subprocess
 import sys
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -132,8 +133,15 @@ def ui() -> Iterator[Any]:
 def tiny_run(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """Two steps of plan-path (tool and plan agents, K=2) on the tiny model."""
     run_dir = tmp_path_factory.mktemp("runs") / "plan-path"
-    train(load_config(None, plan_path_run(run_dir, "model.name=tiny")))
+    train_beside_the_browser(load_config(None, plan_path_run(run_dir, "model.name=tiny")))
     return run_dir
+
+
+def train_beside_the_browser(cfg: Any) -> None:
+    """`train` in a worker thread: Playwright's sync API keeps an event loop running on this
+    one, where the trainer's asyncio.run cannot start another."""
+    with ThreadPoolExecutor(1) as pool:
+        pool.submit(train, cfg).result()
 
 
 def samples(run_dir: Path) -> list[dict[str, Any]]:
@@ -323,7 +331,7 @@ def test_an_auto_mas_run_shows_each_design_graph_its_nodes_calls_and_scores(
             "logging.tensorboard=false",
         ],
     )
-    train(cfg)
+    train_beside_the_browser(cfg)
     designs = [json.loads(line) for line in (run_dir / "designs.jsonl").read_text().splitlines()]
     server = ui(str(run_dir))
     t = tab(server.url)
@@ -372,7 +380,7 @@ def test_a_workflow_run_shows_its_call_graph_agents_and_the_failure_cause(
             "workflow.max_failure_rate=1.0",
         ],
     )
-    train(cfg)
+    train_beside_the_browser(cfg)
     server = ui(str(run_dir))
     t = tab(server.url)
     page = t.goto("/run/workflow")
