@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import sys
 from collections.abc import Callable
 from typing import Any, TextIO
@@ -136,6 +137,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if not sys.stdout.isatty() and "COLUMNS" not in os.environ:
+        # Piped to a file, rich would wrap at 80 columns: one progress line per step
+        # (what grep and tail -f need) takes a wide console.
+        os.environ["COLUMNS"] = "400"
     if argv and argv[0] in COMMANDS:
         return _lazy(argv[0])(argv[1:])
     args = build_parser().parse_args(argv)

@@ -20,7 +20,7 @@ from typing import Any, ClassVar, Literal
 import numpy as np
 from gymnasium import spaces
 from pettingzoo import ParallelEnv
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 Message = dict[str, str]
 
@@ -74,6 +74,38 @@ class RewardWeights(BaseModel):
     process: float = Field(1.0, description="Weight of the process (shaping) reward.")
     agent: float = Field(1.0, description="Weight of the agent's own outcome.")
     team: float = Field(1.0, description="Weight of the team outcome (alpha in the paper).")
+
+
+class EnvConfigError(ValueError):
+    """An env option that does not exist or has a bad value: one line naming it and the fix."""
+
+
+def explain_config_error(env: str, config_class: type[BaseModel], exc: ValidationError) -> str:
+    """Pydantic's multi-line report (with its URLs) as one line per option, did-you-mean
+    included: `sudoku: unknown option 'sizee' (did you mean 'size'?)`."""
+    import difflib
+
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "(options)"
+        if err["type"] == "extra_forbidden":
+            names = list(config_class.model_fields)
+            close = difflib.get_close_matches(str(err["loc"][-1]), names, n=1)
+            hint = f"did you mean {close[0]!r}?" if close else f"options: {', '.join(names)}"
+            parts.append(f"unknown option {where!r} ({hint})")
+        else:
+            shown = repr(err.get("input"))
+            shown = shown if len(shown) <= 60 else shown[:57] + "..."
+            parts.append(f"option {where}={shown}: {err['msg']}")
+    return f"{env}: " + "; ".join(parts)
+
+
+def build_config(env: str, config_class: type[EnvConfig], options: dict[str, Any]) -> EnvConfig:
+    """`config_class(**options)`, or an `EnvConfigError` naming the bad option in one line."""
+    try:
+        return config_class(**options)
+    except ValidationError as exc:
+        raise EnvConfigError(explain_config_error(env, config_class, exc)) from None
 
 
 class EnvConfig(BaseModel):
@@ -136,9 +168,11 @@ class MASEnv(ParallelEnv):
         self, config: EnvConfig | None = None, render_mode: str | None = None, **overrides: Any
     ) -> None:
         if config is None:
-            config = self.config_class(**overrides)
+            config = build_config(self.name, self.config_class, overrides)
         elif overrides:
-            config = self.config_class(**{**config.model_dump(), **overrides})
+            config = build_config(
+                self.name, self.config_class, {**config.model_dump(), **overrides}
+            )
         if not isinstance(config, self.config_class):
             raise TypeError(
                 f"{self.name} needs a {self.config_class.__name__}, got {type(config).__name__}"

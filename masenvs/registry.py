@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
+import difflib
 import importlib
 from typing import Any
 
-from masenvs.env import MASEnv
+from masenvs.env import MASEnv, build_config
 
 # name -> "module:Class"; imported on first use so `masenvs list` stays fast.
 _ENVS: dict[str, str] = {}
@@ -22,12 +23,28 @@ def list_envs() -> list[str]:
     return sorted(_ENVS)
 
 
+class UnknownEnvError(KeyError):
+    """A name no env is registered under; its message is one plain line (not KeyError's repr)."""
+
+    def __str__(self) -> str:
+        return str(self.args[0]) if self.args else ""
+
+
 def env_class(name: str) -> type[MASEnv]:
     if name not in _ENVS:
         known = ", ".join(list_envs())
-        raise KeyError(f"unknown environment {name!r}; known environments: {known}")
+        close = difflib.get_close_matches(str(name), list_envs(), n=1)
+        hint = f"did you mean {close[0]!r}? " if close else ""
+        raise UnknownEnvError(f"unknown environment {name!r}; {hint}known environments: {known}")
     module, _, attr = _ENVS[name].partition(":")
     return getattr(importlib.import_module(module), attr)
+
+
+def check_options(name: str, options: dict[str, Any]) -> None:
+    """Fail as `make` would on a bad env name or option, without building the env (no task
+    data is loaded): configs are checked when they are read, before any model loads."""
+    cls = env_class(name)
+    build_config(cls.name, cls.config_class, options)
 
 
 def make(name: str, render_mode: str | None = None, **config: Any) -> MASEnv:

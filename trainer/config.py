@@ -98,7 +98,7 @@ class RolloutConfig(_Section):
         "round and the agent, so a rerun or a resumed run asks for the same candidates (the "
         "whole run repeats bit for bit with backend.batch_invariant on the embedded engine). "
         "False: each call draws its own. Tree sampling only; workflow programs make their own "
-        "calls.",
+        "calls. A backend that does not honour seeds (vLLM's CPU build) gets none, said once.",
     )
     turn_order: Literal["sequential", "simultaneous"] = Field(
         "sequential",
@@ -359,6 +359,11 @@ class LoggingConfig(_Section):
         True,
         description="Log the policy entropy of completion tokens (one extra pass over logits).",
     )
+    mfu: bool = Field(
+        False,
+        description="After each update, time a 2048^3 fp32 matmul (~17 GFLOP) and log the "
+        "update's model FLOP/s as a share of it (learner/mfu).",
+    )
 
 
 class ValidationConfig(_Section):
@@ -585,9 +590,26 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     for item in overrides or []:
         _apply_override(data, item)
     try:
-        return TrainConfig.model_validate(data)
+        config = TrainConfig.model_validate(data)
     except ValidationError as exc:
         raise ConfigError(_explain(exc, source)) from None
+    check_env(config, source)
+    return config
+
+
+def check_env(config: TrainConfig, source: str = "config") -> None:
+    """`env.name` and `env.options` as `masenvs.make` reads them, checked when the config is
+    read (a typo fails in a second, not after the model has loaded)."""
+    from masenvs.registry import check_options, list_envs
+
+    where = "env.name" if config.env.name not in list_envs() else "env.options"
+    options = dict(config.env.options)
+    if config.workflow is not None:  # workflow mode plays the solo role, one answer
+        options.update(single_agent=True, max_rounds=1)
+    try:
+        check_options(config.env.name, options)
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"invalid config ({source}): {where}: {exc}") from None
 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:
@@ -648,6 +670,12 @@ def _section_type(annotation: Any) -> Any:
 
 
 def _explain(exc: ValidationError, source: str) -> str:
+    if len(exc.errors()) == 1:  # the usual case, in one line
+        return _explain_all(exc, source).replace(":\n  ", ": ", 1)
+    return _explain_all(exc, source)
+
+
+def _explain_all(exc: ValidationError, source: str) -> str:
     lines = [f"invalid config ({source}):"]
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
