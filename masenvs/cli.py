@@ -26,6 +26,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "serve a (trained) policy as an OpenAI-compatible API",
     ),
     "train": ("masenvs.trainer.cli:main", "train agents with AT-GRPO from a YAML config"),
+    "sft": (
+        "masenvs.trainer.sft:main",
+        "supervised fine-tuning on chat traces (JSONL) as checkpoint 0 of a run (cold start)",
+    ),
     "eval": (
         "masenvs.trainer.evaluate:main",
         "avg@k and pass@k of base models, checkpoints and OpenAI URLs, side by side",
