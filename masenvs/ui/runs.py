@@ -126,7 +126,7 @@ class Run:
 
     def last_change(self) -> float:
         latest = 0.0
-        for name in ("metrics.jsonl", "samples.jsonl", "traces"):
+        for name in ("config.yaml", "metrics.jsonl", "samples.jsonl", "traces", "checkpoints"):
             try:
                 latest = max(latest, (self.path / name).stat().st_mtime)
             except OSError:

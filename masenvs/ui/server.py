@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
 
+from jinja2 import Undefined
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
 from starlette.middleware.trustedhost import TrustedHostMiddleware
@@ -286,7 +287,7 @@ aria-label="API key"> <button>Open</button></form></main></body></html>"""
 
 
 def _num(value: Any, digits: int = 3) -> str:
-    if value is None:
+    if value is None or isinstance(value, Undefined):
         return "–"
     if isinstance(value, bool):
         return "yes" if value else "no"
