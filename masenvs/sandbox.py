@@ -1,8 +1,10 @@
 """Run model-written Python in a child process with limits, isolation and explicit verdicts.
 
-A warm "zygote" server (one per `Sandbox`) forks a supervisor per run; the supervisor forks
-the program into fresh PID and mount namespaces under a uid of its own, so starting a run
-costs a few forks instead of a new interpreter. See docs/sandbox.md for the threat model.
+A warm "zygote" server (one per `Sandbox`) starts inside a bubblewrap root that holds only an
+allow-list of host paths (masenvs/sandbox_layout.py), and forks a supervisor per run; the
+supervisor forks the program into fresh PID, mount, IPC, UTS and network namespaces under a
+uid of its own, so starting a run costs a few forks instead of a new interpreter. See
+docs/sandbox.md for the threat model.
 """
 
 from __future__ import annotations
@@ -12,8 +14,10 @@ import contextlib
 import ctypes
 import enum
 import json
+import logging
 import math
 import os
+import re
 import resource
 import select
 import signal
@@ -23,7 +27,8 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+import warnings
+from collections.abc import Mapping, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 
@@ -76,6 +81,18 @@ CHILD_ENV = {
 }
 # Parent-side grace on top of the wall limit before the server itself is presumed stuck.
 SERVER_GRACE_SECONDS = 30.0
+# Packages a run may import beyond the standard library (with their dependencies), where
+# installed: the math tool agent is told it may use sympy.
+DEFAULT_PACKAGES = ("numpy", "sympy")
+# Where host files given to one run (`binds`, e.g. an auto-MAS gate's socket) appear in it.
+RUN_BIND_DIR = "/run/masenvs"
+BIND_DIRS_MOUNT = "/run/masenvs-host"  # the server's view of Sandbox.bind_dirs
+MAX_BINDS = 8
+_BIND_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
+# Set to 1 to judge hidden tests in a sandbox that cannot hide them (see `check_judging`).
+WEAK_SANDBOX_OPT_IN = "MASENVS_ALLOW_WEAK_SANDBOX"
+
+log = logging.getLogger(__name__)
 
 
 class Verdict(str, enum.Enum):
@@ -131,6 +148,7 @@ class Job:
     stdin: str = ""
     args: Sequence[str] = ()
     limits: SandboxLimits | None = None
+    binds: Mapping[str, str] | None = None  # name -> host path, see `Sandbox.run`
 
 
 @dataclass
@@ -161,6 +179,19 @@ class Isolation:
     readonly_filesystem: bool  # everything else is mounted read-only
     nproc_per_run: bool  # max_processes counts this run's processes only
     notes: tuple[str, ...] = ()
+    allow_list: bool = False  # a run sees only the allow-list (no home, checkout, data)
+    ipc_namespace: bool = False  # System V IPC of its own, gone with the run
+
+    @property
+    def judging_safe(self) -> bool:
+        """Hidden tests are out of a run's reach and runs cannot reach each other."""
+        return (
+            self.allow_list
+            and self.pid_namespace
+            and self.ipc_namespace
+            and self.network_namespace
+            and self.mount_namespace
+        )
 
     def __str__(self) -> str:
         on = [
@@ -172,6 +203,8 @@ class Isolation:
                 "mount_namespace",
                 "readonly_filesystem",
                 "nproc_per_run",
+                "allow_list",
+                "ipc_namespace",
             )
             if getattr(self, name)
         ]
@@ -221,17 +254,26 @@ class Sandbox:
         *,
         preload: Sequence[str] = DEFAULT_PRELOAD,
         namespaces: bool = True,
+        packages: Sequence[str] = DEFAULT_PACKAGES,
+        bind_dirs: Sequence[str] = (),
     ) -> None:
         """`preload`: modules imported once by the server so programs start warm.
+        `packages`: installed packages a run may import (read-only, with their dependencies);
+        the standard library and the preloaded modules' packages always are.
+        `bind_dirs`: host dirs from which `run(binds=...)` may give a run single files (the
+        server sees them, hidden; a run sees only the files it is given).
         `namespaces=False` skips all namespaces (mode "rlimits"), for machines where they fail."""
         self.limits = limits or SandboxLimits()
         self.preload = tuple(preload)
+        self.packages = tuple(packages)
+        self.bind_dirs = tuple(os.path.realpath(d) for d in bind_dirs)
         self.namespaces = namespaces
         self._lock = threading.Lock()
         self._server: subprocess.Popen | None = None
         self._ctrl: socket.socket | None = None
         self._owner_pid = 0
         self._isolation: Isolation | None = None
+        self.server_pid = 0  # the zygote's pid, once started
 
     # -- lifecycle
 
@@ -242,6 +284,55 @@ class Sandbox:
             self._ensure_server()
             assert self._isolation is not None
             return self._isolation
+
+    def check_judging(self, what: str = "judge hidden tests") -> None:
+        """Raise SandboxError unless runs here can neither read hidden tests nor reach each
+        other; setting MASENVS_ALLOW_WEAK_SANDBOX=1 opts in anyway (with a warning)."""
+        iso = self.isolation
+        if iso.judging_safe:
+            return
+        missing = [
+            name
+            for name in (
+                "allow_list",
+                "pid_namespace",
+                "ipc_namespace",
+                "network_namespace",
+                "mount_namespace",
+            )
+            if not getattr(iso, name)
+        ]
+        reason = (
+            f"the sandbox cannot {what} safely on this machine (mode {iso.mode!r}, no "
+            f"{', '.join(missing)}): a program could read the hidden tests or reach other "
+            "runs and earn rewards without solving"
+        )
+        if os.environ.get(WEAK_SANDBOX_OPT_IN) == "1":
+            warnings.warn(f"{reason}; going on because {WEAK_SANDBOX_OPT_IN}=1", stacklevel=2)
+            return
+        raise SandboxError(
+            f"{reason}. Fix: install bubblewrap (apt-get install bubblewrap) and run as root or "
+            "allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
+            "kernel.apparmor_restrict_unprivileged_userns=0); or opt in to weak judging with "
+            f"{WEAK_SANDBOX_OPT_IN}=1. Notes: {'; '.join(iso.notes) or 'none'}"
+        )
+
+    def bind_path(self, name: str, host_path: str) -> str:
+        """Where a run given `binds={name: host_path}` finds that file."""
+        return f"{RUN_BIND_DIR}/{name}" if self.isolation.mount_namespace else host_path
+
+    def _server_path(self, host_path: str) -> str:
+        """Where the server sees `host_path`, which must lie in one of `bind_dirs`."""
+        real = os.path.realpath(host_path)
+        for i, top in enumerate(self.bind_dirs):
+            if real.startswith(top + "/"):
+                if self.isolation.allow_list:
+                    return f"{BIND_DIRS_MOUNT}/{i}/{os.path.relpath(real, top)}"
+                return real
+        raise ValueError(
+            f"Sandbox.run binds: {host_path} is not inside the sandbox's bind_dirs "
+            f"{list(self.bind_dirs)}"
+        )
 
     def close(self) -> None:
         """Stop the server; running programs are killed. The sandbox restarts on next use."""
@@ -281,40 +372,73 @@ class Sandbox:
         if self._ctrl is not None and self._server is not None and self._server.poll() is None:
             return self._ctrl
         self._stop_server()
+        notes: list[str] = []
+        if self.namespaces:
+            bwrap = _bwrap_command(self.preload, self.packages, self.bind_dirs, notes)
+            if bwrap is not None:
+                try:
+                    return self._start_server(*bwrap, notes)
+                except SandboxError as exc:
+                    notes.append(f"bubblewrap could not start the server ({exc})")
+        if self.namespaces:
+            notes.append(
+                "NO ALLOW-LIST: runs see the host's files (read-only, minus masenvs' tasks "
+                "folder): checkouts, .git, datasets and other copies of masenvs are readable; "
+                "judges refuse to run (Sandbox.check_judging)"
+            )
+        command = [sys.executable, "-I", "-c", _BOOT, __file__]
+        return self._start_server(command, {"allow_list": False}, notes)
+
+    def _start_server(self, command: list[str], extra: dict, notes: list[str]) -> socket.socket:
+        """Start `command + [fd, config]` as the server and read its greeting."""
         ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
-        config = json.dumps({"preload": self.preload, "namespaces": self.namespaces})
-        try:
-            self._server = subprocess.Popen(
-                [sys.executable, "-I", "-c", _BOOT, __file__, str(theirs.fileno()), config],
-                pass_fds=(theirs.fileno(),),
-                stdin=subprocess.DEVNULL,
-                stdout=subprocess.DEVNULL,
-                stderr=subprocess.DEVNULL,
-                env=CHILD_ENV,
-                cwd="/",
-                start_new_session=True,  # Ctrl-C in a terminal goes to us, not the server
-            )
-        finally:
-            theirs.close()
-        ours.settimeout(60)
-        try:
-            hello = json.loads(ours.recv(1 << 16) or b"null")
-        except (OSError, ValueError) as exc:
-            hello = {"error": f"no greeting ({exc})"}
-        if not isinstance(hello, dict) or "error" in hello or "isolation" not in hello:
-            self._server.kill()
-            self._server.wait()
-            self._server = None
-            reason = (
-                hello.get("error")
-                if isinstance(hello, dict)
-                else f"it exited with code {self._server.returncode}"
-            )
-            raise SandboxError(f"the sandbox server failed to start: {reason}")
+        config = json.dumps(
+            {"preload": self.preload, "namespaces": self.namespaces, "notes": notes, **extra}
+        )
+        import tempfile
+
+        with tempfile.TemporaryFile() as errors:  # what bubblewrap says if it cannot set up
+            try:
+                self._server = subprocess.Popen(
+                    [*command, str(theirs.fileno()), config],
+                    pass_fds=(theirs.fileno(),),
+                    stdin=subprocess.DEVNULL,
+                    stdout=subprocess.DEVNULL,
+                    stderr=errors,
+                    env=CHILD_ENV,
+                    cwd="/",
+                    start_new_session=True,  # Ctrl-C in a terminal goes to us, not the server
+                )
+            finally:
+                theirs.close()
+            ours.settimeout(60)
+            try:
+                hello = json.loads(ours.recv(1 << 16) or b"null")
+            except (OSError, ValueError) as exc:
+                hello = {"error": f"no greeting ({exc})"}
+            if not isinstance(hello, dict) or "error" in hello or "isolation" not in hello:
+                self._server.kill()
+                self._server.wait()
+                errors.seek(0)
+                said = errors.read(2000).decode("utf-8", "replace").strip()
+                reason = (
+                    hello.get("error")
+                    if isinstance(hello, dict)
+                    else f"it exited with code {self._server.returncode}"
+                )
+                self._server = None
+                ours.close()
+                raise SandboxError(
+                    f"the sandbox server failed to start: {reason}" + (f" ({said})" if said else "")
+                )
         ours.settimeout(None)
         self._ctrl, self._owner_pid = ours, os.getpid()
+        # The zygote itself (under bubblewrap, a child of the bwrap process `_server`).
+        self.server_pid = int(hello.get("pid", self._server.pid))
         iso = hello["isolation"]
         self._isolation = Isolation(**{**iso, "notes": tuple(iso["notes"])})
+        if self.namespaces and not self._isolation.judging_safe:
+            log.warning("masenvs sandbox is weak on this machine: %s", self._isolation)
         return ours
 
     def _open_run(self) -> socket.socket:
@@ -344,22 +468,39 @@ class Sandbox:
         stdin: str = "",
         args: Sequence[str] = (),
         limits: SandboxLimits | None = None,
+        binds: Mapping[str, str] | None = None,
     ) -> RunResult:
-        """Run one program and return its verdict and (capped) output."""
+        """Run one program and return its verdict and (capped) output.
+
+        `binds`: host files (e.g. a Unix socket) this run alone may open, each at
+        `bind_path(name, path)` (RUN_BIND_DIR/name where runs have a mount namespace)."""
         if not isinstance(source, str) or not isinstance(stdin, str):
             raise TypeError("Sandbox.run needs source and stdin as str")
         if isinstance(args, str) or not all(isinstance(a, str) for a in args):
             raise TypeError("Sandbox.run needs args as a sequence of str")
+        binds = dict(binds or {})
+        if len(binds) > MAX_BINDS or not all(
+            isinstance(n, str) and _BIND_NAME.fullmatch(n) and isinstance(p, str)
+            for n, p in binds.items()
+        ):
+            raise ValueError(
+                f"Sandbox.run binds: at most {MAX_BINDS} names of [A-Za-z0-9_.-] to host paths"
+            )
         lim = limits or self.limits
         start = time.monotonic()
+        sources = {name: self._server_path(path) for name, path in binds.items()}
         sock = self._open_run()
         with sock:
             sock.settimeout(lim.wall_seconds + SERVER_GRACE_SECONDS)
+            request = {
+                "source": source,
+                "stdin": stdin,
+                "args": list(args),
+                "limits": asdict(lim),
+                "binds": sources,
+            }
             try:
-                _send_msg(
-                    sock,
-                    {"source": source, "stdin": stdin, "args": list(args), "limits": asdict(lim)},
-                )
+                _send_msg(sock, request)
                 reply = _recv_msg(sock)
             except (OSError, EOFError, ValueError) as exc:
                 raise SandboxError(
@@ -387,7 +528,9 @@ class Sandbox:
             return []
         workers = max_workers or min(len(norm), (os.cpu_count() or 2) * 2)
         with ThreadPoolExecutor(workers, thread_name_prefix="sandbox") as pool:
-            return list(pool.map(lambda j: self.run(j.source, j.stdin, j.args, j.limits), norm))
+            return list(
+                pool.map(lambda j: self.run(j.source, j.stdin, j.args, j.limits, j.binds), norm)
+            )
 
 
 _default: Sandbox | None = None
@@ -403,6 +546,42 @@ def default_sandbox() -> Sandbox:
         return _default
 
 
+def _bwrap_command(
+    preload: Sequence[str], packages: Sequence[str], bind_dirs: Sequence[str], notes: list[str]
+) -> tuple[list[str], dict] | None:
+    """The server's command line inside a bubblewrap root of allow-listed paths, and its
+    extra config; None (with a note) where bubblewrap is not installed.
+
+    The server is root there (of a user namespace bubblewrap makes, when we are not root),
+    so that it can still give each run its own namespaces and uid."""
+    from masenvs import sandbox_layout as layout
+
+    bwrap = layout.bwrap_path()
+    if bwrap is None:
+        notes.append("bubblewrap (bwrap) is not installed, so runs get no allow-list")
+        return None
+    userns = os.geteuid() != 0
+    modules = layout.masenvs_modules(preload)
+    needed = {*packages, *(name.split(".")[0] for name in preload)}
+    needed |= layout.third_party_imports(modules.values())
+    with open(__file__, encoding="utf-8") as f:
+        stage = layout.stage(f.read(), modules)
+    root = layout.build_layout(sorted(needed), stage)
+    # Hidden from runs, which get single files of them (Sandbox.run's binds).
+    root.hidden = [(path, f"{BIND_DIRS_MOUNT}/{i}") for i, path in enumerate(bind_dirs)]
+    # Not --die-with-parent: the parent death signal follows the thread that started bwrap,
+    # which may be a worker thread. The server exits when our socket closes, and dies with
+    # bwrap (its own death signal, see _server_main).
+    command = [bwrap, "--new-session", "--unshare-ipc", "--unshare-uts"]
+    command += ["--unshare-cgroup-try"]
+    if userns:
+        command += ["--unshare-user", "--uid", "0", "--gid", "0"]
+    command += ["--cap-add", "ALL", *root.bwrap_args(), "--chdir", "/", "--"]
+    command += [sys.executable, "-I", "-c", _BOOT, f"{layout.STAGE_MOUNT}/server.py"]
+    paths = [f"{layout.STAGE_MOUNT}/lib"] if modules else []
+    return command, {"allow_list": True, "userns": userns, "path": paths}
+
+
 # --------------------------------------------------------------------------------------
 # Server side: everything below runs in the zygote process and its forks.
 
@@ -414,6 +593,8 @@ _BOOT = (
 )
 
 CLONE_NEWNS = 0x00020000
+CLONE_NEWUTS = 0x04000000
+CLONE_NEWIPC = 0x08000000
 CLONE_NEWUSER = 0x10000000
 CLONE_NEWPID = 0x20000000
 CLONE_NEWNET = 0x40000000
@@ -479,14 +660,13 @@ class _Server:
 
     mode: str = "rlimits"  # "root", "userns" or "rlimits"; see Isolation
     uid_per_run: bool = False
-    netns: bool = False  # the server's network namespace has no usable interface
-    net_per_run: bool = False  # userns mode: each run unshares its own network namespace
+    net_per_run: bool = False  # each run unshares its own network namespace
+    allow_list: bool = False  # bubblewrap built our root from allow-listed paths only
     pidns: bool = False
     mountns: bool = False
     readonly: bool = False
     fresh_proc: bool = True  # a run's /proc shows its own namespace (else /proc is hidden)
     userns_per_run: bool = False  # userns mode: each program gets its own user namespace
-    host_net_fd: int = -1
     cap_last: int = 63
     notes: list[str] = field(default_factory=list)
     slots: dict[int, int] = field(default_factory=dict)  # supervisor pid -> uid slot
@@ -496,12 +676,14 @@ class _Server:
         return {
             "mode": self.mode,
             "uid_per_run": self.uid_per_run,
-            "network_namespace": self.netns or self.net_per_run,
+            "network_namespace": self.net_per_run,
             "pid_namespace": self.pidns,
             "mount_namespace": self.mountns,
             "readonly_filesystem": self.readonly,
             "nproc_per_run": self.uid_per_run or self.userns_per_run,
             "notes": self.notes,
+            "allow_list": self.allow_list and self.mountns,
+            "ipc_namespace": self.pidns,  # unshared with the PID namespace, probed together
         }
 
 
@@ -510,9 +692,20 @@ def _server_main(ctrl_fd: int, config_json: str) -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctrl = socket.socket(fileno=ctrl_fd)
     config = json.loads(config_json)
-    srv = _Server(pid=os.getpid())
+    if config.get("allow_list"):  # under bubblewrap: die with its (single-threaded) monitor
+        _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
+        if os.getppid() == 1:
+            return
+    sys.path[:0] = config.get("path", [])  # the staged masenvs modules, under bubblewrap
+    srv = _Server(pid=os.getpid(), notes=list(config.get("notes", [])))
     try:
-        _setup_server(srv, config["namespaces"], config["preload"])
+        _setup_server(
+            srv,
+            config["namespaces"],
+            config["preload"],
+            config.get("allow_list", False),
+            config.get("userns", False),
+        )
     except Exception as exc:  # report, never crash silently
         ctrl.send(json.dumps({"error": f"setup failed: {exc!r}"}).encode())
         return
@@ -524,7 +717,7 @@ def _server_main(ctrl_fd: int, config_json: str) -> None:
     import gc
 
     gc.freeze()  # keep preloaded objects out of the children's collections (fewer COW faults)
-    ctrl.send(json.dumps({"isolation": srv.isolation()}).encode())
+    ctrl.send(json.dumps({"isolation": srv.isolation(), "pid": os.getpid()}).encode())
     # SIGCHLD wakes the loop through this pipe, so finished supervisors are reaped at once.
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -586,20 +779,27 @@ def _reap_supervisors(srv: _Server) -> None:
         srv.slots.pop(pid, None)
 
 
-def _setup_server(srv: _Server, namespaces: bool, preload: Sequence[str] = ()) -> None:
-    """Pick the strongest mode this machine allows and set up the server's namespaces."""
+def _setup_server(
+    srv: _Server,
+    namespaces: bool,
+    preload: Sequence[str] = (),
+    allow_list: bool = False,
+    in_userns: bool = False,
+) -> None:
+    """Pick the strongest mode this machine allows and set up the server's namespaces.
+
+    `allow_list`: bubblewrap started us in a root of allow-listed paths (as root of a user
+    namespace of its making when `in_userns`)."""
     with contextlib.suppress(OSError, ValueError), open("/proc/sys/kernel/cap_last_cap") as f:
         srv.cap_last = int(f.read())
     if not namespaces:
         srv.notes.append("namespaces turned off by Sandbox(namespaces=False)")
+    elif in_userns:
+        srv.mode, srv.net_per_run = "userns", True
     elif os.geteuid() == 0:
-        srv.mode, srv.uid_per_run = "root", True
-        srv.host_net_fd = os.open("/proc/self/ns/net", os.O_RDONLY)
-        try:
-            _unshare(CLONE_NEWNET)
-            srv.netns = True
-        except OSError as exc:
-            srv.notes.append(f"no network namespace ({exc}); programs can reach the network")
+        # Each run unshares a network namespace of its own: runs cannot reach each other's
+        # abstract Unix sockets, and `network=True` simply keeps the host's.
+        srv.mode, srv.uid_per_run, srv.net_per_run = "root", True, True
     else:
         try:
             _enter_user_namespace()
@@ -620,11 +820,13 @@ def _setup_server(srv: _Server, namespaces: bool, preload: Sequence[str] = ()) -
     except OSError as exc:
         srv.notes.append(f"no mount namespace ({exc}); programs share the host's files and /tmp")
     else:
-        if srv.uid_per_run:
-            _expose_interpreter(srv, preload)
-        _hide_task_data(srv)
+        if not allow_list:  # the weak fallback: the host's files minus a deny-list
+            if srv.uid_per_run:
+                _expose_interpreter(srv, preload)
+            _hide_task_data(srv)
         srv.readonly = _remount_readonly(srv)
         srv.mountns = True
+        srv.allow_list = allow_list
     srv.pidns = _probe_run_namespaces(srv)
     if not srv.pidns:
         srv.net_per_run = False
@@ -758,7 +960,8 @@ def _run_flags(srv: _Server, network: bool) -> int:
     """The namespaces a supervisor unshares for one run."""
     if not srv.pidns:
         return 0
-    flags = CLONE_NEWPID | (CLONE_NEWNS if srv.mountns else 0)
+    # IPC: System V shared memory, semaphores and queues die with the run's namespace.
+    flags = CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | (CLONE_NEWNS if srv.mountns else 0)
     return flags | (CLONE_NEWNET if srv.net_per_run and not network else 0)
 
 
@@ -771,7 +974,7 @@ def _probe_run_namespaces(srv: _Server) -> bool:
         code = 1
         try:
             os.close(r)
-            flags = CLONE_NEWPID | (CLONE_NEWNS if srv.mountns else 0)
+            flags = CLONE_NEWPID | CLONE_NEWIPC | CLONE_NEWUTS | (CLONE_NEWNS if srv.mountns else 0)
             _unshare(flags | (CLONE_NEWNET if srv.net_per_run else 0))
             child = os.fork()
             if child == 0:
@@ -852,22 +1055,41 @@ def _probe_interpreter(srv: _Server) -> bool:
     return os.waitstatus_to_exitcode(status) == 0
 
 
-def _mount_run_dirs(srv: _Server, uid: int, file_mb: int) -> bool:
+def _mount_run_dirs(
+    srv: _Server, uid: int, file_mb: int, binds: dict[str, str] | None = None
+) -> bool:
     """In a fresh mount namespace: a private tmpfs /tmp (and /dev/shm) owned by the program,
-    and a /proc of its PID namespace. Returns False if /proc could only be hidden."""
+    a /proc of its PID namespace, and a read-only RUN_BIND_DIR holding this run's `binds`
+    (name -> the file as the server sees it). Returns False if /proc could only be hidden."""
     owner = f"uid={uid},gid={uid}" if srv.uid_per_run else "uid=0,gid=0"
     opts = f"mode=0700,{owner},size={max(4 * file_mb, 8)}m,nr_inodes=4096"
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts)
     if os.path.isdir("/dev/shm"):
         _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, opts)
+    fresh_proc = True
     try:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)
-        return True
     except OSError:
         # A user namespace may not mount proc over a partly masked one (containers);
         # an empty /proc is better than the host's, which shows other processes.
         _mount("tmpfs", "/proc", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC, "mode=0555,size=4k")
-        return False
+        fresh_proc = False
+    # A tmpfs of the run's own holds its binds: it sees its own and nothing of another run's.
+    # (Under bubblewrap RUN_BIND_DIR exists; on the host's files /run is covered instead.)
+    top = RUN_BIND_DIR if os.path.isdir(RUN_BIND_DIR) else "/run"
+    if os.path.isdir(top):
+        flags = MS_NOSUID | MS_NODEV | MS_NOEXEC
+        _mount("tmpfs", top, "tmpfs", flags, "mode=0755,size=64k,nr_inodes=64")
+        os.makedirs(RUN_BIND_DIR, 0o755, exist_ok=True)
+        for name, source in (binds or {}).items():
+            target = f"{RUN_BIND_DIR}/{name}"
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+            _mount(source, target, None, MS_BIND)
+            _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
+        _mount(None, top, None, MS_REMOUNT | MS_RDONLY | flags)
+    if os.path.isdir(BIND_DIRS_MOUNT):  # every other file of the bind dirs stays unseen
+        _mount("tmpfs", BIND_DIRS_MOUNT, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k")
+    return fresh_proc
 
 
 def _supervise(srv: _Server, sock_fd: int, uid: int) -> None:
@@ -880,14 +1102,23 @@ def _supervise(srv: _Server, sock_fd: int, uid: int) -> None:
     req = _recv_msg(sock)
     try:
         lim = SandboxLimits(**req["limits"])
-        reply = _run_program(srv, req["source"], req["stdin"], req["args"], lim, uid)
+        binds = req.get("binds", {})
+        if not all(_BIND_NAME.fullmatch(n) for n in binds):
+            raise ValueError(f"bad bind names {list(binds)}")
+        reply = _run_program(srv, req["source"], req["stdin"], req["args"], lim, uid, binds)
     except Exception as exc:
         reply = {"error": repr(exc)}
     _send_msg(sock, reply)
 
 
 def _run_program(
-    srv: _Server, source: str, stdin: str, args: list[str], lim: SandboxLimits, uid: int
+    srv: _Server,
+    source: str,
+    stdin: str,
+    args: list[str],
+    lim: SandboxLimits,
+    uid: int,
+    binds: dict[str, str] | None = None,
 ) -> dict:
     workdir = "/tmp"
     if not srv.mountns:
@@ -896,8 +1127,6 @@ def _run_program(
         workdir = tempfile.mkdtemp(prefix="masenvs-sandbox-")
         if srv.uid_per_run:
             os.chown(workdir, uid, uid)
-    if lim.network and srv.netns:
-        _check(_libc.setns(srv.host_net_fd, CLONE_NEWNET), "setns")
     # RLIMIT_NPROC counts all processes of the program's user; where that user is shared
     # with this machine's (no uid or user namespace of its own), the limit comes on top.
     shared_nproc = 0
@@ -926,6 +1155,7 @@ def _run_program(
                 (in_r, out_w, err_w, rep_w),
                 st_w,
                 shared_nproc,
+                binds or {},
             )
         finally:
             os._exit(127)
@@ -1081,13 +1311,14 @@ def _init(
     stdio: tuple[int, int, int, int],
     st_w: int,
     shared_nproc: int,
+    binds: dict[str, str],
 ) -> None:
     """PID 1 of the run's namespace: mount its private dirs, start the program, report how
     it ended, exit. Exiting makes the kernel kill everything else left in the namespace."""
     _prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the supervisor died: take the namespace down
     try:
         if srv.mountns:
-            _mount_run_dirs(srv, uid, lim.max_file_mb)
+            _mount_run_dirs(srv, uid, lim.max_file_mb, binds)
         pid = os.fork()
     except BaseException as exc:
         os.write(stdio[2], f"sandbox: could not start the program: {exc!r}\n".encode())

@@ -71,7 +71,7 @@ def sandbox_processes(sb: Sandbox) -> list[int]:
             continue
         if stat[0] != b"Z":
             children.setdefault(int(stat[1]), []).append(int(name))
-    found, todo = [], list(children.get(sb._server.pid, []))
+    found, todo = [], list(children.get(sb.server_pid, []))
     while todo:
         pid = todo.pop()
         found.append(pid)

@@ -9,7 +9,9 @@ back is a `DesignRun`: the answer, the executed graph, or the cause of the failu
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import sys
 import threading
 import time
@@ -24,7 +26,8 @@ MAX_ANSWER_CHARS = 20_000
 # Imported once by the design sandbox's zygote: a design run needs nothing else.
 PRELOAD = ("asyncio", "masenvs.mas._preload")
 
-_RUNNER = "from masenvs.mas.design import _main\n_main()\n"
+_RUNNER = "from masenvs.mas.design import _run_isolated\n_run_isolated()\n"
+MAX_RESULT_BYTES = 4 << 20  # what the harness reads of a design's result
 
 
 def extract_design(text: str) -> str | None:
@@ -81,6 +84,8 @@ class DesignRunner:
         if self.endpoint_url is None:
             return DesignRun(error="no endpoint to call: set the env's endpoint_url")
         started = time.monotonic()
+        sandbox = design_sandbox()
+        sandbox.check_judging("run designs whose answers are rewarded")
         gate = Gate(
             self.endpoint_url,
             rollout_id,
@@ -95,20 +100,23 @@ class DesignRunner:
             job = {
                 "source": source,
                 "messages": messages,
-                "socket": gate.path,
+                "socket": sandbox.bind_path("gate.sock", gate.path),
                 "model": next(iter(self.models)),
                 "max_calls": self.max_calls,
                 "max_tokens": self.max_tokens,
                 "temperature": self.temperature,
             }
-            sandbox = design_sandbox()
             limits = replace(
                 sandbox.limits,
                 wall_seconds=self.seconds,
                 cpu_seconds=self.seconds,
                 memory_mb=self.memory_mb,
             )
-            result = sandbox.run(_RUNNER, stdin=json.dumps(job), limits=limits)
+            # The run sees its own gate's socket and no other: a concurrent execution's
+            # gate is not in its files, and abstract sockets stay in its network namespace.
+            result = sandbox.run(
+                _RUNNER, stdin=json.dumps(job), limits=limits, binds={"gate.sock": gate.path}
+            )
         finally:
             gate.close()
         run = DesignRun(calls=gate.calls, seconds=time.monotonic() - started, refused=gate.refused)
@@ -125,7 +133,7 @@ class DesignRunner:
         else:
             run.answer, run.graph, run.error = (
                 report.get("answer"),
-                report.get("graph"),
+                _checked_graph(report.get("graph"), gate.calls),
                 report.get("error"),
             )
             if run.error is None and not (run.answer or "").strip():
@@ -140,6 +148,7 @@ _sandbox_lock = threading.Lock()
 def design_sandbox() -> Any:
     """The sandbox designs run in (shared, started once, openai and masenvs.mas preloaded)."""
     global _sandbox
+    from masenvs.mas.gate import GATE_DIR
     from masenvs.sandbox import DEFAULT_PRELOAD, Sandbox, SandboxLimits
 
     with _sandbox_lock:
@@ -147,8 +156,25 @@ def design_sandbox() -> Any:
             limits = SandboxLimits(
                 cpu_seconds=120, wall_seconds=120, memory_mb=1024, max_output_bytes=256 << 10
             )
-            _sandbox = Sandbox(limits, preload=(*DEFAULT_PRELOAD, *PRELOAD))
+            # Each run is given its own gate's socket out of GATE_DIR, and sees no other.
+            GATE_DIR.mkdir(parents=True, exist_ok=True)
+            _sandbox = Sandbox(
+                limits, preload=(*DEFAULT_PRELOAD, *PRELOAD), bind_dirs=(str(GATE_DIR),)
+            )
         return _sandbox
+
+
+def _checked_graph(graph: Any, forwarded: int) -> dict[str, Any] | None:
+    """The design's graph, as its process described it; its nodes' call ids are kept only
+    if there are no more of them than calls the gate forwarded (which the design cannot
+    fake)."""
+    if not isinstance(graph, dict) or not isinstance(graph.get("nodes"), list):
+        return None
+    nodes = [n for n in graph["nodes"] if isinstance(n, dict)]
+    claimed = sum(len(n.get("calls") or []) for n in nodes if isinstance(n.get("calls"), list))
+    if claimed > forwarded:
+        nodes = [{**n, "calls": []} for n in nodes]
+    return {**graph, "nodes": nodes}
 
 
 def _report(stdout: str) -> dict[str, Any] | None:
@@ -162,6 +188,91 @@ def _report(stdout: str) -> dict[str, Any] | None:
 
 
 # --- inside the sandbox ----------------------------------------------------------------------
+
+_RESULT_FD: int | None = None  # set in the design's process: the pipe to the harness
+
+
+def _deliver(out: dict[str, Any]) -> None:
+    """Hand the result to the harness (or print it, when `_main` runs on its own)."""
+    data = json.dumps(out).encode()
+    if _RESULT_FD is None:
+        print(RESULT_MARKER + data.decode(), flush=True)
+        return
+    view = memoryview(data)
+    while view:
+        view = view[os.write(_RESULT_FD, view) :]
+
+
+def _run_isolated() -> None:
+    """The sandbox program: run the design in a child process, print the result line.
+
+    Only this process holds the sandbox's stdout. The design's code runs in a child whose
+    stdout and stderr both go to the sandbox's stderr, and its result comes back over a
+    pipe, so nothing the design prints can pass for the result. This process is not
+    dumpable: the child (same uid) can neither ptrace it nor open its descriptors in /proc."""
+    import ctypes
+    import io
+    import select
+
+    global _RESULT_FD
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 0
+    job_text = sys.stdin.read()
+    r, w = os.pipe()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            os.close(r)
+            os.dup2(2, 1)  # the sandbox's stdout is the harness's alone
+            sys.stdin = io.StringIO(job_text)
+            _RESULT_FD = w
+            _main()
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            with contextlib.suppress(BaseException):
+                sys.stdout.flush()
+                sys.stderr.flush()
+            os._exit(code)
+    os.close(w)
+    # Read until the child exits (not until EOF: something it started may hold the pipe).
+    pidfd = os.pidfd_open(pid)
+    data = bytearray()
+    watched = [r, pidfd]
+    while pidfd in watched:
+        for fd in select.select(watched, [], [])[0]:
+            if fd == pidfd:
+                watched.remove(pidfd)
+            elif chunk := os.read(r, 65536):
+                data += chunk[: max(0, MAX_RESULT_BYTES - len(data))]
+            else:
+                watched.remove(r)
+    os.set_blocking(r, False)
+    with contextlib.suppress(BlockingIOError):
+        while len(data) < MAX_RESULT_BYTES and (chunk := os.read(r, 65536)):
+            data += chunk
+    os.waitpid(pid, 0)
+    try:
+        out = json.loads(data)
+    except ValueError:
+        return  # the design's process died first: the runner reports it from stderr
+    if isinstance(out, dict):
+        print(RESULT_MARKER + json.dumps(_result_fields(out)), flush=True)
+
+
+def _result_fields(out: dict[str, Any]) -> dict[str, Any]:
+    """Only the result's fields, each of its type (the design's process wrote them)."""
+    answer, graph, error = out.get("answer"), out.get("graph"), out.get("error")
+    return {
+        "answer": answer[:MAX_ANSWER_CHARS] if isinstance(answer, str) else None,
+        "graph": graph if isinstance(graph, dict) else None,
+        "error": error[:2000] if isinstance(error, str) else None,
+    }
 
 
 def _main() -> None:
@@ -226,4 +337,4 @@ def _main() -> None:
             "solve()", [Node(n, "", ids) for n, ids in calls.items()], []
         ).to_dict()
     sys.stdout.flush()
-    print(RESULT_MARKER + json.dumps(out), flush=True)
+    _deliver(out)

@@ -183,6 +183,7 @@ class CodeJudge:
     def run_many(self, suites: Sequence[Suite]) -> list[SuiteResult]:
         """Grade several programs at once; all their chunks share one parallel batch."""
         sandbox = self.sandbox or default_sandbox()
+        sandbox.check_judging("judge programs on hidden tests")  # else they could read them
         workers = self.workers or os.cpu_count() or 2
         total = sum(len(s.tests) for s in suites)
         per_run = self.cases_per_run or max(1, math.ceil(total / workers))

@@ -334,6 +334,7 @@ class VerilogJudge:
         """Every sim in one sandbox run; results in order."""
         if not sims:
             return []
+        self.sandbox.check_judging("simulate designs against hidden vectors")
         marker = "@" + secrets.token_hex(8)
         request: dict[str, Any] = {"timeout": self.timeout, "max_output": self.max_output}
         request["sims"] = []
@@ -386,7 +387,9 @@ class VerilogJudge:
         self, task: VerilogTask, code: str, sequences: Sequence[Sequence[Vector]]
     ) -> ModelRun:
         """A verifier's Python: its `stimulus()` and its `RefModel` on `sequences` plus that
-        stimulus (last). Every failure is a `ModelRun` with `status` != "ok", never a raise."""
+        stimulus (last). Every failure of the code is a `ModelRun` with `status` != "ok", never
+        a raise (a machine whose sandbox cannot hide the hidden vectors raises SandboxError)."""
+        self.sandbox.check_judging("run a verifier's model on hidden vectors")
         request = {
             "inputs": [[p.name, p.width] for p in task.inputs],
             "outputs": [[p.name, p.width] for p in task.outputs],
