@@ -134,3 +134,172 @@ def test_tool_code_runs_without_network_and_its_failure_is_the_observation(scrip
     assert "SyntaxError" in run("print(")
     assert run("while True: pass").startswith("Timeout:")
     assert llm.tool_runs == 5
+
+
+# --- the published `workflow` API, unchanged -------------------------------------------------
+
+# Written the way the released designer writes its scripts (imports, a ToolRegistry with
+# python_execute, nodes, `workflow = Workflow(...)`, `workflow.run(question)`, printing the
+# result), not copied from them.
+ENSEMBLE_THEN_CHECK = """
+import os
+import sys
+
+from workflow import AgentNode, Workflow, ToolRegistry
+from workflow.nodes import EnsembleNode, ReflectionNode
+from utils.environments.math_env import MathEnvironment
+
+question = "What is 6 * 7?"
+
+math_env = MathEnvironment(timeout=60)
+tool_registry = ToolRegistry()
+tool_registry.register(
+    name="python_execute",
+    func=math_env.execute,
+    description="Run Python code and return what it prints.",
+    parameters={
+        "type": "object",
+        "properties": {"code": {"type": "string", "description": "Self-contained code"}},
+        "required": ["code"],
+    },
+)
+
+calculator = AgentNode(
+    name="Calculator",
+    system_prompt="Compute the answer with Python code.",
+    tool_registry=tool_registry,
+    max_turns=3,
+)
+reasoner = AgentNode(
+    name="Reasoner",
+    system_prompt="Reason step by step, checking arithmetic with Python.",
+    tool_registry=tool_registry,
+    max_turns=3,
+)
+judge = AgentNode(name="Judge", system_prompt="Decide which answer is right.", max_turns=2)
+ensemble = EnsembleNode(
+    name="Solvers",
+    agents=[calculator, reasoner],
+    strategy="majority_vote",
+    consensus_agent=judge,
+)
+checker = AgentNode(
+    name="Checker",
+    system_prompt="Verify the answer independently.",
+    tool_registry=tool_registry,
+    max_turns=2,
+)
+reflection = ReflectionNode(name="Verification", agent=checker, num_iterations=1)
+
+workflow = Workflow(name="ensemble_then_check")
+workflow.add_nodes([ensemble, reflection])
+
+print("Starting workflow...")
+try:
+    result = workflow.run(question)
+    print("FINAL ANSWER:")
+    print(result.content)
+except Exception as e:
+    print(f"Error during workflow execution: {e}")
+    sys.exit(1)
+"""
+
+GRAPH_WITH_LOOP = """
+from workflow import AgentGraph, AgentNode, ConditionalWorkflow, LoopWorkflow
+from workflow.core import MessageType
+
+question = os.environ.get("WORKFLOW_QUESTION", "What is 6 * 7?")
+
+solver = AgentNode(name="Solver", system_prompt="Solve the problem.", max_turns=2)
+critic = AgentNode(name="Critic", system_prompt="Say CORRECT or point out the error.", max_turns=1)
+fixer = AgentNode(name="Fixer", system_prompt="Fix the solution.", max_turns=1)
+
+graph = AgentGraph(name="solve_and_review", max_steps=6)
+graph.add_node("solve", solver)
+graph.add_node("review", critic)
+graph.add_node("fix", fixer)
+graph.add_edge("solve", "review")
+graph.add_conditional_edges(
+    "review",
+    lambda ctx: "fix" if "CORRECT" not in str(ctx.get_latest_message().content) else "done",
+)
+graph.add_edge("fix", "review")
+graph.set_entry_point("solve")
+graph.set_finish_point("fix")
+
+refine = LoopWorkflow(name="refine", max_iterations=2)
+refine.add_node(AgentNode(name="Refiner", system_prompt="Improve the answer.", max_turns=1))
+refine.set_loop_condition(
+    lambda ctx: "\\\\boxed" not in str(ctx.get_latest_message(MessageType.AGENT_RESPONSE).content)
+)
+
+draft = graph.run(question)
+polished = refine.run(str(draft.content))
+
+workflow = ConditionalWorkflow(name="finish")
+workflow.add_node(AgentNode(name="Finisher", system_prompt="State the final answer.", max_turns=1))
+workflow.add_node(
+    AgentNode(name="Skipped", system_prompt="Never runs."), condition=lambda ctx: False
+)
+result = workflow.run(question + "\\n\\nDraft: " + str(polished.content))
+print(result.content)
+"""
+
+
+def designer_reply(script: str) -> str:
+    """A design in the released designer's output format: its analysis, then the code."""
+    return (
+        "<think>\nProblem Type: MATH\nWorkflow Pattern: math_ensemble_then_reflection\n</think>\n"
+        f"<code>\n```python\n{script}\n```\n</code>"
+    )
+
+
+def test_a_workflow_api_script_runs_unchanged_its_nodes_use_the_sandboxed_tool(scripted) -> None:
+    env = masenvs.make("auto_mas", endpoint_url=scripted.url, executions=2, max_rounds=1)
+    env.reset(options={"task": MATH})
+    reward, info = step(env, designer_reply(ENSEMBLE_THEN_CHECK))
+    assert info["error"] is None, info["executions"]
+    assert reward == pytest.approx(1.05) and info["success"]
+    graph = info["graph"]
+    assert graph["structure"] == (
+        "Workflow(EnsembleNode(Calculator, Reasoner, judge=Judge), "
+        "ReflectionNode(Checker, iterations=1))"
+    )
+    by_name = {n["name"]: n for n in graph["nodes"]}
+    assert set(by_name) == {"Calculator", "Reasoner", "Judge", "Checker"}
+    assert by_name["Judge"]["calls"] == []  # unanimous vote: the judge is not asked
+    assert by_name["Calculator"]["system"].startswith("Compute the answer with Python code.")
+    calls = scripted.store.rollout(info["captured"][0]["rollout_id"])
+    assert {c.step for c in calls} == {"Calculator", "Reasoner", "Checker"}  # node = trace step
+    assert sum(len(by_name[n]["calls"]) for n in by_name) == len(calls)
+    # Each AgentNode ran its ```python block in the sandbox and saw the output.
+    tool_turns = [c for c in calls if c.messages[-1]["content"].startswith("Output:\n42")]
+    assert {c.step for c in tool_turns} == {"Calculator", "Reasoner", "Checker"}
+    system = calls[0].messages[0]["content"]
+    assert "<delivery>" in system and "FINAL ANSWER: \\boxed{" in system  # as the original
+
+
+def test_workflow_graphs_loops_and_conditions_run_on_the_tiny_model(served) -> None:
+    env = masenvs.make(
+        "auto_mas",
+        endpoint_url=served.url,
+        executions=1,
+        max_rounds=1,
+        max_tokens=8,
+        max_calls=24,
+    )
+    script = "import os\n" + GRAPH_WITH_LOOP
+    steps = []
+    for action in (designer_reply(script), designer_reply(ENSEMBLE_THEN_CHECK)):
+        env.reset(options={"task": MATH})
+        _, info = step(env, action)
+        run = info["executions"][0]
+        assert run["error"] is None and run["answer"], run
+        calls = served.store.rollout(run["rollout_id"])
+        assert calls and {c.agent for c in calls} == {"executor"}
+        assert run["calls"] == len(calls)
+        nodes = {n["name"]: n["calls"] for n in info["graph"]["nodes"]}
+        assert sorted(i for ids in nodes.values() for i in ids) == sorted(c.id for c in calls)
+        steps.append({c.step for c in calls})
+    assert {"Solver", "Critic", "Refiner", "Finisher"} <= steps[0] and "Skipped" not in steps[0]
+    assert {"Calculator", "Reasoner", "Checker"} <= steps[1]

@@ -277,6 +277,7 @@ class AutoMASEnv(MASEnv):
             seconds=cfg.design_seconds,
             memory_mb=cfg.design_memory_mb,
             max_tool_runs=cfg.max_tool_runs,
+            task="math" if isinstance(self.task, MathTask) else "code",
         )
         messages = [{"role": "user", "content": self.question()}]
         ids = [f"mas-{design_id}-{m}" for m in range(cfg.executions)]

@@ -24,7 +24,12 @@ from masenvs.parsing import last_code_block
 RESULT_MARKER = "@@masenvs-design-result@@ "
 MAX_ANSWER_CHARS = 20_000
 # Imported once by the design sandbox's zygote: a design run needs nothing else.
-PRELOAD = ("asyncio", "masenvs.mas._preload")
+PRELOAD = (
+    "asyncio",
+    "masenvs.mas._preload",
+    "masenvs.mas.compat.workflow",  # the published `workflow` API (masenvs/mas/compat)
+    "masenvs.mas.compat.utils.environments",
+)
 
 _RUNNER = "from masenvs.mas.design import _run_isolated\n_run_isolated()\n"
 MAX_RESULT_BYTES = 4 << 20  # what the harness reads of a design's result
@@ -76,6 +81,7 @@ class DesignRunner:
     seconds: float = 120.0  # wall time of one execution
     memory_mb: int = 1024
     max_tool_runs: int = 16  # runs of the Python tool (ToolAgent) per execution
+    task: str = "math"  # math | code: what the `workflow` API's nodes are told to deliver
 
     def run(self, source: str, messages: list[Message], rollout_id: str) -> DesignRun:
         from masenvs.mas.gate import Gate
@@ -105,6 +111,7 @@ class DesignRunner:
                 "max_calls": self.max_calls,
                 "max_tokens": self.max_tokens,
                 "temperature": self.temperature,
+                "task_type": self.task,
             }
             limits = replace(
                 sandbox.limits,
@@ -300,37 +307,48 @@ def _main() -> None:
     except SyntaxError as exc:
         out["error"] = f"syntax error: {exc.msg} (line {exc.lineno})"
     else:
-        import masenvs.mas as library
+        from masenvs.mas import compat
 
-        # The blocks come imported, as the designer's prompt says.
-        namespace: dict[str, Any] = {"__name__": "__design__"}
-        namespace.update({name: getattr(library, name) for name in library.__all__})
-        try:
-            with use(llm):
-                exec(code, namespace)
-                system = namespace.get("system") or namespace.get("solve")
-                if system is None or not callable(system):
-                    raise LookupError(
-                        "the design defines no `system` block (or `async def solve(messages)`)"
-                    )
+        if compat.uses_workflow_api(job["source"]):  # the published system's scripts
+            question = next(
+                (m["content"] for m in reversed(job["messages"]) if m["role"] == "user"), ""
+            )
+            out = compat.run_script(code, llm, job.get("task_type"), question)
+            out["answer"] = out["answer"] and out["answer"][:MAX_ANSWER_CHARS]
+        else:
+            import masenvs.mas as library
 
-                async def go() -> Any:
-                    try:
-                        result = system(job["messages"])
-                        return await result if inspect.isawaitable(result) else result
-                    finally:
-                        await llm.aclose()
+            # The blocks come imported, as the designer's prompt says.
+            namespace: dict[str, Any] = {"__name__": "__design__"}
+            namespace.update({name: getattr(library, name) for name in library.__all__})
+            try:
+                with use(llm):
+                    exec(code, namespace)
+                    system = namespace.get("system") or namespace.get("solve")
+                    if system is None or not callable(system):
+                        raise LookupError(
+                            "the design defines no `system` block (or `async def solve(messages)`)"
+                        )
 
-                answer = asyncio.run(go())
-            if not isinstance(answer, str):
-                raise TypeError(f"the system returned {type(answer).__name__}, not text")
-            out["answer"] = answer[:MAX_ANSWER_CHARS]
-        except BudgetExceeded as exc:
-            out["error"] = f"budget: {exc}"
-        except BaseException as exc:  # the design's own failure, reported, never raised
-            out["error"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
+                    async def go() -> Any:
+                        try:
+                            result = system(job["messages"])
+                            return await result if inspect.isawaitable(result) else result
+                        finally:
+                            await llm.aclose()
+
+                    answer = asyncio.run(go())
+                if not isinstance(answer, str):
+                    raise TypeError(f"the system returned {type(answer).__name__}, not text")
+                out["answer"] = answer[:MAX_ANSWER_CHARS]
+            except BudgetExceeded as exc:
+                out["error"] = f"budget: {exc}"
+            except BaseException as exc:  # the design's own failure, reported, never raised
+                out["error"] = f"error: {type(exc).__name__}: {str(exc)[:300]}"
     calls = llm.calls_by_node()
-    if isinstance(system, Block):
+    if out["graph"] is not None:
+        pass  # a workflow script's graph, from the run
+    elif isinstance(system, Block):
         out["graph"] = DesignGraph.of(system, calls).to_dict()
     elif calls:
         out["graph"] = DesignGraph(

@@ -45,6 +45,7 @@ class LLM:
     # Inside a design's sandbox: the client of its gate, which runs the Python tool outside
     # (a sandboxed design cannot start a sandbox); None runs it in a local sandbox.
     gate: Any = None
+    socket: str | None = None  # the gate's Unix socket (for the synchronous tool call)
     tool_runs: int = 0
 
     async def chat(self, node: str, messages: list[Message]) -> str:
@@ -76,15 +77,22 @@ class LLM:
             from masenvs.mas.tools import run_python
 
             return (await asyncio.to_thread(run_python, code)).observation()
-        reply = await self.gate.post("http://gate/v1/tools/python", json={"code": code})
-        try:
-            body = reply.json()
-        except ValueError:
-            body = {}
-        if reply.status_code == 200 and isinstance(body.get("observation"), str):
-            return body["observation"]
-        message = (body.get("error") or {}).get("message") or f"HTTP {reply.status_code}"
-        return f"Error: the Python tool is not available: {message}"
+        reply = await self.gate.post(TOOL_URL, json={"code": code})
+        return _observation(reply)
+
+    def execute_python_sync(self, code: str) -> str:
+        """`execute_python` for synchronous callers (the `workflow` API's tools)."""
+        if self.socket is None:
+            from masenvs.mas.tools import run_python
+
+            self.tool_runs += 1
+            return run_python(code).observation()
+        import httpx
+
+        self.tool_runs += 1
+        transport = httpx.HTTPTransport(uds=self.socket, verify=False)
+        with httpx.Client(transport=transport, timeout=300.0) as http:
+            return _observation(http.post(TOOL_URL, json={"code": code}))
 
     def calls_by_node(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
@@ -94,6 +102,23 @@ class LLM:
 
     async def aclose(self) -> None:
         await self.client.close()
+
+
+TOOL_URL = "http://gate/v1/tools/python"
+
+
+def _observation(reply: Any) -> str:
+    """The gate's answer to a tool run as the text the agent is shown."""
+    try:
+        body = reply.json()
+    except ValueError:
+        body = {}
+    if not isinstance(body, dict):
+        body = {}
+    if reply.status_code == 200 and isinstance(body.get("observation"), str):
+        return body["observation"]
+    message = (body.get("error") or {}).get("message") or f"HTTP {reply.status_code}"
+    return f"Error: the Python tool is not available: {message}"
 
 
 def _node_tag(node: str) -> str:
@@ -129,7 +154,9 @@ def connect(
     client = AsyncOpenAI(
         base_url=base_url, api_key=api_key, http_client=http_client, max_retries=0, timeout=timeout
     )
-    return LLM(client, model, max_calls, max_tokens, temperature, per_node, gate=http_client)
+    return LLM(
+        client, model, max_calls, max_tokens, temperature, per_node, gate=http_client, socket=uds
+    )
 
 
 _current: contextvars.ContextVar[LLM | None] = contextvars.ContextVar(

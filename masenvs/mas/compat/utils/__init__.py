@@ -1,0 +1,1 @@
+"""The published system's `utils` as designs import it: only `utils.environments`."""
