@@ -139,6 +139,8 @@ class MicroBatch:
     attention_mask: torch.Tensor | None  # [rows, 1, width, width] bool, when prompts are shared
     # Sampling temperature the tokens are scored at: one for all, or [n, 1] when agents differ.
     temperature: float | torch.Tensor = 1.0
+    tokens: int = 0  # real (not padding) input tokens, for the FLOP count
+    attended: int = 0  # (query, key) pairs among real tokens that attention computes
 
 
 def build_microbatch(batch: Sequence[Sample], rows: list[list[Unit]]) -> MicroBatch:
@@ -156,11 +158,14 @@ def build_microbatch(batch: Sequence[Sample], rows: list[list[Unit]]) -> MicroBa
     order: list[int] = []
     score: list[int] = []
     targets: list[int] = []
+    tokens = attended = 0
     for r, row in enumerate(rows):
         o = 0  # where the current unit starts
         for unit in row:
             prompt = batch[unit[0]].prompt_token_ids
             p = len(prompt)
+            tokens += p
+            attended += p * (p + 1) // 2
             input_ids[r, o : o + p] = torch.tensor(prompt)
             position_ids[r, o : o + p] = torch.arange(p)
             if mask is not None:
@@ -169,6 +174,8 @@ def build_microbatch(batch: Sequence[Sample], rows: list[list[Unit]]) -> MicroBa
             for i in unit:
                 completion = batch[i].completion_token_ids
                 n = len(completion) - 1
+                tokens += n
+                attended += n * p + n * (n + 1) // 2  # its prompt, then itself causally
                 input_ids[r, start : start + n] = torch.tensor(completion[:-1])
                 position_ids[r, start : start + n] = torch.arange(p, p + n)
                 if mask is not None:
@@ -193,6 +200,8 @@ def build_microbatch(batch: Sequence[Sample], rows: list[list[Unit]]) -> MicroBa
         score_index=torch.tensor(score, dtype=torch.long),
         targets=torch.tensor(targets, dtype=torch.long),
         attention_mask=mask,
+        tokens=tokens,
+        attended=attended,
     )
 
 
@@ -259,6 +268,8 @@ class Learner:
         if self.full and cfg.model.dtype == "auto" and self.dtype == torch.bfloat16:
             self.dtype, self.autocast = torch.float32, torch.bfloat16
         self.steps_done = 0  # the LR schedule's position: training steps completed
+        self.flops = 0.0  # model FLOPs of the passes run so far (see `forward_flops`)
+        self._linear_params: dict[int, int] = {}  # per causal LM: weights of its linear layers
         for section, names in (("policy.models", cfg.policy.models), ("agents", cfg.agents)):
             unknown = sorted(set(names) - set(self.agents))
             if unknown:
@@ -397,6 +408,7 @@ class Learner:
         (the training loop drops them before grouping).
         """
         start = time.perf_counter()
+        flops_before = self.flops
         by_policy: dict[str, list[Sample]] = defaultdict(list)
         for s in samples:
             if s.advantage is None:
@@ -421,6 +433,9 @@ class Learner:
         elapsed = time.perf_counter() - start
         metrics["learner/time_s"] = elapsed
         metrics["learner/tokens_per_s"] = tokens / elapsed if elapsed > 0 else 0.0
+        # Model FLOPs (recomputation not counted): against a matmul's peak this is the MFU.
+        metrics["learner/gflops"] = (self.flops - flops_before) / 1e9
+        metrics["learner/gflop_per_s"] = metrics["learner/gflops"] / elapsed if elapsed > 0 else 0.0
         return metrics
 
     def _update(self, policy: Policy, batch: list[Sample], lr: float) -> dict[str, float]:
@@ -591,10 +606,25 @@ class Learner:
             inputs["attention_mask"] = _mask_for(
                 causal_lm.config, mask, self.autocast or self.dtype
             )
+        self.flops += self._pass_flops(model, causal_lm, mb)
         with torch.autocast(self.device.type, self.autocast, enabled=self.autocast is not None):
             return self._score_tokens(
                 causal_lm, inputs, index, targets, mb.temperature, with_entropy
             )
+
+    def _pass_flops(self, model: Any, causal_lm: Any, mb: MicroBatch) -> float:
+        """Model FLOPs of this pass: the forward, and with grad the backward (activation
+        gradients, plus weight gradients when the whole model trains)."""
+        key = id(causal_lm)
+        if key not in self._linear_params:
+            self._linear_params[key] = linear_params(causal_lm)
+        params = self._linear_params[key]
+        if isinstance(model, PeftModel):  # the active adapter's matrices
+            params += sum(p.numel() for p in model.parameters() if p.requires_grad)
+        forward = forward_flops(causal_lm.config, params, mb)
+        if not torch.is_grad_enabled():
+            return forward
+        return forward * (3.0 if self.full else 2.0)
 
     def _score_tokens(
         self,
@@ -826,6 +856,41 @@ def token_logprobs(
         raw_logprobs=torch.cat(raw) if raw else empty,
         entropy_sum=entropy,
     )
+
+
+def matmul_flops_per_s(n: int = 2048, repeats: int = 3) -> float:
+    """FLOP/s of a large square fp32 `torch.mm` on this thread right now (best of `repeats`):
+    the peak an update's MFU is measured against, under the same load."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    best = math.inf
+    for _ in range(repeats):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best
+
+
+def linear_params(causal_lm: Any) -> int:
+    """Weights of the decoder's linear layers (LoRA matrices and the LM head excluded)."""
+    head = causal_lm.get_output_embeddings()
+    return sum(
+        m.weight.numel()
+        for name, m in causal_lm.named_modules()
+        if isinstance(m, torch.nn.Linear) and m is not head and "lora_" not in name
+    )
+
+
+def forward_flops(config: Any, params: int, mb: MicroBatch) -> float:
+    """Model FLOPs of one forward pass over `mb`: 2 per weight per real token, attention
+    (q.k and the weighted sum of values: 4 x heads x head_dim per attended pair and layer) and
+    the LM head on the scored positions only (padding is not counted)."""
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    heads = text.num_attention_heads
+    head_dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    attention = 4 * heads * head_dim * text.num_hidden_layers * mb.attended
+    head = 2 * text.hidden_size * text.vocab_size * mb.targets.numel()
+    return 2.0 * params * mb.tokens + attention + head
 
 
 def _is_one(temperature: float | torch.Tensor) -> bool:

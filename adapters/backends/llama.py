@@ -75,12 +75,23 @@ class _Projection:
             biases = [m.bias for m in self.sources]
             self.bias = None if biases[0] is None else torch.cat([b.detach() for b in biases])
             self.packed = _pack(self.weight, self.quantize, self.invariant)
+            if len(weights) > 1 and self.serves_every_size():
+                # The concatenated copy (q/k/v, gate/up: ~1/3 of SmolLM2's weights again)
+                # would never be read: build it only if a dense matmul ever needs it.
+                self.weight = None
         self.stamp = stamp
+
+    def serves_every_size(self) -> bool:
+        """Whether the packed copy serves every row count, so the dense one is never read."""
+        return self.packed is not None and (self.invariant or self.packed.max_rows == sys.maxsize)
 
     def __call__(self, x: Tensor, quantized: bool) -> Tensor:
         self.refresh()
         dense = not quantized or self.packed is None or x.shape[0] > self.packed.max_rows
         if dense and not self.invariant:
+            if self.weight is None:
+                with torch.no_grad():
+                    self.weight = torch.cat([m.weight.detach() for m in self.sources])
             return F.linear(x, self.weight, self.bias)
         y = self.packed(x)
         return y if self.bias is None else y + self.bias
@@ -99,11 +110,14 @@ class _Projection:
             self.refresh()
         if not self.native_copy():
             names = ", ".join(name for name, _, _ in self.parts)
-            rows, columns = self.weight.shape
+            rows = sum(m.weight.shape[0] for m in self.sources)
+            columns = self.sources[0].weight.shape[1]
             raise ValueError(
                 f"batch_invariant: {names} [{rows}, {columns}] has no copy the native kernels "
                 "read (they need out % 16 == 0 and in % 32 == 0)"
             )
+        if len(self.sources) > 1:
+            self.weight = None  # never read from now on (see refresh)
 
 
 @dataclass

@@ -1,0 +1,176 @@
+"""The main job's memory and update speed, without the whole run: `examples/quickstart.yaml`'s
+learner and engine in one process, a validation-sized decode batch, then training steps on
+batches of the quickstart's shape.
+
+Batches: 8 tasks x 2 agents x K=4 branches; the tool agent's prompts are 270 tokens, the
+plan agent's 300, completions 6 to 24 tokens, 14 of the 16 groups per agent kept (what
+drop_zero_std_groups leaves in the runs of docs/learning.md). Token ids are random: time
+and memory do not depend on them.
+
+Per step it prints the update's wall and CPU time, its model FLOPs (`learner/gflops`, the
+count `logging.mfu` uses in the real run) and its MFU against a 2048^3 fp32 matmul timed
+right after the step on the same thread, so load on a shared machine moves both. At the end,
+peak RSS (VmHWM) and where the resident memory is (glibc's in-use and free bytes, mapped
+files), after load, after the decode batch and after the steps.
+
+    python bench/mainjob.py                                  # 3 steps, engine on
+    python bench/mainjob.py --set optim.max_tokens_per_microbatch=2048 --no-engine
+    MASENVS_MALLOC=default python bench/mainjob.py           # glibc's own allocator settings
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import ctypes
+import json
+import random
+import re
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
+    sys.path.pop(0)  # bench/kernels.py would shadow the `kernels` package transformers imports
+
+import torch  # noqa: E402
+
+from masenvs.trainer.atgrpo import group_advantages  # noqa: E402
+from masenvs.trainer.config import load_config  # noqa: E402
+from masenvs.trainer.learner import Learner, matmul_flops_per_s  # noqa: E402
+from masenvs.trainer.samples import Sample, tree_group  # noqa: E402
+
+CONFIG = Path(__file__).resolve().parent.parent / "examples" / "quickstart.yaml"
+PROMPTS = {"tool": 270, "plan": 300}
+VOCAB = 49152
+
+
+class _MallInfo2(ctypes.Structure):
+    _fields_ = [
+        (name, ctypes.c_size_t)
+        for name in ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks",
+                     "uordblks", "fordblks", "keepcost")
+    ]  # fmt: skip
+
+
+def memory() -> dict[str, float]:
+    """Resident and peak set, and glibc's view of the heap, in MiB."""
+    text = Path("/proc/self/status").read_text()
+    out = {
+        k: int(re.search(rf"^{k}:\s+(\d+)", text, re.M)[1]) / 1024
+        for k in ("VmRSS", "VmHWM", "RssAnon", "RssFile")
+    }
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        libc.mallinfo2.restype = _MallInfo2
+        info = libc.mallinfo2()
+        out["malloc_in_use"] = (info.uordblks + info.hblkhd) / 2**20
+        out["malloc_free"] = info.fordblks / 2**20
+    except (OSError, AttributeError):
+        pass  # not glibc
+    return {k: round(v) for k, v in out.items()}
+
+
+def quickstart_batch(step: int, cfg: Any) -> list[Sample]:
+    rng = random.Random(step)
+    samples = []
+    for agent, prompt_len in PROMPTS.items():
+        for task in range(8):
+            prompt = [rng.randrange(VOCAB) for _ in range(prompt_len + rng.randint(-10, 10))]
+            flat = task >= 7  # one of 8 groups has equal rewards and is dropped
+            for b in range(4):
+                completion = [rng.randrange(VOCAB) for _ in range(rng.randint(6, 24))]
+                reward = 0.0 if flat else float((b + task) % 3)
+                group = tree_group(task, 0, agent)
+                samples.append(Sample(prompt, completion, [], agent, agent, group, reward))
+    return group_advantages(samples, cfg.algorithm)[0]
+
+
+def decode_batch(cfg: Any, learner: Learner) -> Any:
+    """The engine the run would start, after one validation-sized batch (32 greedy calls)."""
+    from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
+    from masenvs.trainer.serving import training_backend
+
+    backend = training_backend(
+        learner,
+        max_batch_size=cfg.backend.max_batch_size,
+        device=str(learner.device),
+        dtype=cfg.backend.dtype,
+        quantize=cfg.backend.quantize,
+        batch_invariant=cfg.backend.batch_invariant,
+    )
+    rng = random.Random(0)
+    params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=0.0, ignore_eos=True)
+
+    async def run() -> None:
+        requests = [
+            GenerateRequest("", params, prompt=[rng.randrange(VOCAB) for _ in range(280)])
+            for _ in range(cfg.rollout.concurrency)
+        ]
+        await asyncio.gather(*(backend.generate(r) for r in requests))
+
+    asyncio.run(run())
+    return backend
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--set", action="append", default=[], help="config override")
+    parser.add_argument("--no-engine", action="store_true", help="the learner alone")
+    parser.add_argument("--json", type=Path, help="also write the figures here")
+    args = parser.parse_args()
+    from masenvs.memory import tune_allocator
+
+    tune_allocator()  # as `masenvs train` does
+    cfg = load_config(CONFIG, [f"steps={args.steps}", *args.set])
+    phases = {"start": memory()}
+    learner = Learner(cfg, ["tool", "plan"])
+    phases["learner loaded"] = memory()
+    backend = None
+    if not args.no_engine:
+        backend = decode_batch(cfg, learner)
+        phases["engine after a decode batch"] = memory()
+    rows = []
+    for step in range(args.steps):
+        batch = quickstart_batch(step, cfg)
+        start, cpu = time.perf_counter(), time.process_time()
+        metrics = learner.step(batch)
+        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
+        peak = matmul_flops_per_s()
+        rows.append(
+            {
+                "wall_s": wall,
+                "cpu_s": cpu,
+                "gflops": metrics["learner/gflops"],
+                "matmul_gflop_per_s": peak / 1e9,
+                "mfu": metrics["learner/gflops"] * 1e9 / wall / peak,
+            }
+        )
+        print(
+            f"step {step}: {wall:6.1f} s wall, {cpu:6.1f} s CPU, "
+            f"{metrics['learner/gflops']:7.1f} GFLOP, {rows[-1]['mfu']:6.1%} MFU "
+            f"(matmul {peak / 1e9:5.1f} GFLOP/s right after)",
+            flush=True,
+        )
+    phases["after the steps"] = memory()
+    if backend is not None:
+        backend.shutdown()
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads")
+    for name, mem in phases.items():
+        print(f"{name:30} " + "  ".join(f"{k} {v} MiB" for k, v in mem.items()))
+    summary = {
+        "median_wall_s": statistics.median(r["wall_s"] for r in rows),
+        "median_cpu_s": statistics.median(r["cpu_s"] for r in rows),
+        "median_mfu": statistics.median(r["mfu"] for r in rows),
+        "peak_rss_mib": phases["after the steps"]["VmHWM"],
+    }
+    print(json.dumps(summary))
+    if args.json:
+        args.json.write_text(json.dumps({"steps": rows, "phases": phases, **summary}, indent=1))
+
+
+if __name__ == "__main__":
+    main()

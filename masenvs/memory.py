@@ -1,0 +1,65 @@
+"""The C allocator's settings for long runs that hold an engine and a learner in one process.
+
+glibc's malloc raises its mmap threshold to the size of the largest block freed so far (up
+to 32 MiB): after the first tensors of a few MiB are freed, every later tensor below that
+size comes from the heap arenas instead of its own mapping. A training step allocates and
+frees gigabytes of such tensors (activations, logits chunks, decode-step buffers), and each
+thread that runs torch ops (the engine's, the learner's, the endpoint's) has an arena of its
+own; what is freed in the middle of an arena stays resident. In the main job that was 3-5
+GB of a 8 GB peak (docs/memory.md). A fixed threshold gives every large tensor its own
+mapping, returned to the system when it is freed, and two arenas bound the per-thread
+copies of what little is left.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+M_ARENA_MAX = -8
+
+MMAP_THRESHOLD = 256 * 1024  # bytes: blocks this large get their own mapping
+TRIM_THRESHOLD = 16 * 1024 * 1024  # free bytes at an arena's top before they go back
+ARENA_MAX = 2
+
+# Set by a user or a parent process: glibc read them at start-up, so they are left alone.
+_GLIBC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
+
+
+def tune_allocator() -> bool:
+    """Fix glibc's mmap threshold, trim threshold and arena count (see the module docstring).
+
+    Does nothing (returns False) off glibc, when `MASENVS_MALLOC=default`, or when the
+    process was started with one of glibc's MALLOC_* tunables set.
+    """
+    if os.environ.get("MASENVS_MALLOC", "").lower() == "default":
+        return False
+    if any(name in os.environ for name in _GLIBC_VARIABLES) or "GLIBC_TUNABLES" in os.environ:
+        return False
+    libc = _glibc()
+    if libc is None:
+        return False
+    ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD) == 1
+    ok &= libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
+    ok &= libc.mallopt(M_ARENA_MAX, ARENA_MAX) == 1
+    return bool(ok)
+
+
+def release_free_memory() -> None:
+    """Give the free pages inside glibc's arenas back to the system (malloc_trim), e.g.
+    between a rollout and an update, so one phase's leftovers do not add to the next's peak."""
+    libc = _glibc()
+    if libc is not None:
+        libc.malloc_trim(0)
+
+
+def _glibc() -> ctypes.CDLL | None:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.gnu_get_libc_version  # noqa: B018 (raises AttributeError off glibc)
+    except (OSError, AttributeError):
+        return None
+    return libc

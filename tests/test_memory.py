@@ -1,0 +1,90 @@
+"""What keeps the main job's resident set small: the allocator's settings (large blocks get
+their own mapping and go back to the system when freed) and the engine keeping no dense copy
+that its packed weights make unused."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+from test_models import small_model
+
+from masenvs.adapters.backends.llama import LlamaForward, Prefill
+
+_PROBE = r"""
+import ctypes, sys
+from masenvs.memory import tune_allocator, release_free_memory
+class Info(ctypes.Structure):
+    _fields_ = [(n, ctypes.c_size_t) for n in ("arena", "ordblks", "smblks", "hblks",
+                "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks", "keepcost")]
+libc = ctypes.CDLL("libc.so.6")
+libc.mallinfo2.restype = Info
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = [ctypes.c_void_p]
+tuned = tune_allocator()
+# glibc's default: freeing a 4 MiB mapped block raises the threshold above 1 MiB blocks
+big = libc.malloc(4 << 20); libc.free(big)
+mapped = libc.mallinfo2().hblkhd
+blocks = [libc.malloc(1 << 20) for _ in range(8)]
+grew = libc.mallinfo2().hblkhd - mapped
+for b in blocks:
+    libc.free(b)
+release_free_memory()
+print(int(tuned), grew >> 20, libc.mallinfo2().hblkhd - mapped)
+"""
+
+
+def _probe(**env: str) -> tuple[int, int, int]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    clean.pop("MASENVS_MALLOC", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _PROBE], env={**clean, **env}, capture_output=True, text=True
+    )
+    assert out.returncode == 0, out.stderr
+    tuned, grew, left = (int(v) for v in out.stdout.split())
+    return tuned, grew, left
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_large_blocks_get_their_own_mapping_and_are_returned() -> None:
+    tuned, grew, left = _probe()
+    assert tuned == 1
+    assert grew == 8  # eight 1 MiB blocks, each mapped on its own ...
+    assert left == 0  # ... and unmapped when freed
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_glibc_defaults_when_asked_or_when_the_user_set_them() -> None:
+    for env in ({"MASENVS_MALLOC": "default"}, {"MALLOC_ARENA_MAX": "4"}):
+        tuned, grew, _ = _probe(**env)
+        assert tuned == 0
+        assert grew == 0  # glibc's dynamic threshold: the 1 MiB blocks came from the heap
+
+
+@pytest.mark.parametrize("invariant", [True, False])
+def test_the_engine_keeps_no_concatenated_copy_it_never_reads(
+    kernels: str, invariant: bool
+) -> None:
+    model = small_model("llama", vocab_size=320).to(torch.bfloat16)
+    forward = LlamaForward(model, 2, 64, "int8", batch_invariant=invariant)
+    prompt = torch.tensor([5, 7, 11, 13, 2, 9])
+    logits = forward.prefill([Prefill(0, prompt)])
+    decoded = forward.decode(torch.tensor([3]), torch.tensor([6]), None)
+    assert torch.isfinite(logits).all() and torch.isfinite(decoded).all()
+    # projections are packed at their first use
+    every_size = invariant or kernels == "avx2"  # AVX2 packs serve prefills too
+    for layer in forward.layers:
+        assert layer.qkv.serves_every_size() is every_size
+        assert (layer.qkv.weight is None) is every_size
+        assert (layer.gate_up.weight is None) is every_size
+    # a dense matmul, if one is ever asked for, builds the copy on demand from the modules
+    qkv = forward.layers[0].qkv
+    qkv.invariant = False
+    x = torch.randn(3, model.config.hidden_size, dtype=torch.bfloat16)
+    names = ("q_proj", "k_proj", "v_proj")
+    expected = torch.cat([F.linear(x, forward.layers[0].linears[n].weight) for n in names], -1)
+    assert torch.equal(qkv(x, quantized=False), expected)
