@@ -134,6 +134,8 @@ class Endpoint:
         self.served_model_names = list(served_model_names)
         self.default_max_tokens = default_max_tokens
         self.policy_version = 0
+        self.calls_done = 0  # answered calls, and their completion tokens: progress figures
+        self.tokens_done = 0
         self.backend_name = backend_name or _backend_name(backend)
         self._tokenizer_id = backend.tokenizer_id()
         self._tool_parser = _choose_tool_parser(backend, tool_parser)
@@ -648,6 +650,8 @@ class Endpoint:
     async def _record(
         self, call: _Call, generation: Generation, outputs: list[ParsedOutput]
     ) -> None:
+        self.calls_done += 1
+        self.tokens_done += sum(len(c.token_ids) for c in generation.completions)
         if self.store is None:
             return
         request = call.request

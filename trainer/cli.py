@@ -7,6 +7,7 @@ import logging
 
 from rich.console import Console
 from rich.logging import RichHandler
+from rich.markup import escape
 
 from masenvs.adapters.backends.base import BackendError
 from masenvs.adapters.stack import StackError
@@ -41,7 +42,7 @@ def main(argv: list[str]) -> int:
     try:
         cfg = load_config(args.config, args.set)
     except ConfigError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{escape(str(exc))}[/red]")
         return 2
     existing = list_checkpoints(cfg.run_dir)
     if existing and not args.resume:
@@ -51,6 +52,14 @@ def main(argv: list[str]) -> int:
         )
         return 2
     cfg.checkpoint.resume = args.resume
+    if cfg.workflow is not None:  # the user's program is checked before torch and the model load
+        from masenvs.adapters.frameworks.workflow import check_factory
+
+        try:
+            check_factory(cfg.workflow, cfg.env.name, cfg.env.options)
+        except (ValueError, TypeError) as exc:
+            console.print(f"[red]{escape(str(exc))}[/red]")
+            return 2
 
     from masenvs.trainer.train import train  # loads torch; keep --help and config errors fast
     from masenvs.trainer.workflow import TooManyFailures
@@ -58,10 +67,10 @@ def main(argv: list[str]) -> int:
     try:
         result = train(cfg, console=console)
     except (StackError, ConfigError, BackendError) as exc:  # e.g. vLLM unreachable
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{escape(str(exc))}[/red]")
         return 2
     except TooManyFailures as exc:  # workflow runs failing: the most common reason
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{escape(str(exc))}[/red]")
         return 1
     if result.validation:
         first, last = result.validation[0], result.validation[-1]

@@ -154,3 +154,84 @@ def _start_wandb(run_dir: Path, project: str, config: TrainConfig | None) -> Any
         name=run_dir.name,
         config=config.model_dump(mode="json") if config is not None else None,
     )
+
+
+# -- a run that cannot learn says so ----------------------------------------------------------
+
+# Below this share of optim.lr a step's update is too small to change any answer.
+TINY_LR = 0.01
+
+
+def schedule_warning(cfg: TrainConfig) -> str | None:
+    """A learning-rate schedule that never reaches `optim.lr` (warmup as long as the run)."""
+    warmup, steps = cfg.optim.warmup_steps, cfg.steps
+    if warmup < steps or warmup == 0:
+        return None
+    peak = min(steps, warmup) / warmup
+    return (
+        f"optim.warmup_steps={warmup} is not shorter than the run (steps={steps}): the learning "
+        f"rate stays below {peak:.0%} of optim.lr={cfg.optim.lr:g} all run long and the "
+        f"weights barely move; set optim.warmup_steps below steps "
+        f"(e.g. --set optim.warmup_steps={steps // 10})"
+    )
+
+
+def step_warnings(step: int, row: Mapping[str, Any], cfg: TrainConfig, trained: bool) -> list[str]:
+    """Each reason the update of `step` could not move the weights, in one line each: no
+    sample, every group flat (all advantages 0), a learning rate ~0, a zero gradient."""
+    out = []
+    if not trained:
+        return out  # the loop says why there was no update (no trainable sample)
+    groups, flat = row.get("groups/groups", 0.0), row.get("groups/zero_std", 0.0)
+    if groups and flat >= groups:
+        out.append(
+            f"step {step}: all {int(groups)} groups had equal rewards, so every advantage is 0 "
+            "and this update cannot move the weights; give groups a spread (more "
+            "rollout.branches, a higher rollout.temperature, tasks the model solves sometimes)"
+        )
+    lr = row.get("learner/lr")
+    if lr is not None and lr < TINY_LR * cfg.optim.lr:
+        out.append(
+            f"step {step}: the learning rate is {lr:.3g}, under {TINY_LR:.0%} of "
+            f"optim.lr={cfg.optim.lr:g} (optim.warmup_steps={cfg.optim.warmup_steps}): this "
+            "update barely moves the weights"
+        )
+    for key, value in row.items():
+        if key.startswith("learner/") and key.endswith("/grad_norm") and value == 0.0:
+            policy = key.removeprefix("learner/").removesuffix("/grad_norm")
+            out.append(
+                f"step {step}: policy {policy}'s gradient is 0 (loss "
+                f"{row.get(f'learner/{policy}/loss', 0.0):.3g}): its weights did not change"
+            )
+    return out
+
+
+def weight_snapshot(learner: Any) -> dict[str, list[Any]]:
+    """A copy of each trained LoRA policy's weights (full fine-tuning and a distributed
+    learner's ranks are not copied: too large, or not here)."""
+    out = {}
+    for name, policy in getattr(learner, "policies", {}).items():
+        params = getattr(policy, "params", None)
+        if params and getattr(policy, "lora", False) and not getattr(policy, "frozen", False):
+            out[name] = [p.detach().clone() for p in params]
+    return out
+
+
+def weight_moves(learner: Any, start: Mapping[str, list[Any]]) -> dict[str, tuple[float, float]]:
+    """Per policy: (||w - w_start||, that distance relative to ||w_start||)."""
+    out = {}
+    for name, before in start.items():
+        now = learner.policies[name].params
+        moved = sum(float((p.detach() - b).float().pow(2).sum()) for p, b in zip(now, before))
+        size = sum(float(b.float().pow(2).sum()) for b in before)
+        out[name] = (math.sqrt(moved), math.sqrt(moved / size) if size else math.inf)
+    return out
+
+
+def moves_line(moves: Mapping[str, tuple[float, float]]) -> str:
+    """`adapters moved from their start: writer 0.0123 (0.41%), critic 0 (unchanged)`."""
+    parts = [
+        f"{name} {d:.3g} ({rel:.2%} of its start)" if d > 0 else f"{name} 0 (unchanged)"
+        for name, (d, rel) in moves.items()
+    ]
+    return "adapters moved from their start (L2 norm of the change): " + ", ".join(parts)

@@ -7,11 +7,13 @@ the capture endpoint, and the env rollouts. `train(cfg)` is what `masenvs train`
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
+import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,13 +21,13 @@ from typing import Any
 import numpy as np
 import torch
 from rich.console import Console
+from rich.markup import escape
 
 from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.policy_map import PolicyMap
 from masenvs.adapters.rollout import EpisodeResult, episode_record, run_episodes
 from masenvs.adapters.stack import Stack, start_stack, with_endpoint
 from masenvs.env import MASEnv
-from masenvs.memory import tune_allocator
 from masenvs.registry import make
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.captured import captured_samples, write_designs
@@ -33,8 +35,18 @@ from masenvs.trainer.checkpoint import TrainState, load_latest, save_checkpoint
 from masenvs.trainer.config import ConfigError, TrainConfig, save_config
 from masenvs.trainer.dist_learner import make_learner
 from masenvs.trainer.engines import engine_pools, several_engines
-from masenvs.trainer.learner import Learner, matmul_flops_per_s
-from masenvs.trainer.metrics import MetricsLogger, group_metrics, read_metrics, sample_metrics
+from masenvs.trainer.learner import Learner
+from masenvs.trainer.metrics import (
+    MetricsLogger,
+    group_metrics,
+    moves_line,
+    read_metrics,
+    sample_metrics,
+    schedule_warning,
+    step_warnings,
+    weight_moves,
+    weight_snapshot,
+)
 from masenvs.trainer.plots import plot_curves
 from masenvs.trainer.rollout import TaskRollout, collect_tree_batch
 from masenvs.trainer.samples import Sample
@@ -335,15 +347,17 @@ class WorkflowSource:
 def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     """Run (or resume, with `cfg.checkpoint.resume`) the training described by `cfg`."""
     console = console or Console()
-    # Before any model loads: large tensors get their own mappings, freed back to the system
-    # (docs/memory.md; MASENVS_MALLOC=default keeps glibc's settings).
-    tune_allocator()
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
     if cfg.workflow is not None:
+        from masenvs.adapters.frameworks.workflow import check_factory
+
         agents = list(cfg.workflow.agents)
-        make(cfg.env.name, **cfg.env.options)  # fail on a bad env before loading models
+        try:  # a bad env, factory or graph input fails in one line, before models load
+            check_factory(cfg.workflow, cfg.env.name, cfg.env.options)
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(str(exc)) from exc
     else:
         env = env_factory(cfg)()
         agents = list(dict.fromkeys([*env.possible_agents, *env.callers]))
@@ -354,6 +368,9 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
             f"schedule.alternate names {off[0]!r}, not an agent of this run ({', '.join(agents)})"
         )  # a misspelt agents.<name> fails here, before models load
 
+    warning = schedule_warning(cfg)
+    if warning is not None:
+        _warn(console, warning)
     with console.status(f"loading {cfg.model.name} for the learner"):
         learner = make_learner(cfg, agents)  # in this process, or on learner ranks
     state = TrainState(step=0, next_task_seed=cfg.env.seed_start)
@@ -408,8 +425,11 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
         run_dir, cfg.logging, cfg, resume_step=state.step if checkpoint is not None else -1
     )
     source_class = WorkflowSource if cfg.workflow is not None else TreeSource
+    start = weight_snapshot(learner)
     try:
         asyncio.run(_loop(cfg, learner, stack, sync, metrics, source_class, state, console))
+        if start:
+            console.print(moves_line(weight_moves(learner, start)))
     finally:
         metrics.close()
         stack.close()
@@ -445,24 +465,21 @@ async def _loop(
                 range(state.next_task_seed, state.next_task_seed + cfg.rollout.tasks_per_step)
             )
             started = time.perf_counter()
-            samples, row = await source.collect(step, seeds)
+            with _rollout_progress(console, stack, step, cfg.steps):
+                samples, row = await source.collect(step, seeds)
             rollout_s = time.perf_counter() - started
             trained = [s for s in samples if learner.trains(s.policy)]  # frozen agents: none
             trained = [s for s in trained if cfg.schedule.scale(step, s.agent) > 0]
             trainable, stats = group_advantages(trained, cfg.algorithm)
             if not trainable:  # say why instead of an update over nothing
                 why = _why_no_update(source, samples, trained, cfg.schedule.phase(step))
-                console.print(f"step {step}/{cfg.steps}: no trainable sample, no update: {why}")
+                _warn(console, f"step {step}/{cfg.steps}: no trainable sample, no update: {why}")
             lr_scale = _schedule_lr(cfg, learner, step, trainable)
             started = time.perf_counter()
             # The update runs on this thread: a worker thread would keep a second torch thread
             # pool that competes with the engine's once the next rollout starts.
             update = learner.step(trainable, lr_scale=lr_scale) if trainable else {}
             update_s = time.perf_counter() - started
-            if cfg.logging.mfu and update.get("learner/gflop_per_s"):
-                peak = matmul_flops_per_s()  # same thread, same load, right after the update
-                update["learner/matmul_gflop_per_s"] = peak / 1e9
-                update["learner/mfu"] = update["learner/gflop_per_s"] * 1e9 / peak
             # what the step did with each sample, for `masenvs ui` (after the update: the
             # learner's log-probs are in it)
             write_step_samples(Path(cfg.run_dir) / SAMPLES_FILE, step, samples, trained, trainable)
@@ -489,6 +506,8 @@ async def _loop(
                     save_checkpoint, cfg.run_dir, learner, state, cfg, cfg.checkpoint.keep_last
                 )
             console.print(_progress_line(step, cfg.steps, row, learner.agents))
+            for warning in step_warnings(step, row, cfg, trained=bool(trainable)):
+                _warn(console, warning)
     finally:
         await source.aclose()
 
@@ -534,6 +553,70 @@ def _progress_line(step: int, total: int, row: dict[str, Any], agents: list[str]
     val = f"  [bold]val success {row['val/success']:.0%}[/bold]" if "val/success" in row else ""
     return (
         f"step {step}/{total}  success {row['train/success']:.0%}  {rewards}  "
-        f"{row['throughput/rollout_tokens_per_s']:.0f} tok/s  "
+        f"{_update_figures(row)}  {row['throughput/rollout_tokens_per_s']:.0f} tok/s  "
         f"rollout {row['time/rollout_s']:.1f}s  update {row['time/update_s']:.1f}s{val}"
     )
+
+
+def _warn(console: Console, text: str) -> None:
+    """A run that cannot learn says so, on the console the progress lines go to."""
+    console.print(f"[yellow]warning:[/yellow] {escape(text)}")
+
+
+def _update_figures(row: dict[str, Any]) -> str:
+    """lr, loss, grad norm and the learner's distance to the sampler, averaged over the
+    policies updated: `lr 1e-05 loss -0.012 gnorm 0.31 ratio 1.000 |dlogp| 0.004`."""
+    if "learner/lr" not in row:
+        return "no update"
+
+    def mean(name: str) -> float | None:
+        values = [v for k, v in row.items() if k.startswith("learner/") and k.endswith(name)]
+        return sum(values) / len(values) if values else None
+
+    figures = [f"lr {row['learner/lr']:.2g}"]
+    for label, name, fmt in (
+        ("loss", "/loss", ".3g"),
+        ("gnorm", "/grad_norm", ".3g"),
+        ("ratio", "/ratio_mean", ".3f"),
+        ("|dlogp|", "/logprob_diff_mean", ".3g"),
+    ):
+        value = mean(name)
+        if value is not None:
+            figures.append(f"{label} {value:{fmt}}")
+    return " ".join(figures)
+
+
+@contextlib.contextmanager
+def _rollout_progress(console: Console, stack: Stack, step: int, total: int) -> Iterator[None]:
+    """Calls, tokens and tokens/s of the rollout under way, from its first call: a spinner
+    on a terminal, a line every 30 s in a log (the first step can take minutes on a CPU)."""
+    endpoint = stack.endpoint
+    calls0, tokens0, started = endpoint.calls_done, endpoint.tokens_done, time.perf_counter()
+    stop = threading.Event()
+
+    def figures() -> str:
+        calls, tokens = endpoint.calls_done - calls0, endpoint.tokens_done - tokens0
+        seconds = time.perf_counter() - started
+        return (
+            f"step {step}/{total} rollout: {calls} calls, {tokens} tokens, "
+            f"{tokens / max(seconds, 1e-9):.0f} tok/s, {seconds:.0f}s"
+        )
+
+    def tick(status: Any) -> None:
+        last = time.perf_counter()
+        while not stop.wait(1.0):
+            if status is not None:
+                status.update(figures())
+            elif time.perf_counter() - last >= 30.0:
+                last = time.perf_counter()
+                console.print(figures())
+
+    status = console.status(figures()) if console.is_terminal else None
+    thread = threading.Thread(target=tick, args=(status,), name="masenvs-progress", daemon=True)
+    with status if status is not None else contextlib.nullcontext():
+        thread.start()
+        try:
+            yield
+        finally:
+            stop.set()
+            thread.join()

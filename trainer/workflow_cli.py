@@ -26,7 +26,7 @@ from rich.text import Text
 
 from masenvs.adapters.frameworks.calls import read_calls
 from masenvs.adapters.frameworks.clients import ClientSettings
-from masenvs.adapters.frameworks.workflow import Factory, WorkflowRun, WorkflowSpec, load_factory
+from masenvs.adapters.frameworks.workflow import Factory, WorkflowRun, WorkflowSpec, check_factory
 from masenvs.adapters.policy import Sampling
 from masenvs.traces import CallRecord
 from masenvs.trainer.samples import Sample
@@ -72,7 +72,11 @@ def main(
     from masenvs.adapters.stack import StackError, make_backend, start_stack
     from masenvs.trainer.config import TrainConfig
 
-    factory = factory or load_factory(spec.factory)  # fails before any model loads
+    try:  # a bad factory, env or graph input fails in one line, before any model loads
+        factory = check_factory(spec, env, env_options, factory)
+    except (ValueError, TypeError) as exc:
+        console.print(f"[red]{exc}[/red]")
+        return 2
     traces = args.traces or Path("runs") / f"{env}-{spec.framework}-{time.strftime('%H%M%S')}"
     cfg = TrainConfig(
         run_dir=str(traces.parent),

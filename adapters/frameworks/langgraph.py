@@ -1,11 +1,15 @@
-"""LangGraph programs: a compiled graph (`StateGraph(...).compile()`) over a messages state.
+"""LangGraph programs: a compiled graph (`StateGraph(...).compile()`).
 
-Input: `{"messages": env_messages}` (the `MessagesState` convention). Answer: the state key
-`answer_from` if given (a string or a message), else the text of the last AI message.
+Input: `{"messages": env_messages}` (the `MessagesState` convention), or for a graph with
+a state of its own the declared mapping `input` (`{"question": "{task}"}`: each value a
+template over the task's `task`, `env`, `seed`; `"{messages}"` alone is the message list).
+Answer: the state key `answer_from` if given (a string or a message), else the text of the
+last AI message.
 """
 
 from __future__ import annotations
 
+import typing
 from typing import Any
 
 from langchain_core.messages import AIMessage, BaseMessage
@@ -18,15 +22,100 @@ def is_program(obj: Any) -> bool:
     return isinstance(obj, Pregel)
 
 
+class GraphInputError(ValueError):
+    """The graph's state cannot take the input masenvs passes; the message says how to map it."""
+
+
+def input_keys(graph: Pregel) -> list[str] | None:
+    """The keys of the graph's input state (its TypedDict or pydantic schema); None: unknown."""
+    schema = getattr(getattr(graph, "builder", None), "input_schema", None)
+    if schema is None:
+        return None
+    fields = getattr(schema, "model_fields", None)
+    if isinstance(fields, dict):
+        return list(fields)
+    try:
+        return list(typing.get_type_hints(schema))
+    except Exception:  # an unresolvable annotation: the schema cannot be read
+        return list(getattr(schema, "__annotations__", {})) or None
+
+
+def graph_input(
+    messages: list[dict[str, Any]],
+    mapping: dict[str, Any] | None,
+    fields: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """The graph's input: `{"messages": messages}`, or `mapping` with each string value
+    formatted with `fields` (task, env, seed); `"{messages}"` alone is the message list."""
+    if mapping is None:
+        return {"messages": messages}
+    values = {"messages": messages, **(fields or {})}
+    out = {}
+    for key, value in mapping.items():
+        if value == "{messages}":
+            out[key] = messages
+        elif isinstance(value, str):
+            try:
+                out[key] = value.format_map(values)
+            except (KeyError, IndexError, ValueError) as exc:
+                raise GraphInputError(
+                    f"workflow.input.{key}={value!r} is not a template masenvs can fill "
+                    f"({type(exc).__name__}: {exc}); use {{task}}, {{env}} or {{seed}}"
+                ) from None
+        else:
+            out[key] = value  # a constant: tries: 0
+    return out
+
+
+def check_input(graph: Pregel, mapping: dict[str, Any] | None) -> None:
+    """Fail with one line if the graph's state cannot take what masenvs passes it."""
+    keys = input_keys(graph)
+    if keys is None:
+        return
+    passed = ["messages"] if mapping is None else list(mapping)
+    missing = [k for k in passed if k not in keys]
+    if missing:
+        raise GraphInputError(input_hint(keys, mapping, f"has no key {missing[0]!r}"))
+
+
+def input_hint(keys: list[str] | None, mapping: dict[str, Any] | None, what: str) -> str:
+    """One line: what masenvs passed, what the graph's state holds, how to map the task."""
+    passed = (
+        "{'messages': <the task as chat messages>}"
+        if mapping is None
+        else f"{{{', '.join(f'{k!r}: ...' for k in mapping)}}} (workflow.input)"
+    )
+    state = f" (keys: {', '.join(keys)})" if keys else ""
+    first = next((k for k in keys or [] if k != "messages"), "question")
+    return (
+        f"the graph's input state{state} {what}: masenvs passed {passed}; map the task to "
+        f"the graph's own keys in the config, e.g. workflow.input: {{{first}: '{{task}}'}} "
+        "and workflow.answer_from: <the state key holding the answer>"
+    )
+
+
 async def run_graph(
     graph: Pregel,
     messages: list[dict[str, Any]],
     *,
     answer_from: str | None = None,
     recursion_limit: int = 25,
+    input_map: dict[str, Any] | None = None,
+    fields: dict[str, Any] | None = None,
 ) -> str:
-    """Run `graph` on the env's messages; its final answer as text."""
-    state = await graph.ainvoke({"messages": messages}, config={"recursion_limit": recursion_limit})
+    """Run `graph` on the env's task; its final answer as text."""
+    check_input(graph, input_map)
+    payload = graph_input(messages, input_map, fields)
+    try:
+        state = await graph.ainvoke(payload, config={"recursion_limit": recursion_limit})
+    except KeyError as exc:
+        # A node reading a state key the input never set: say what was passed, and how to map.
+        if input_map is None and exc.args and exc.args[0] != "messages":
+            keys = input_keys(graph)
+            raise GraphInputError(
+                input_hint(keys, None, f"lacked {exc.args[0]!r} (KeyError in a node)")
+            ) from exc
+        raise
     return answer_text(state, answer_from)
 
 

@@ -48,6 +48,8 @@ class RunLimits:
     answer_from: str | None = None  # LangGraph: state key; AutoGen: agent name
     recursion_limit: int = 25  # LangGraph super-steps before GraphRecursionError
     timeout_s: float | None = 600.0  # wall seconds for one run; None: no limit
+    input: dict[str, Any] | None = None  # LangGraph: state key -> template ({task}); None: messages
+    input_fields: dict[str, Any] = field(default_factory=dict)  # what the templates fill in
 
 
 def check_program(framework: Framework, program: Any) -> None:
@@ -142,6 +144,8 @@ def _start(framework: Framework, program: Any, messages: Messages, limits: RunLi
             messages,
             answer_from=limits.answer_from,
             recursion_limit=limits.recursion_limit,
+            input_map=limits.input,
+            fields={"task": messages_to_text(messages), **limits.input_fields},
         )
     if framework == "autogen":
         from masenvs.adapters.frameworks.autogen import run_team

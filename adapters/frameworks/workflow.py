@@ -89,6 +89,13 @@ class WorkflowSpec(BaseModel):
         "None: the last AI message (LangGraph), the last agent message (AutoGen), the "
         "agent workflow's response (LlamaIndex).",
     )
+    input: dict[str, Any] | None = Field(
+        None,
+        description="LangGraph: the graph's input state, {state key: template}, for a graph "
+        "with a state of its own, e.g. {question: '{task}', tries: 0}. Templates fill in "
+        "{task} (the task as text), {env} and {seed}; '{messages}' alone is the task as chat "
+        "messages. None: {messages: [the task as chat messages]} (MessagesState).",
+    )
     recursion_limit: int = Field(25, ge=1, description="LangGraph super-steps per run.")
     timeout_s: float | None = Field(
         600.0, gt=0, description="Wall seconds per run before it fails; None: no limit."
@@ -116,6 +123,19 @@ class WorkflowSpec(BaseModel):
                 "answer_from is not supported with framework 'llamaindex' (the answer is the "
                 "agent workflow's response or the StopEvent's result); remove answer_from, or "
                 "return the answer from a custom Workflow's StopEvent"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _input_is_langgraphs(self) -> WorkflowSpec:
+        if self.input is not None and self.framework != "langgraph":
+            raise ValueError(
+                f"input maps a LangGraph state; framework {self.framework!r} is asked the task "
+                "as text: remove input"
+            )
+        if self.input is not None and not self.input:
+            raise ValueError(
+                "input is empty: map at least one state key, e.g. {question: '{task}'}"
             )
         return self
 
@@ -154,7 +174,7 @@ class WorkflowSpec(BaseModel):
         return [*self.agents, *self.agent_map]
 
     def limits(self) -> RunLimits:
-        return RunLimits(self.answer_from, self.recursion_limit, self.timeout_s)
+        return RunLimits(self.answer_from, self.recursion_limit, self.timeout_s, self.input)
 
 
 @dataclass
@@ -208,15 +228,22 @@ def _import(module_name: str, ref: str) -> Any:
     path = Path(module_name)
     if module_name.endswith(".py") or not path.suffix and "/" in module_name:
         return _import_file(path if path.suffix else path.with_suffix(".py"), ref)
+    if "" not in sys.path and str(Path.cwd()) not in sys.path:
+        # A console script's sys.path does not hold the working directory: `my_graph:build`
+        # names a module there, as it would for `python -m`.
+        sys.path.append(str(Path.cwd()))
     try:
         return importlib.import_module(module_name)
     except ModuleNotFoundError as exc:
-        # `examples.my_graph` run from the repository root with a console script, whose
-        # sys.path does not hold the working directory.
+        # `examples.my_graph` run from the repository root (a folder with no __init__.py).
         candidate = Path(*module_name.split(".")).with_suffix(".py")
         if exc.name and module_name.startswith(exc.name) and candidate.is_file():
             return _import_file(candidate, ref)
         raise ValueError(f"factory {ref!r}: cannot import {module_name}: {exc}") from exc
+    except Exception as exc:
+        raise ValueError(
+            f"factory {ref!r}: importing {module_name} failed: {failure_reason(exc)}"
+        ) from exc
 
 
 def _import_file(path: Path, ref: str) -> Any:
@@ -228,8 +255,68 @@ def _import_file(path: Path, ref: str) -> Any:
         raise ValueError(f"factory {ref!r}: cannot load {path}")
     module = importlib.util.module_from_spec(spec)
     sys.modules[name] = module  # dataclasses and pydantic look their module up here
-    spec.loader.exec_module(module)
+    folder = str(path.resolve().parent)
+    if folder not in sys.path:  # the factory's own imports of its sibling modules
+        sys.path.insert(0, folder)
+    try:
+        spec.loader.exec_module(module)
+    except Exception as exc:
+        del sys.modules[name]
+        raise ValueError(
+            f"factory {ref!r}: importing {path} failed: {failure_reason(exc)}"
+        ) from exc
     return module
+
+
+def check_factory(
+    spec: WorkflowSpec,
+    env_name: str,
+    env_options: dict[str, Any] | None = None,
+    factory: Factory | None = None,
+) -> Factory:
+    """Import the factory, build the program for the first task with clients that answer no
+    call, and check it (its kind, a LangGraph graph's input state): a broken factory fails
+    in one line before any model loads. Returns the factory."""
+    factory = factory or load_factory(spec.factory)
+    env = make(env_name, **task_env_options(env_options or {}))
+    _, infos = env.reset(seed=0)
+    messages = infos[env.possible_agents[0]]["messages"]
+    url = rollout_url("http://127.0.0.1:9", "check")
+
+    async def build() -> None:
+        clients = Clients(spec.framework, url, spec.client_names())
+        clients.revoke("masenvs checks the factory before the model loads: no call is answered")
+        try:
+            context = WorkflowContext(
+                clients=clients,
+                messages=messages,
+                task=messages_to_text(messages),
+                base_url=url,
+                rollout_id="check",
+                env=env.name,
+                seed=0,
+                run_index=0,
+                task_info=dict(infos[env.possible_agents[0]].get("task", {})),
+            )
+            try:
+                program = factory(context)
+                if inspect.isawaitable(program):
+                    program = await program
+            except Exception as exc:
+                raise ValueError(
+                    f"factory {spec.factory!r} failed to build the program: {failure_reason(exc)}"
+                ) from exc
+            check_program(spec.framework, program)
+            if spec.framework == "langgraph":
+                from masenvs.adapters.frameworks.langgraph import check_input, is_program
+
+                if is_program(program):
+                    check_input(program, spec.input)
+        finally:
+            await clients.aclose()
+
+    asyncio.run(build())
+    return factory
 
 
 def task_env_options(options: dict[str, Any]) -> dict[str, Any]:
@@ -275,7 +362,9 @@ async def run_workflow(
         run_index=run_index,
         task_info=dict(infos[solo].get("task", {})),
     )
-    limits = dataclasses.replace(spec.limits(), timeout_s=None)  # the thread's deadline rules
+    limits = dataclasses.replace(  # the thread's deadline rules
+        spec.limits(), timeout_s=None, input_fields={"env": env.name, "seed": seed}
+    )
 
     async def body(isolation: Isolation) -> str:
         # Runs in the run's own thread and event loop: clients, program and all.
