@@ -17,6 +17,7 @@ import select
 import socket
 import subprocess
 import sys
+import textwrap
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -343,3 +344,84 @@ def test_the_gate_samples_as_the_env_says_whatever_the_design_asks(tmp_path: Pat
         "logit_bias": '{"0": 100}',
         "seed": 7,
     }
+
+
+# -- checkpoints: re-saving a step, killed at every moment ---------------------------------------
+
+RESAVER = textwrap.dedent(
+    """
+    import json, os, shutil, signal, sys
+    from pathlib import Path
+    from masenvs.trainer import checkpoint as ckpt
+
+    class Learner:  # what save_checkpoint asks of a learner, with a visible version mark
+        policies, full, sharded = ["policy"], False, False
+        def __init__(self, mark):
+            self.mark = mark
+        def save_adapter(self, policy, directory):
+            Path(directory).mkdir(parents=True)
+            (Path(directory) / "adapter_model.safetensors").write_text(self.mark * 4096)
+        def state_dict(self):
+            return {"mark": self.mark}
+
+    # fsync guards against power loss, not kill -9; stubbed, the test runs in seconds.
+    ckpt._fsync = lambda path: None
+
+    def resave(run_dir, kill_at):
+        ckpt.save_checkpoint(run_dir, Learner("A"), ckpt.TrainState(7, 56))
+        if sys.argv[2] == "1":  # as on a system without renameat2
+            ckpt._exchange = lambda a, b: False
+        calls = 0
+        def dying(real):
+            def call(*args, **kwargs):
+                nonlocal calls
+                out = real(*args, **kwargs)
+                calls += 1
+                if calls == kill_at:  # right after this step of the save
+                    os.kill(os.getpid(), signal.SIGKILL)
+                return out
+            return call
+        for module, name in ((os, "rename"), (os, "replace"), (shutil, "rmtree"),
+                             (ckpt, "_exchange"), (ckpt, "_fsync")):
+            if hasattr(module, name):
+                setattr(module, name, dying(getattr(module, name)))
+        ckpt.save_checkpoint(run_dir, Learner("B"), ckpt.TrainState(7, 56))  # the same step
+
+    # One process per kill point, forked after the imports (which take seconds, some lazily
+    # in the first save).
+    ckpt.save_checkpoint(os.path.join(sys.argv[1], "warm-up"), Learner("A"), ckpt.TrainState(1, 8))
+    for kill_at in range(1, 100):
+        run_dir = os.path.join(sys.argv[1], f"run{kill_at}")
+        pid = os.fork()
+        if pid == 0:
+            resave(run_dir, kill_at)
+            os._exit(0)
+        _, status = os.waitpid(pid, 0)
+        killed = os.WIFSIGNALED(status) and os.WTERMSIG(status) == signal.SIGKILL
+        print(json.dumps({"run_dir": run_dir, "killed": killed, "status": status}), flush=True)
+        if not killed:
+            break
+    """
+)
+
+
+@pytest.mark.parametrize("fallback", [False, True], ids=["exchange", "two-renames"])
+def test_a_step_saved_again_survives_a_kill_at_any_moment(tmp_path: Path, fallback: bool) -> None:
+    from masenvs.trainer.checkpoint import load_latest
+
+    script = tmp_path / "resave.py"
+    script.write_text(RESAVER)
+    proc = subprocess.run(
+        [sys.executable, str(script), str(tmp_path), str(int(fallback))],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    runs = [json.loads(line) for line in proc.stdout.splitlines()]
+    assert len(runs) > 4 and runs[-1] == {**runs[-1], "killed": False, "status": 0}, proc.stderr
+    for run in runs:  # killed after each step of the save, then the save that finished
+        loaded = load_latest(run["run_dir"])
+        assert loaded is not None and loaded.state.step == 7, (run, proc.stderr[-2000:])
+        adapter = loaded.path / "adapters" / "policy" / "adapter_model.safetensors"
+        assert adapter.read_text() in ("A" * 4096, "B" * 4096), run
+    assert adapter.read_text() == "B" * 4096  # the save that ran to its end holds the new one

@@ -16,15 +16,21 @@
 
 A checkpoint is written into a hidden temp directory, every file fsynced, then renamed into
 place (rename is atomic), so a `step_*` directory is always complete. `latest` is replaced
-atomically afterwards.
+atomically afterwards. Saving a step that exists (a resumed run saving it again) swaps the
+two directories in one `renameat2(RENAME_EXCHANGE)`; where the OS has no such call, the old
+one is moved aside first and `list_checkpoints` finds it there until the new one is in place,
+so a kill at any moment leaves the step loadable.
 """
 
 from __future__ import annotations
 
+import ctypes
+import errno
 import json
 import os
 import random
 import shutil
+import sys
 import uuid
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -43,6 +49,7 @@ MODELS = "models"  # full fine-tuning: one Hugging Face model directory per trai
 LATEST = "latest"
 SHARDED = "sharded"  # a distributed learner's DCP shards (any world size reads them)
 _PREFIX = "step_"
+_ASIDE = ".old-"  # a step directory moved aside while a save of the same step replaces it
 
 
 @dataclass
@@ -126,13 +133,16 @@ def save_checkpoint(
         raise
 
     final = root / name
-    if final.exists():  # the same step saved before (a resumed run saving again): replace it
-        old = root / f".old-{name}-{uuid.uuid4().hex[:8]}"
+    _restore_moved_aside(root)
+    if not final.exists():
+        os.rename(tmp, final)
+    elif _exchange(tmp, final):  # the same step saved before: one atomic swap, old now at tmp
+        shutil.rmtree(tmp, ignore_errors=True)
+    else:  # no atomic swap here: `list_checkpoints` finds the old one aside until the rename
+        old = root / f"{_ASIDE}{name}-{uuid.uuid4().hex[:8]}"
         os.rename(final, old)
         os.rename(tmp, final)
         shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, final)
     _fsync(root)
     _write_atomic(root / LATEST, name + "\n")
     _prune(root, keep_last, keep=final)
@@ -154,16 +164,49 @@ def load_latest(run_dir: str | Path) -> Checkpoint | None:
 
 
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
-    """Complete checkpoint directories, oldest first."""
+    """Complete checkpoint directories, oldest first (a step's directory moved aside by a
+    save killed mid-replace stands in for it)."""
     root = Path(run_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    found = [
-        p
-        for p in root.iterdir()
-        if p.is_dir() and p.name.startswith(_PREFIX) and (p / "state.json").is_file()
-    ]
-    return sorted(found, key=lambda p: int(p.name[len(_PREFIX) :]))
+    found: dict[int, Path] = {}
+    for p in root.iterdir():
+        if not (p.is_dir() and (p / "state.json").is_file()):
+            continue
+        if p.name.startswith(_PREFIX):
+            found[_step_of(p.name)] = p
+        elif p.name.startswith(_ASIDE + _PREFIX):
+            found.setdefault(_step_of(p.name[len(_ASIDE) :].split("-")[0]), p)
+    return [found[step] for step in sorted(found)]
+
+
+def _step_of(name: str) -> int:
+    return int(name[len(_PREFIX) :])
+
+
+def _restore_moved_aside(root: Path) -> None:
+    """Put back a step directory that a killed save moved aside and never replaced."""
+    for aside in root.glob(f"{_ASIDE}{_PREFIX}*"):
+        final = root / aside.name[len(_ASIDE) :].split("-")[0]
+        if (aside / "state.json").is_file() and not final.exists():
+            os.rename(aside, final)
+
+
+def _exchange(a: Path, b: Path) -> bool:
+    """Swap two paths atomically (Linux renameat2 RENAME_EXCHANGE); False where the OS or
+    the file system cannot."""
+    if sys.platform != "linux":
+        return False
+    renameat2 = getattr(ctypes.CDLL(None, use_errno=True), "renameat2", None)
+    if renameat2 is None:  # glibc before 2.28
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if renameat2(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    code = ctypes.get_errno()
+    if code in (errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP):
+        return False
+    raise OSError(code, os.strerror(code), str(b))
 
 
 def _prune(root: Path, keep_last: int, keep: Path) -> None:
