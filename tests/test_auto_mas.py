@@ -219,6 +219,10 @@ def test_the_paper_config_trains_two_tiny_steps(tmp_path) -> None:
     cfg = load_config(ROOT / "examples" / "paper" / "auto_mas_qwen3_8b.yaml")
     assert cfg.rollout.branches == 4 and cfg.env.options["executions"] == 4  # N x M = 4 x 4
     assert cfg.schedule.every == 30 and cfg.policy.mode == "shared"
+    # The paper's lengths (8192 for designer and executor) and its math + code mixture.
+    assert cfg.rollout.max_tokens == 8192 and cfg.env.options["max_tokens"] == 8192
+    assert cfg.env.options["task"] == "mixed"
+    assert cfg.env.options["code_sources"] == {"hf:apps": 0.7, "hf:code_contests": 0.3}
     tiny = load_config(
         ROOT / "examples" / "paper" / "auto_mas_qwen3_8b.yaml",
         [
@@ -231,7 +235,10 @@ def test_the_paper_config_trains_two_tiny_steps(tmp_path) -> None:
             "rollout.branches=2",
             "rollout.max_tokens=8",
             "env.options.executions=1",
-            "env.options.source=generated",
+            "env.options.math_source=generated",
+            "env.options.code_sources={builtin: 1}",
+            "env.options.split=null",
+            "env.options.max_tokens=8",
             "validation.episodes=1",
             "logging.tensorboard=false",
             f"run_dir={tmp_path}",

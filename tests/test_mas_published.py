@@ -4,8 +4,11 @@ task source. Real endpoint, real gate, real sandbox; the tiny model or a scripte
 
 from __future__ import annotations
 
+import json
 import re
+from collections import Counter
 from collections.abc import AsyncIterator, Callable
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -17,6 +20,7 @@ from masenvs.adapters.backends.base import Completion, GenerateRequest, Generati
 from masenvs.adapters.backends.embedded import EmbeddedBackend
 from masenvs.adapters.models import load_model
 
+ROOT = Path(__file__).resolve().parents[1]
 MATH = {"id": "six-times-seven", "question": "What is 6 * 7?", "answer": "42"}
 
 
@@ -303,3 +307,72 @@ def test_workflow_graphs_loops_and_conditions_run_on_the_tiny_model(served) -> N
         steps.append({c.step for c in calls})
     assert {"Solver", "Critic", "Refiner", "Finisher"} <= steps[0] and "Skipped" not in steps[0]
     assert {"Calculator", "Reasoner", "Checker"} <= steps[1]
+
+
+# --- a mixed math + code task source ---------------------------------------------------------
+
+
+def code_file(path, prefix: str, n: int = 3):
+    rows = [
+        {
+            "id": f"{prefix}-{i}",
+            "prompt": f"Print {i}.",
+            "tests": [{"input": "", "output": f"{i}\n"}],
+        }
+        for i in range(n)
+    ]
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return f"jsonl:{path}"
+
+
+def test_a_mixed_source_draws_math_and_code_at_its_ratios(tmp_path) -> None:
+    apps, contests = code_file(tmp_path / "a.jsonl", "a"), code_file(tmp_path / "b.jsonl", "b")
+    env = masenvs.make(
+        "auto_mas", task="mixed", math_ratio=0.25, code_sources={apps: 0.7, contests: 0.3}
+    )
+    kinds, origins = Counter(), Counter()
+    for seed in range(1500):
+        env.reset(seed=seed)
+        kind = env.task_info()["kind"]
+        kinds[kind] += 1
+        if kind == "code":
+            origins[env.task.id[0]] += 1
+            assert "<solution>" in env.question()  # code tasks say how to answer
+    assert abs(kinds["math"] / 1500 - 0.25) < 0.04, kinds
+    assert abs(origins["a"] / kinds["code"] - 0.7) < 0.05, origins
+    ids = []
+    for seed in (3, 4, 3):
+        env.reset(seed=seed)
+        ids.append(env.task.id)
+    assert ids[0] == ids[2]  # a seed gives the same task
+    assert env.source.name == f"mixed(generated:0.25, {apps}:0.52, {contests}:0.22)"
+
+
+def test_mixed_sources_are_checked_and_selectable_from_a_train_config(tmp_path) -> None:
+    from masenvs.tasks.mixed import MixedSource, mixed_math_code
+    from masenvs.trainer.config import load_config
+    from masenvs.trainer.train import env_factory
+
+    with pytest.raises(ValueError, match="not source"):
+        masenvs.make("auto_mas", task="mixed", source="generated")
+    with pytest.raises(ValueError, match="for task: mixed"):
+        masenvs.make("auto_mas", math_ratio=0.5, code_sources={"builtin": 1})
+    with pytest.raises(ValueError):
+        masenvs.make("auto_mas", task="mixed", math_ratio=1.5)
+    with pytest.raises(ValueError, match="must not all be 0"):
+        MixedSource(((object(), 0.0),))
+    with pytest.raises(ValueError, match=">= 0"):
+        MixedSource(((object(), -1.0),))
+    with pytest.raises(ValueError, match="between 0 and 1"):
+        mixed_math_code(object(), [(object(), 1.0)], math_ratio=2)
+    cfg = load_config(
+        ROOT / "examples" / "auto_mas.yaml",
+        ["env.options.task=mixed", "env.options.math_ratio=0.5", f"run_dir={tmp_path}"],
+    )
+    env = env_factory(cfg)()
+    assert env.source.name == "mixed(generated:0.50, builtin:0.50)"
+    kinds = set()
+    for seed in range(40):
+        env.reset(seed=seed)
+        kinds.add(env.task_info()["kind"])
+    assert kinds == {"math", "code"}

@@ -5,7 +5,7 @@ An env whose agents act inside a step (`env.callers`) reports each such run in
 Every call recorded under those rollout ids becomes a sample with that reward. Groups:
 `question` puts all executions of a task's designs in one group per (task, agent), so an
 execution is judged against every design's runs of the same question; `design` groups
-the M executions of one design (task, agent, design).
+the N executions of one design (task, agent, design).
 """
 
 from __future__ import annotations

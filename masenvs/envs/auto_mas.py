@@ -3,7 +3,7 @@
 Roles: `designer` acts through `step`: its action is Python that builds a system from
 `masenvs.mas` blocks. The `executor` plays every agent node of that system: it acts
 inside the step, through the capture endpoint (`endpoint_url`), so the trainer serves and
-trains it like any agent (`env.callers`). Each design runs `executions` (M) times in the
+trains it like any agent (`env.callers`). Each design runs `executions` (N) times in the
 sandbox with no network; its LLM calls leave only through its execution's gate.
 
 Rewards (the reward function first, as in every env):
@@ -11,7 +11,7 @@ Rewards (the reward function first, as in every env):
   tests), plus a small `answer_bonus` when it states an answer (a boxed answer or a
   program); a design that fails to run scores 0 and the cause is recorded;
 - the executor's calls of one execution share that execution's score;
-- the designer's reward is the mean over its M executions.
+- the designer's reward is the mean over its N executions.
 Success: at least half of the executions are correct. Single-agent mode: one policy
 plays both, the designs' calls go to the `designer` policy.
 """
@@ -32,12 +32,16 @@ from masenvs.mas.blocks import answer_of
 from masenvs.mas.design import DesignRun, DesignRunner, extract_design
 from masenvs.mas.llm import EXECUTOR
 from masenvs.parsing import clip_text, last_code_block
-from masenvs.tasks.loaders import TaskSource, open_source
+from masenvs.tasks.loaders import TaskSource, open_source, task_from_dict
 from masenvs.tasks.records import CodeTask, MathTask
 
 
 class AutoMASConfig(EnvConfig):
-    task: Literal["math", "code"] = Field("math", description="What the designed systems solve.")
+    task: Literal["math", "code", "mixed"] = Field(
+        "math",
+        description="What the designed systems solve; mixed: math and code tasks drawn at "
+        "math_ratio, as the published system trains (its mixed_env).",
+    )
     source: str | None = Field(
         None,
         description='Task source as in the math/code envs (None: "generated" math, "builtin" code).',
@@ -45,10 +49,28 @@ class AutoMASConfig(EnvConfig):
     split: str | None = Field(None, description="Dataset split (None: the dataset's default).")
     data_path: str | None = Field(None, description="A local copy of the hf: dataset.")
     level: int = Field(1, ge=1, le=3, description="Difficulty of generated math problems.")
+    math_ratio: float = Field(
+        0.5, ge=0, le=1, description="task: mixed: the share of math tasks (the rest is code)."
+    )
+    math_source: str | None = Field(
+        None, description='task: mixed: the math source (None: "generated").'
+    )
+    code_sources: dict[str, float] | None = Field(
+        None,
+        description="task: mixed: code sources and their weights within the code share (None: "
+        '{"builtin": 1}); the published apps_ratio 0.7 is {"hf:apps": 0.7, '
+        '"hf:code_contests": 0.3}.',
+    )
+    data_paths: dict[str, str] = Field(
+        default_factory=dict,
+        description="task: mixed: local copies of hf: sources, by source name.",
+    )
     max_rounds: int = Field(
         2, ge=1, le=100, description="Designs per episode; later ones see the last one's results."
     )
-    executions: int = Field(4, ge=1, le=64, description="Runs of each design (M in N x M).")
+    executions: int = Field(
+        4, ge=1, le=64, description="Runs of each design: N of the paper's M designs x N runs."
+    )
     endpoint_url: str | None = Field(
         None,
         description="Root URL of the capture endpoint the executor is served at (the "
@@ -77,6 +99,17 @@ class AutoMASConfig(EnvConfig):
     )
     test_timeout: float = Field(5.0, gt=0, description="CPU seconds per hidden code test.")
     shown_chars: int = Field(1500, ge=200, description="How much of a result is shown back.")
+
+    @model_validator(mode="after")
+    def _mixed_sources(self) -> AutoMASConfig:
+        if self.task == "mixed" and (self.source or self.data_path):
+            raise ValueError(
+                "task: mixed takes math_source, code_sources and data_paths, not source or "
+                "data_path"
+            )
+        if self.task != "mixed" and (self.math_source or self.code_sources or self.data_paths):
+            raise ValueError("math_source, code_sources and data_paths are for task: mixed")
+        return self
 
     @model_validator(mode="after")
     def _bonus_is_small(self) -> AutoMASConfig:
@@ -161,8 +194,12 @@ class AutoMASEnv(MASEnv):
         super().__init__(config, render_mode, **kw)
         self._instance = uuid.uuid4().hex
         cfg = self.config
-        source = cfg.source or ("generated" if cfg.task == "math" else "builtin")
-        self.source: TaskSource = open_source(source, cfg.task, cfg.split, cfg.data_path, cfg.level)
+        self.source: TaskSource
+        if cfg.task == "mixed":
+            self.source = _mixed_source(cfg)
+        else:
+            source = cfg.source or ("generated" if cfg.task == "math" else "builtin")
+            self.source = open_source(source, cfg.task, cfg.split, cfg.data_path, cfg.level)
 
     @property
     def callers(self) -> list[str]:
@@ -180,13 +217,16 @@ class AutoMASEnv(MASEnv):
     def load_task(self, task: Any) -> MathTask | CodeTask:
         if isinstance(task, MathTask | CodeTask):
             return task
+        if self.config.task == "mixed":
+            return task_from_dict(task)  # a "prompt" makes it a code task
         return MathTask.from_dict(task) if self.config.task == "math" else CodeTask.from_dict(task)
 
     def initial_state(self, task: Any) -> AutoMASState:
         return AutoMASState()
 
     def task_info(self) -> dict[str, Any]:
-        return {"id": self.task.id, "source": self.task.source, "kind": self.config.task}
+        kind = "math" if isinstance(self.task, MathTask) else "code"
+        return {"id": self.task.id, "source": self.task.source, "kind": kind}
 
     def question(self) -> str:
         if isinstance(self.task, MathTask):
@@ -327,6 +367,20 @@ class AutoMASEnv(MASEnv):
         return (
             f"auto_mas {self.task.id} design {len(self.state.designs)} [{graph}]: {last['summary']}"
         )
+
+
+def _mixed_source(cfg: AutoMASConfig) -> TaskSource:
+    from masenvs.tasks.mixed import mixed_math_code
+
+    def one(spec: str, kind: Literal["math", "code"]) -> TaskSource:
+        return open_source(spec, kind, cfg.split, cfg.data_paths.get(spec), cfg.level)
+
+    code = cfg.code_sources or {"builtin": 1.0}
+    return mixed_math_code(
+        one(cfg.math_source or "generated", "math"),
+        [(one(spec, "code"), weight) for spec, weight in code.items()],
+        cfg.math_ratio,
+    )
 
 
 def solution_code(text: str) -> str | None:
