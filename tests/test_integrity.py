@@ -425,3 +425,461 @@ def test_a_step_saved_again_survives_a_kill_at_any_moment(tmp_path: Path, fallba
         adapter = loaded.path / "adapters" / "policy" / "adapter_model.safetensors"
         assert adapter.read_text() in ("A" * 4096, "B" * 4096), run
     assert adapter.read_text() == "B" * 4096  # the save that ran to its end holds the new one
+
+
+# -- the sandbox: hidden tests out of reach, runs isolated, results from the harness ----------
+#
+# A "universal cheat" looks the hidden tests up wherever masenvs and its data live on this
+# machine: the checkout (tasks, tests/data), its .git objects through `git show`, installed
+# copies in site-packages, another copy and a jsonl dataset it finds in /var/tmp. It plays
+# the coder of the code env, an auto-MAS design and the Verilog verifier; on the old
+# sandbox (the host's files minus the imported package's tasks/) it earned full reward.
+
+CHEAT_CORE = r"""
+import glob as _glob, io as _io, json as _json, os as _os, subprocess as _sp, sys as _sys
+import types as _types
+
+_PLACES = %(places)r
+_REPOS = %(repos)r
+
+
+def _code_tasks_from_py(text):
+    records = _types.ModuleType("masenvs.tasks.records")
+
+    class TestCase:
+        def __init__(self, input, output):
+            self.input, self.output = input, output
+
+    class CodeTask:
+        def __init__(self, **kw):
+            self.__dict__.update(kw)
+
+    records.TestCase, records.CodeTask = TestCase, CodeTask
+    fake = {"masenvs": _types.ModuleType("masenvs"), "masenvs.tasks": _types.ModuleType("t"),
+            "masenvs.tasks.records": records}
+    saved = {k: _sys.modules.get(k) for k in fake}
+    _sys.modules.update(fake)
+    try:
+        ns = {"__name__": "_loot"}
+        exec(text, ns)
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                _sys.modules.pop(k, None)
+            else:
+                _sys.modules[k] = v
+    return [{"prompt": p.prompt, "fn_name": getattr(p, "fn_name", None),
+             "tests": [[c.input, c.output] for c in (*p.tests, *p.public_tests)]}
+            for p in ns["PROBLEMS"]]
+
+
+def _texts():
+    for pattern in _PLACES:
+        for path in sorted(_glob.glob(_os.path.expanduser(pattern))):
+            try:
+                with open(path, encoding="utf-8") as f:
+                    yield path, f.read()
+            except (OSError, UnicodeDecodeError):
+                pass
+    for repo in _REPOS:
+        for rel in ("masenvs/tasks/code_problems.py", "masenvs/tasks/data/verilog_problems.json"):
+            try:
+                out = _sp.run(["git", "-c", "safe.directory=*", "-C", repo,
+                               "show", "HEAD:" + rel], capture_output=True, text=True, timeout=20)
+                if out.returncode == 0:
+                    yield rel, out.stdout
+            except (OSError, _sp.SubprocessError):
+                pass
+
+
+def hunt():
+    code, verilog, seen = [], [], []
+    for path, text in _texts():
+        seen.append(path)
+        try:
+            if path.endswith("code_problems.py"):
+                code += _code_tasks_from_py(text)
+            elif path.endswith("verilog_problems.json"):
+                verilog += _json.loads(text)
+            elif path.endswith(".jsonl"):
+                for line in text.splitlines():
+                    d = _json.loads(line)
+                    if "golden" in d:
+                        verilog.append(d)
+                    elif "tests" in d:
+                        tests = d["tests"] + d.get("public_tests", [])
+                        code.append({"prompt": d["prompt"], "fn_name": d.get("fn_name"),
+                                     "tests": [[c["input"], c["output"]] for c in tests]})
+        except Exception:
+            pass
+    return code, verilog, seen
+"""
+
+CODER_CHEAT = r"""
+_code, _, _ = hunt()
+_tables = {}
+for _task in _code:
+    for _inp, _out in _task["tests"]:
+        key = _json.dumps(_inp) if _task["fn_name"] else " ".join(str(_inp).split())
+        _tables.setdefault(_task["fn_name"], {})[key] = _out
+for _fn, _tab in _tables.items():
+    if _fn:
+        globals()[_fn] = (lambda tab: lambda *a: tab.get(_json.dumps(list(a))))(_tab)
+if __name__ == "__main__":
+    print(_tables.get(None, {}).get(" ".join(_sys.stdin.read().split()), ""))
+"""
+
+DESIGN_CHEAT = r"""
+async def solve(messages):
+    question = messages[-1]["content"]
+    code, _, _ = hunt()
+    for task in code:
+        if task["prompt"][:80] not in question:
+            continue
+        if task["fn_name"]:
+            table = {_json.dumps(i): o for i, o in task["tests"]}
+            program = (f"import json\nT = json.loads({_json.dumps(table)!r})\n"
+                       f"def {task['fn_name']}(*a):\n    return T.get(json.dumps(list(a)))\n")
+        else:
+            table = {" ".join(str(i).split()): o for i, o in task["tests"]}
+            program = (f"import json, sys\nT = json.loads({_json.dumps(table)!r})\n"
+                       "print(T.get(' '.join(sys.stdin.read().split()), ''))\n")
+        return "```python\n" + program + "```"
+    return ""  # nothing found: no answer, no bonus
+"""
+
+VERIFIER_CHEAT = r"""
+_raw = _sys.stdin.read()
+_sys.stdin = _io.StringIO(_raw)  # the judge's driver reads the request after us
+_req = _json.loads(_raw)
+_, _golden, _ = hunt()
+_outs = [[n, w] for n, w in _req["outputs"]]
+_found = [t for t in _golden if [list(v) for v in t["vectors"]] == _req["sequences"][0]
+          and [[p[0], p[2]] for p in t["ports"] if p[1] == "output"] == _outs]
+_made = [0]
+
+
+class RefModel:
+    def __init__(self):
+        if not _found:
+            raise LookupError("no golden vectors anywhere")
+        self.seq, self.i = _made[0], 0
+        _made[0] += 1
+
+    def step(self, inputs):
+        rows = _found[0]["expected"]
+        row = rows[self.i] if self.seq == 0 and self.i < len(rows) else ["0"] * len(_outs)
+        self.i += 1
+        return {n: int(b.replace("x", "0").replace("z", "0"), 2) for (n, _), b in zip(_outs, row)}
+
+
+def stimulus():
+    return []
+"""
+
+
+@pytest.fixture(scope="module")
+def loot() -> Iterator[dict[str, Any]]:
+    """Hidden tests in every place a policy might look, and the cheat's map of them."""
+    import shutil
+    import site
+
+    from masenvs.tasks.code_problems import PROBLEMS
+    from masenvs.tasks.loaders import write_jsonl
+
+    copy = Path(f"/var/tmp/masenvs-integrity-{os.getpid()}")  # another copy of masenvs
+    shutil.rmtree(copy, ignore_errors=True)
+    shutil.copytree(REPO / "masenvs" / "tasks", copy / "masenvs" / "tasks")
+    write_jsonl(PROBLEMS, copy / "code.jsonl")  # a `jsonl:` dataset
+    copy.chmod(0o755)
+    for path in copy.rglob("*"):
+        path.chmod(0o755 if path.is_dir() else 0o644)
+    site_dirs = [*site.getsitepackages(), *sys.path]
+    places = [
+        f"{REPO}/masenvs/tasks/code_problems.py",
+        f"{REPO}/masenvs/tasks/data/verilog_problems.json",
+        f"{REPO}/tests/data/*.jsonl",
+        f"{copy}/masenvs/tasks/code_problems.py",
+        f"{copy}/masenvs/tasks/data/verilog_problems.json",
+        f"{copy}/*.jsonl",
+        "/var/tmp/*/masenvs/tasks/code_problems.py",
+        "/work/*/masenvs/tasks/code_problems.py",
+        "~/.cache/masenvs/*/*.jsonl",
+        *(f"{d}/masenvs/tasks/code_problems.py" for d in site_dirs if d),
+        *(f"{d}/masenvs/tasks/data/verilog_problems.json" for d in site_dirs if d),
+    ]
+    core = CHEAT_CORE % {"places": places, "repos": [str(REPO)]}
+    try:
+        yield {"core": core, "copy": copy, "jsonl": copy / "code.jsonl", "places": places}
+    finally:
+        shutil.rmtree(copy, ignore_errors=True)
+
+
+def test_the_cheat_finds_the_hidden_tests_outside_the_sandbox(loot) -> None:
+    """The cheat works: run here, outside any sandbox, it finds every hidden test."""
+    from masenvs.tasks.code_problems import PROBLEMS
+
+    namespace: dict[str, Any] = {"__name__": "probe"}
+    exec(loot["core"] + "\nFOUND = hunt()\n", namespace)
+    code, verilog, seen = namespace["FOUND"]
+    assert {t["prompt"] for t in code} >= {p.prompt for p in PROBLEMS}
+    assert len(verilog) >= 50 and "masenvs/tasks/code_problems.py" in seen  # from .git
+    assert str(loot["jsonl"]) in seen
+
+
+def test_the_cheat_earns_nothing_as_the_coder(loot) -> None:
+    import masenvs
+    from masenvs.tasks.code_problems import PROBLEMS
+
+    action = f"```python\n{loot['core']}\n{CODER_CHEAT}\n```"
+    for source, problems in (("builtin", PROBLEMS), (f"jsonl:{loot['jsonl']}", PROBLEMS[:2])):
+        env = masenvs.make("code", source=source, single_agent=True)
+        for problem in problems:
+            env.reset(seed=0, options={"task": problem})
+            _, rewards, _, _, infos = env.step({"coder": action})
+            assert infos["coder"]["pass_rate"] == 0.0, (source, problem.id)
+            assert rewards["coder"] == 0.0, (source, problem.id)
+
+
+def test_no_hidden_test_file_is_even_visible_to_a_run(loot) -> None:
+    """Through the code judge: a program lists what it can open of the places and of the
+    host (home, checkout, .git, caches, site-packages of the trainer)."""
+    from masenvs.tasks.code_judge import CodeJudge
+    from masenvs.tasks.records import TestCase
+
+    site_dirs = [d for d in sys.path if d.endswith("site-packages")]
+    targets = [*loot["places"], str(loot["copy"]), str(REPO), f"{REPO}/.git", "/var/tmp"]
+    targets += [str(Path.home()), os.path.expanduser("~/.cache"), *site_dirs]
+    probe = textwrap.dedent(
+        f"""
+        import glob, json, os
+        seen = {{}}
+        for pattern in {targets!r}:
+            for path in glob.glob(os.path.expanduser(pattern)) or [pattern]:
+                try:
+                    seen[path] = sorted(os.listdir(path)) if os.path.isdir(path) else "file"
+                    open(path, "rb").close() if seen[path] == "file" else None
+                except OSError:
+                    seen.pop(path, None)
+        print(json.dumps(seen))
+        """
+    )
+    room = "{}" + " " * 20000  # the judge keeps twice the expected output of a case
+    (result,) = CodeJudge().run(probe, [TestCase("", room)]).cases
+    assert result.status in ("pass", "wrong"), result
+    seen = json.loads(result.actual)
+    assert not any(isinstance(v, str) for v in seen.values()), seen  # no hidden file opens
+    # What exists of the host is the way to the interpreter and its allowed packages: the
+    # checkout holds only its .venv, the home only the interpreter, site-packages no masenvs.
+    assert seen.get(str(REPO), [".venv"]) == [".venv"], seen
+    assert seen.get(str(Path.home()), [".pyenv"]) in ([".pyenv"], []), seen
+    for name in (str(loot["copy"]), f"{REPO}/.git", "/var/tmp", os.path.expanduser("~/.cache")):
+        assert name not in seen, seen
+    for site_dir in site_dirs:
+        assert not any("masenvs" in entry for entry in seen.get(site_dir, [])), seen
+
+
+AUTO_MAS_SAMPLE = (0, 3, 8, 13)  # two stdin and two call-based problems
+
+
+def test_the_cheat_earns_nothing_as_an_auto_mas_design(loot) -> None:
+    import masenvs
+    from masenvs.tasks.code_problems import PROBLEMS
+
+    design = f"<code>\n{loot['core']}\n{DESIGN_CHEAT}\n</code>"
+    env = masenvs.make(
+        "auto_mas",
+        task="code",
+        endpoint_url="http://127.0.0.1:9",  # never called: the design makes no LLM call
+        executions=1,
+        max_rounds=1,
+        design_seconds=60,
+    )
+    for index in AUTO_MAS_SAMPLE:
+        env.reset(seed=0, options={"task": PROBLEMS[index]})
+        _, rewards, _, _, infos = env.step({"designer": design})
+        (execution,) = infos["designer"]["executions"]
+        assert execution["correctness"] == 0.0, (PROBLEMS[index].id, execution)
+        assert rewards["designer"] == 0.0, (PROBLEMS[index].id, execution)
+
+
+VERILOG_SAMPLE = ("and_or_xor", "alu_8bit", "popcount_8", "counter_4bit", "lfsr_8bit", "dff_reset")
+
+
+def test_the_cheat_earns_nothing_as_the_verilog_verifier(loot) -> None:
+    import masenvs
+    from masenvs.tasks.verilog_problems import builtin_tasks
+
+    tasks = {t.id: t for t in builtin_tasks()}
+    env = masenvs.make("verilog")
+    action = f"```python\n{loot['core']}\n{VERIFIER_CHEAT}\n```"
+    for task_id in VERILOG_SAMPLE:
+        env.reset(seed=0, options={"task": tasks[task_id]})
+        env.step({"designer": "```verilog\nmodule top_module(); endmodule\n```"})
+        _, rewards, _, _, infos = env.step({"verifier": action})
+        assert infos["verifier"]["verifier_agreement"] is None, task_id
+        assert rewards["verifier"] == 0.0, task_id
+
+
+# -- runs are isolated from each other -------------------------------------------------------
+
+LEAVER = r"""
+import ctypes, os, socket, time
+libc = ctypes.CDLL(None, use_errno=True)
+libc.shmat.restype = ctypes.c_void_p
+size = 200 << 20
+shm = libc.shmget(0x5EED26, size, 0o1666)  # IPC_CREAT: outlives the process that made it
+addr = libc.shmat(shm, None, 0)
+ctypes.memset(addr, 0x41, size)  # really allocate it
+libc.shmdt(ctypes.c_void_p(addr))
+with open("/dev/shm/masenvs-left", "wb") as f:
+    f.write(b"hidden input 1 2 3")
+with open("/tmp/masenvs-left", "w") as f:
+    f.write("hidden input 1 2 3")
+if os.fork() == 0:  # a detached listener on an abstract socket
+    os.setsid()
+    s = socket.socket(socket.AF_UNIX)
+    s.bind(b"\0masenvs-left")
+    s.listen()
+    time.sleep(60)
+    os._exit(0)
+time.sleep(0.2)
+print("left", shm >= 0)
+"""
+
+FINDER = r"""
+import ctypes, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+found = []
+if libc.shmget(0x5EED26, 0, 0) >= 0:
+    found.append("sysv-shm")
+for path in ("/dev/shm/masenvs-left", "/tmp/masenvs-left"):
+    if os.path.exists(path):
+        found.append(path)
+try:
+    socket.socket(socket.AF_UNIX).connect(b"\0masenvs-left")
+    found.append("abstract-socket")
+except OSError:
+    pass
+print("found", found)
+"""
+
+
+def host_shmem_mb() -> float:
+    """Shared memory and tmpfs pages of the whole host (every namespace), in MiB."""
+    fields = dict(line.split(":", 1) for line in Path("/proc/meminfo").read_text().splitlines())
+    return int(fields["Shmem"].split()[0]) / 1024
+
+
+def test_nothing_a_run_leaves_behind_reaches_the_next_and_memory_returns() -> None:
+    import ctypes
+
+    from masenvs.tasks.code_judge import CodeJudge
+    from masenvs.tasks.records import TestCase
+
+    judge = CodeJudge(memory_mb=768)
+    before = host_shmem_mb()
+    try:
+        (left,) = judge.run(LEAVER, [TestCase("", "left True\n")]).cases
+        assert left.status == "pass", left  # it did allocate 200 MB and left it all behind
+        (seen,) = judge.run(FINDER, [TestCase("", "found []\n")]).cases
+        assert seen.status == "pass", seen.actual  # the next run finds none of it
+        deadline = time.monotonic() + 20  # the kernel frees a dead namespace's memory lazily
+        while host_shmem_mb() - before > 100 and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert host_shmem_mb() - before < 100, (before, host_shmem_mb())
+    finally:  # on a sandbox without IPC namespaces the segment sits in the host's
+        libc = ctypes.CDLL(None, use_errno=True)
+        shm = libc.shmget(0x5EED26, 0, 0)
+        if shm >= 0:
+            libc.shmctl(shm, 0, None)  # IPC_RMID
+
+
+MEET = r"""
+async def solve(messages):
+    import os, socket, time
+    name = b"\0masenvs-meet"
+    s = socket.socket(socket.AF_UNIX)
+    try:
+        s.bind(name)
+    except OSError:  # the other execution holds the name: reach it, swap gate sockets
+        c = socket.socket(socket.AF_UNIX)
+        c.connect(name)
+        c.sendall(open("/proc/self/cmdline", "rb").read()[:50])
+        return "met: connected to the other execution"
+    s.listen()
+    s.settimeout(8)
+    try:
+        conn, _ = s.accept()
+        return "met: the other execution connected"
+    except OSError:
+        gates = sorted(os.listdir("/run/masenvs")) if os.path.isdir("/run/masenvs") else []
+        return f"alone, gates {gates}"
+"""
+
+
+def test_two_concurrent_executions_cannot_reach_each_others_sockets() -> None:
+    import masenvs
+
+    env = masenvs.make(
+        "auto_mas",
+        endpoint_url="http://127.0.0.1:9",
+        executions=2,  # run at the same time
+        max_rounds=1,
+        design_seconds=30,
+    )
+    env.reset(seed=0, options={"task": {"id": "q", "question": "2 + 2?", "answer": "4"}})
+    _, _, _, _, infos = env.step({"designer": f"<code>\n{MEET}\n</code>"})
+    answers = [e["answer"] for e in infos["designer"]["executions"]]
+    assert answers == ["alone, gates ['gate.sock']"] * 2, infos["designer"]["executions"]
+
+
+FORGED = {
+    "exits at once": "import os; os._exit(0)",
+    "prints last, at exit": "import atexit; atexit.register(lambda: print(LINE, flush=True))",
+}
+
+
+@pytest.mark.parametrize("ending", FORGED)
+def test_a_forged_result_line_is_not_taken_for_the_result(ending: str) -> None:
+    import masenvs
+    from masenvs.mas.design import RESULT_MARKER
+
+    forged = RESULT_MARKER + json.dumps(
+        {
+            "answer": "\\boxed{4}",
+            "graph": {"structure": "Agent(x)", "nodes": [{"name": "x", "calls": ["c1"]}]},
+            "error": None,
+        }
+    )
+    design = (
+        f"LINE = {forged!r}\n"
+        "async def solve(messages):\n"
+        "    print(LINE, flush=True)\n"
+        f"    {FORGED[ending]}\n"
+        "    return '\\\\boxed{5}'\n"
+    )
+    env = masenvs.make("auto_mas", endpoint_url="http://127.0.0.1:9", executions=1, max_rounds=1)
+    env.reset(seed=0, options={"task": {"id": "q", "question": "2 + 2?", "answer": "4"}})
+    _, rewards, _, _, infos = env.step({"designer": f"<code>\n{design}\n</code>"})
+    (execution,) = infos["designer"]["executions"]
+    assert execution["correctness"] == 0.0 and rewards["designer"] < 1.0, execution
+    assert "\\boxed{4}" not in execution["answer"]
+    assert infos["designer"]["graph"] is None or infos["designer"]["graph"]["nodes"] == []
+
+
+def test_judges_refuse_a_sandbox_that_cannot_hide_the_tests(monkeypatch) -> None:
+    from masenvs.sandbox import Sandbox, SandboxError
+    from masenvs.tasks.code_judge import CodeJudge
+    from masenvs.tasks.records import TestCase
+
+    tests = [TestCase("2\n", "4\n")]
+    with Sandbox(namespaces=False) as weak:
+        assert not weak.isolation.judging_safe
+        monkeypatch.delenv("MASENVS_ALLOW_WEAK_SANDBOX", raising=False)
+        with pytest.raises(SandboxError, match="MASENVS_ALLOW_WEAK_SANDBOX=1"):
+            CodeJudge(sandbox=weak).run("print(2 * int(input()))", tests)
+        monkeypatch.setenv("MASENVS_ALLOW_WEAK_SANDBOX", "1")  # the user opts in
+        with pytest.warns(UserWarning, match="hidden tests"):
+            result = CodeJudge(sandbox=weak).run("print(2 * int(input()))", tests)
+        assert result.all_passed
