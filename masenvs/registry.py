@@ -61,5 +61,6 @@ for _name, _entry in {
     "auto_mas": "masenvs.envs.auto_mas:AutoMASEnv",
     "verilog": "masenvs.envs.verilog:VerilogEnv",
     "web_search": "masenvs.envs.web_search:WebSearchEnv",
+    "say": "masenvs.envs.say:SayEnv",
 }.items():
     register(_name, _entry)
