@@ -1,14 +1,20 @@
-"""The PPO-clip loss on hand-computed tokens: both clip sides, dual clip, KL, token mean."""
+"""The PPO-clip loss on hand-computed tokens: both clip sides, dual clip, KL, token mean; and
+a hand-computed batch through group_advantages and Learner.step, with injected bugs caught."""
 
 from __future__ import annotations
 
+import dataclasses
 import math
+from typing import Any
 
 import pytest
 import torch
 
-from masenvs.trainer.atgrpo import LossSums, policy_loss
-from masenvs.trainer.config import AlgorithmConfig
+from masenvs.trainer import learner as learner_module
+from masenvs.trainer.atgrpo import LossSums, group_advantages, policy_loss
+from masenvs.trainer.config import AlgorithmConfig, load_config
+from masenvs.trainer.learner import Learner
+from masenvs.trainer.samples import Sample, tree_group
 
 
 def tokens(ratios: list[float], advantages: list[float]) -> tuple[torch.Tensor, ...]:
@@ -132,3 +138,86 @@ def test_metrics_are_token_means() -> None:
     assert m["clip_frac_high"] == pytest.approx(0.5)
     # k3 of KL(old || new) on the first token: (r - 1) - ln r
     assert m["approx_kl"] == pytest.approx(((2.0 - 1.0) - math.log(2.0)) / 2)
+
+
+# -- a hand-computed batch through group_advantages and Learner.step (the RL sanity suite) -----
+
+
+def hand_batch() -> tuple[list[Sample], list[float]]:
+    """Two groups with hand-computed advantages (population std, eps 1e-6).
+
+    Group a, rewards [1, 0]: mean 0.5, std 0.5, A = [+1, -1].
+    Group b, rewards [3, 1, 2]: mean 2, std sqrt(2/3), A = [+1.2247, -1.2247, 0].
+    """
+    a, b = tree_group("a", 0, "coder"), tree_group("b", 0, "coder")
+    rows = [  # (prompt, completion, group, reward)
+        ([5, 6, 7], [11, 12], a, 1.0),
+        ([5, 6, 7], [13, 14, 15], a, 0.0),
+        ([8, 9], [21], b, 3.0),
+        ([8, 9], [22, 23], b, 1.0),
+        ([8, 9], [24, 25, 26, 27], b, 2.0),
+    ]
+    samples = [Sample(p, c, [], "coder", "coder", g, r) for p, c, g, r in rows]
+    s = math.sqrt(2 / 3)
+    expected = [0.5 / (0.5 + 1e-6), -0.5 / (0.5 + 1e-6), 1 / (s + 1e-6), -1 / (s + 1e-6), 0.0]
+    return samples, expected
+
+
+def update_problems(learner: Learner, samples: list[Sample]) -> list[str]:
+    """Check one update against the hand computation; returns what disagrees (empty: sound).
+
+    On policy (one optimizer step) every ratio is 1, so the token-mean loss is
+    -sum(A_i * len_i) / sum(len_i), and a small step must raise sum(A_i * log pi(y_i)).
+    """
+    batch, _ = group_advantages(samples, AlgorithmConfig())
+    _, expected = hand_batch()
+    problems = []
+    got = [s.advantage for s in batch]
+    if got != pytest.approx(expected, abs=1e-9):
+        problems.append(f"advantages {got} != {expected}")
+    lengths = [len(s.completion_token_ids) for s in batch]
+    loss = -sum(a * n for a, n in zip(expected, lengths, strict=True)) / sum(lengths)
+    before = learner.logprobs("coder", batch)
+    metrics = learner.step(batch)
+    after = learner.logprobs("coder", batch)
+    if metrics["learner/coder/pg_loss"] != pytest.approx(loss, abs=1e-5):
+        problems.append(f"pg_loss {metrics['learner/coder/pg_loss']} != {loss}")
+    if metrics["learner/coder/ratio_mean"] != pytest.approx(1.0, abs=1e-6):
+        problems.append(f"on-policy ratio {metrics['learner/coder/ratio_mean']} != 1")
+    gain = sum(
+        s.advantage * (new.sum() - old.sum()).item()
+        for s, old, new in zip(batch, before, after, strict=True)
+    )
+    if gain <= 0:
+        problems.append(f"the step lowered sum(A * log pi) by {-gain}")
+    return problems
+
+
+def hand_learner(loader: Any) -> Learner:
+    cfg = load_config(
+        None, ["model.name=tiny", "lora.rank=4", "optim.lr=1e-3", "optim.warmup_steps=0"]
+    )
+    return Learner(cfg, ["coder"], loader)
+
+
+def test_a_hand_computed_batch_gets_the_hand_computed_update(loader: Any) -> None:
+    samples, _ = hand_batch()
+    assert update_problems(hand_learner(loader), samples) == []
+
+
+def test_a_flipped_sign_in_the_loss_is_caught(loader: Any, monkeypatch: pytest.MonkeyPatch) -> None:
+    def flipped(logprobs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, *a: Any, **k: Any):
+        return policy_loss(logprobs, old, -adv, *a, **k)
+
+    monkeypatch.setattr(learner_module, "policy_loss", flipped)
+    samples, _ = hand_batch()
+    problems = update_problems(hand_learner(loader), samples)
+    assert any("pg_loss" in p for p in problems) and any("lowered" in p for p in problems)
+
+
+def test_advantages_that_ignore_the_group_are_caught(loader: Any) -> None:
+    # A classic bug: one baseline for the whole batch instead of one per (task, turn, agent).
+    samples, _ = hand_batch()
+    merged = [dataclasses.replace(s, group=("all",)) for s in samples]
+    problems = update_problems(hand_learner(loader), merged)
+    assert any("advantages" in p for p in problems)
