@@ -28,7 +28,6 @@ import random
 import re
 import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,7 +38,7 @@ import torch  # noqa: E402
 
 from masenvs.trainer.atgrpo import group_advantages  # noqa: E402
 from masenvs.trainer.config import load_config  # noqa: E402
-from masenvs.trainer.learner import Learner, matmul_flops_per_s  # noqa: E402
+from masenvs.trainer.learner import Learner, mfu_metrics  # noqa: E402
 from masenvs.trainer.samples import Sample, tree_group  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "examples" / "quickstart.yaml"
@@ -136,23 +135,23 @@ def main() -> None:
     rows = []
     for step in range(args.steps):
         batch = quickstart_batch(step, cfg)
-        start, cpu = time.perf_counter(), time.process_time()
         metrics = learner.step(batch)
-        wall, cpu = time.perf_counter() - start, time.process_time() - cpu
-        peak = matmul_flops_per_s()
+        metrics.update(mfu_metrics(metrics))
         rows.append(
             {
-                "wall_s": wall,
-                "cpu_s": cpu,
+                "wall_s": metrics["learner/time_s"],
+                "cpu_s": metrics["learner/cpu_s"],
                 "gflops": metrics["learner/gflops"],
-                "matmul_gflop_per_s": peak / 1e9,
-                "mfu": metrics["learner/gflops"] * 1e9 / wall / peak,
+                "matmul_gflop_per_s": metrics["learner/matmul_gflop_per_s"],
+                "mfu": metrics["learner/mfu"],
+                "mfu_cpu": metrics["learner/mfu_cpu"],
             }
         )
+        r = rows[-1]
         print(
-            f"step {step}: {wall:6.1f} s wall, {cpu:6.1f} s CPU, "
-            f"{metrics['learner/gflops']:7.1f} GFLOP, {rows[-1]['mfu']:6.1%} MFU "
-            f"(matmul {peak / 1e9:5.1f} GFLOP/s right after)",
+            f"step {step}: {r['wall_s']:6.1f} s wall, {r['cpu_s']:6.1f} s CPU, "
+            f"{r['gflops']:7.1f} GFLOP, MFU {r['mfu']:6.1%} (wall) {r['mfu_cpu']:6.1%} (CPU "
+            f"time), matmul {r['matmul_gflop_per_s']:5.1f} GFLOP/s right after",
             flush=True,
         )
     phases["after the steps"] = memory()
@@ -165,6 +164,7 @@ def main() -> None:
         "median_wall_s": statistics.median(r["wall_s"] for r in rows),
         "median_cpu_s": statistics.median(r["cpu_s"] for r in rows),
         "median_mfu": statistics.median(r["mfu"] for r in rows),
+        "median_mfu_cpu": statistics.median(r["mfu_cpu"] for r in rows),
         "peak_rss_mib": phases["after the steps"]["VmHWM"],
     }
     print(json.dumps(summary))

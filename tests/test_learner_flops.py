@@ -15,6 +15,7 @@ from masenvs.trainer.learner import (
     build_microbatch,
     forward_flops,
     linear_params,
+    mfu_metrics,
     prompt_units,
 )
 
@@ -97,3 +98,15 @@ def test_single_step_update_equals_a_separate_old_logprob_pass(
     for a, b in zip(g_one, g_two, strict=True):
         assert torch.allclose(a, b, atol=1e-8, rtol=1e-5)
     assert f_two == pytest.approx(1.5 * f_one)  # the separate pass is one forward more
+
+
+def test_mfu_is_the_updates_flop_rate_over_a_matmuls_timed_after_it(loader: Any) -> None:
+    cfg = config()
+    learner = Learner(cfg, ["coder"], loader)
+    update = learner.step(with_advantages(make_samples("coder", 6, seed=6), cfg))
+    assert update["learner/cpu_s"] > 0
+    out = mfu_metrics(update)
+    peak = out["learner/matmul_gflop_per_s"]
+    assert peak > 0
+    assert out["learner/mfu"] == pytest.approx(update["learner/gflop_per_s"] / peak)
+    assert 0 < out["learner/mfu_cpu"] < 10  # a ratio of FLOP per CPU second, not a raw rate

@@ -407,7 +407,7 @@ class Learner:
         policy advances: it counts training steps. Samples of frozen policies are ignored
         (the training loop drops them before grouping).
         """
-        start = time.perf_counter()
+        start, cpu_start = time.perf_counter(), time.process_time()
         flops_before = self.flops
         by_policy: dict[str, list[Sample]] = defaultdict(list)
         for s in samples:
@@ -436,6 +436,7 @@ class Learner:
         # Model FLOPs (recomputation not counted): against a matmul's peak this is the MFU.
         metrics["learner/gflops"] = (self.flops - flops_before) / 1e9
         metrics["learner/gflop_per_s"] = metrics["learner/gflops"] / elapsed if elapsed > 0 else 0.0
+        metrics["learner/cpu_s"] = time.process_time() - cpu_start  # every thread of the process
         return metrics
 
     def _update(self, policy: Policy, batch: list[Sample], lr: float) -> dict[str, float]:
@@ -858,17 +859,34 @@ def token_logprobs(
     )
 
 
-def matmul_flops_per_s(n: int = 2048, repeats: int = 3) -> float:
-    """FLOP/s of a large square fp32 `torch.mm` on this thread right now (best of `repeats`):
-    the peak an update's MFU is measured against, under the same load."""
+def matmul_flops_per_s(n: int = 2048, repeats: int = 3) -> tuple[float, float]:
+    """A large square fp32 `torch.mm` on this thread right now: (FLOP per second of wall
+    time, best of `repeats`; FLOP per second of the process's CPU time, over all of them).
+
+    The peak an update's MFU is measured against. On a shared machine the second is the
+    steadier: time slices lost to other processes count in neither."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
     best = math.inf
+    cpu = time.process_time()
     for _ in range(repeats):
         start = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best
+    cpu = time.process_time() - cpu
+    return 2 * n**3 / best, 2 * n**3 * repeats / max(cpu, 1e-9)
+
+
+def mfu_metrics(update: dict[str, float]) -> dict[str, float]:
+    """The update's MFU against a matmul timed now (call right after `Learner.step`, on its
+    thread): per wall second, and per CPU second (steadier on a shared machine)."""
+    wall, cpu = matmul_flops_per_s()
+    out = {"learner/matmul_gflop_per_s": wall / 1e9, "learner/mfu": 0.0, "learner/mfu_cpu": 0.0}
+    if update.get("learner/time_s"):
+        out["learner/mfu"] = update["learner/gflops"] * 1e9 / update["learner/time_s"] / wall
+    if update.get("learner/cpu_s"):
+        out["learner/mfu_cpu"] = update["learner/gflops"] * 1e9 / update["learner/cpu_s"] / cpu
+    return out
 
 
 def linear_params(causal_lm: Any) -> int:
