@@ -28,6 +28,7 @@ from masenvs.adapters.policy_map import PolicyMap
 from masenvs.adapters.rollout import EpisodeResult, episode_record, run_episodes
 from masenvs.adapters.stack import Stack, start_stack, with_endpoint
 from masenvs.env import MASEnv
+from masenvs.memory import tune_allocator
 from masenvs.registry import make
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.captured import captured_samples, write_designs
@@ -35,7 +36,7 @@ from masenvs.trainer.checkpoint import TrainState, load_latest, save_checkpoint
 from masenvs.trainer.config import ConfigError, TrainConfig, save_config
 from masenvs.trainer.dist_learner import make_learner
 from masenvs.trainer.engines import engine_pools, several_engines
-from masenvs.trainer.learner import Learner
+from masenvs.trainer.learner import Learner, mfu_metrics
 from masenvs.trainer.metrics import (
     MetricsLogger,
     group_metrics,
@@ -347,6 +348,9 @@ class WorkflowSource:
 def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     """Run (or resume, with `cfg.checkpoint.resume`) the training described by `cfg`."""
     console = console or Console()
+    # Before any model loads: large tensors get their own mappings, freed back to the system
+    # (docs/memory.md; MASENVS_MALLOC=default keeps glibc's settings).
+    tune_allocator()
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
@@ -480,6 +484,8 @@ async def _loop(
             # pool that competes with the engine's once the next rollout starts.
             update = learner.step(trainable, lr_scale=lr_scale) if trainable else {}
             update_s = time.perf_counter() - started
+            if cfg.logging.mfu and update.get("learner/gflop_per_s"):
+                update.update(mfu_metrics(update))
             # what the step did with each sample, for `masenvs ui` (after the update: the
             # learner's log-probs are in it)
             write_step_samples(Path(cfg.run_dir) / SAMPLES_FILE, step, samples, trained, trainable)
