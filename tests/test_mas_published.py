@@ -67,7 +67,15 @@ class ScriptedBackend:
 
 def coder(messages: list[dict[str, Any]]) -> str:
     """Writes a program first; answers with what the program printed once it has seen it."""
+    system = messages[0]["content"] if messages[0]["role"] == "system" else ""
     last = messages[-1]["content"]
+    if "ALWAYS-CODE" in system:  # never answers on its own
+        return "Still computing.\n```python\nprint(1)\n```"
+    if "USE-LOOKUP" in system:  # calls the design's own tool, then answers with its result
+        found = re.search(r"returned:\n(\S+)", last)
+        if found:
+            return f"FINAL ANSWER: \\boxed{{{found.group(1)}}}"
+        return '<tool_call>{"name": "lookup", "arguments": {"key": "product"}}</tool_call>'
     printed = re.search(r"Output:\n(\S+)", last)
     if printed:
         return (
@@ -138,6 +146,40 @@ def test_tool_code_runs_without_network_and_its_failure_is_the_observation(scrip
     assert "SyntaxError" in run("print(")
     assert run("while True: pass").startswith("Timeout:")
     assert llm.tool_runs == 5
+
+
+def test_a_tool_agent_is_told_to_answer_after_max_turns_and_the_gate_bounds_tool_runs(
+    scripted,
+) -> None:
+    env = masenvs.make(
+        "auto_mas", endpoint_url=scripted.url, executions=1, max_rounds=1, max_tool_runs=1
+    )
+    env.reset(options={"task": MATH})
+    _, info = step(env, design('system = ToolAgent("loop", "ALWAYS-CODE", max_turns=2)'))
+    run = info["executions"][0]
+    assert run["error"] is None and "```python" in run["answer"]  # its last reply stands
+    calls = scripted.store.rollout(run["rollout_id"])
+    assert len(calls) == 3  # max_turns runs, then one more turn
+    first, second = calls[1].messages[-1]["content"], calls[2].messages[-1]["content"]
+    assert first.startswith("Output:\n1")
+    assert "budget of 1 tool runs is spent" in second  # the gate refused the second run
+    assert second.endswith(mas.blocks.FINAL_PROMPT)
+
+
+def test_tool_calls_parse_or_explain_themselves() -> None:
+    from masenvs.mas.blocks import tool_call
+
+    assert tool_call("```python\nprint(2)\n```") == ("python", {"code": "print(2)\n"})
+    assert tool_call("```python\nprint(2)\n```\nso \\boxed{2}") is None  # an answer
+    assert tool_call("<solution>\nprint(2)\n</solution>") is None
+    assert tool_call('<tool_call>{"name": "f", "arguments": {"x": 1}}</tool_call>') == (
+        "f",
+        {"x": 1},
+    )
+    assert tool_call("<tool_call>{not json</tool_call>") == ("", {})
+    assert tool_call("just text") is None
+    with pytest.raises(ValueError, match="max_turns"):
+        mas.ToolAgent("a", max_turns=0)
 
 
 # --- the published `workflow` API, unchanged -------------------------------------------------
@@ -376,3 +418,55 @@ def test_mixed_sources_are_checked_and_selectable_from_a_train_config(tmp_path) 
         env.reset(seed=seed)
         kinds.add(env.task_info()["kind"])
     assert kinds == {"math", "code"}
+
+
+OWN_TOOL = """
+from workflow import AgentNode, ToolRegistry, Workflow
+
+def lookup(key):
+    return {"product": "42"}[key]
+
+registry = ToolRegistry()
+registry.register("lookup", lookup, "Look a value up.", {"type": "object"})
+workflow = Workflow(name="lookup")
+workflow.add_node(AgentNode(name="Finder", system_prompt="USE-LOOKUP", tool_registry=registry))
+result = workflow.run("What is 6 * 7?")
+print(result.content)
+"""
+
+
+@pytest.mark.parametrize(
+    ("script", "cause"),
+    [
+        (
+            "from workflow import AgentGraph, AgentNode\n"
+            "g = AgentGraph()\ng.add_node('a', AgentNode(name='A', system_prompt='x'))\n"
+            "g.run('q')",
+            "error: ValueError: Entry point not set",
+        ),
+        (
+            "from workflow import AgentNode, LoopWorkflow\n"
+            "w = LoopWorkflow(max_iterations=50)\n"
+            "w.add_node(AgentNode(name='A', system_prompt='ALWAYS-CODE', max_turns=1))\n"
+            "w.set_loop_condition(lambda ctx: True)\nw.run('q')",
+            "budget: the design made more than 4 LLM calls",
+        ),
+        ("import workflow\nprint('no run, no answer')\nraise SystemExit(3)", "exited with 3"),
+    ],
+)
+def test_a_failing_workflow_script_scores_zero_with_its_cause(scripted, script, cause) -> None:
+    env = masenvs.make(
+        "auto_mas", endpoint_url=scripted.url, executions=1, max_rounds=1, max_calls=4
+    )
+    env.reset(options={"task": MATH})
+    reward, info = step(env, designer_reply(script))
+    assert reward == 0.0 and cause in info["error"], info["error"]
+
+
+def test_a_workflow_node_calls_the_designs_own_registered_tool(scripted) -> None:
+    env = masenvs.make("auto_mas", endpoint_url=scripted.url, executions=1, max_rounds=1)
+    env.reset(options={"task": MATH})
+    reward, info = step(env, designer_reply(OWN_TOOL))
+    assert reward == pytest.approx(1.05), info["executions"]
+    calls = scripted.store.rollout(info["captured"][0]["rollout_id"])
+    assert calls[1].messages[-1]["content"] == "Tool 'lookup' returned:\n42"
