@@ -25,6 +25,7 @@ from starlette.routing import Route
 
 from masenvs.adapters.backends.vllm import UPDATE_METHOD, VLLMProcess, _free_port, launch_server
 from masenvs.adapters.openai_schema import APIError
+from masenvs.listeners import API_KEY_ENV, listener_key
 
 if TYPE_CHECKING:
     from masenvs.adapters.endpoint import Endpoint
@@ -113,8 +114,13 @@ def launch_engine_server(
     env: Mapping[str, str] | None = None,
     log_path: str | os.PathLike[str] | None = None,
     timeout: float = 300.0,
+    api_key: str | None = None,
 ) -> VLLMProcess:
-    """Start `masenvs serve --engine` on `model` and wait until `/health` answers."""
+    """Start `masenvs serve --engine` on `model` and wait until `/health` answers.
+
+    Beyond loopback it needs `api_key` (clients send it as a Bearer token); the key reaches
+    the server in its environment, never on its command line."""
+    key = listener_key(host, api_key, what="an engine server", key_flag="api_key=")
     port = port or _free_port(host)
     args = [
         sys.executable,
@@ -145,5 +151,8 @@ def launch_engine_server(
         Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="engine-", suffix=".log")[1])
     )
     env = {**os.environ, **(env or {})}
+    env.pop(API_KEY_ENV, None)  # a key the user set for something else must not lock it
+    if key:
+        env[API_KEY_ENV] = key
     url = f"http://{host}:{port}"
     return launch_server(args, env, log_file, url, timeout, f"The engine server for {model}")

@@ -15,6 +15,7 @@ import sys
 from typing import Any
 
 from masenvs.adapters.stack import StackError, add_engine_arguments, engine_options, make_backend
+from masenvs.listeners import ListenerError, announce, listener_key
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -63,6 +64,11 @@ def build_parser() -> argparse.ArgumentParser:
         help="required as 'Authorization: Bearer KEY' (default: $MASENVS_API_KEY); "
         "mandatory when --host is not a loopback address",
     )
+    parser.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="listen beyond loopback with no API key anyway (prints a warning)",
+    )
     parser.add_argument("--traces", help="directory where every call is recorded")
     parser.add_argument(
         "--fsync",
@@ -107,13 +113,16 @@ def _pairs(values: list[str], flag: str) -> dict[str, str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
-    if not is_loopback(args.host) and not args.api_key:
-        print(
-            f"masenvs serve: refusing to listen on {args.host} without an API key; anyone who "
-            "can reach this machine could use the model. Pass --api-key KEY (or set "
-            "MASENVS_API_KEY), or bind to 127.0.0.1.",
-            file=sys.stderr,
+    try:
+        args.api_key = listener_key(
+            args.host,
+            args.api_key,
+            what="the model",
+            no_auth=args.no_auth,
+            key_flag="--api-key KEY (or set MASENVS_API_KEY)",
         )
+    except ListenerError as exc:
+        print(f"masenvs serve: {exc}", file=sys.stderr)
         return 2
     if args.engine and args.backend != "embedded":
         print(
@@ -225,6 +234,7 @@ def _serve(args: argparse.Namespace, backend: Any, routes: dict[str, str]) -> in
         f"  models: {', '.join(app.model_ids())}\n"
         f"{_engine_line(backend)}"
         f"  traces: {args.traces or 'off'}; rollouts: {root}/r/<rollout_id>/v1\n"
+        f"  {announce('engine server' if args.engine else 'serve', root, args.api_key)}\n"
         "  call it with the openai client:\n"
         "    from openai import OpenAI\n"
         f"    client = OpenAI(base_url='{root}/v1', api_key={key})\n"

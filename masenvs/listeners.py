@@ -18,6 +18,7 @@ import sys
 from typing import Any, BinaryIO
 
 MAX_JSON_DEPTH = 64  # nesting no request of ours needs; deeper input is an attack
+API_KEY_ENV = "MASENVS_API_KEY"  # the key of `serve`, its engine servers and the trainer's endpoint
 
 
 class ListenerError(ValueError):

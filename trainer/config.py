@@ -493,6 +493,17 @@ class DistributedConfig(_Section):
     max_worker_restarts: int = Field(
         3, ge=0, description="Worker restarts in one run before the run stops."
     )
+    endpoint_host: str | None = Field(
+        None,
+        description="Address the capture endpoint binds; None: 0.0.0.0 when rollout workers "
+        "join a Ray cluster (ray_address), else 127.0.0.1. Beyond loopback it needs a key: "
+        "$MASENVS_API_KEY, else one generated for the run and handed to the workers via Ray.",
+    )
+    endpoint_no_auth: bool = Field(
+        False,
+        description="Serve the endpoint beyond loopback with no key (a warning is printed): "
+        "anyone who reaches the port can sample the policy and write training data.",
+    )
     engines: EnginesConfig = Field(default_factory=EnginesConfig)
     learner: LearnerDistConfig = Field(default_factory=LearnerDistConfig)
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import os
 import random
 import threading
 import time
@@ -28,6 +29,7 @@ from masenvs.adapters.policy_map import PolicyMap
 from masenvs.adapters.rollout import EpisodeResult, episode_record, run_episodes
 from masenvs.adapters.stack import Stack, start_stack, with_endpoint
 from masenvs.env import MASEnv
+from masenvs.listeners import API_KEY_ENV, announce, listener_key
 from masenvs.memory import tune_allocator
 from masenvs.registry import make
 from masenvs.trainer.atgrpo import group_advantages
@@ -70,6 +72,46 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (1 << 32))
     torch.manual_seed(seed)
+
+
+def endpoint_binding(cfg: TrainConfig) -> tuple[str, str | None]:
+    """Where the capture endpoint listens and the key it requires.
+
+    Rollout workers in a Ray cluster reach it from other nodes, so it binds all interfaces
+    (or `distributed.endpoint_host`); beyond loopback it needs a key: $MASENVS_API_KEY, else
+    one generated for this run (the workers get it through Ray, in their spec), unless
+    `distributed.endpoint_no_auth` opens it on purpose.
+    """
+    dist = cfg.distributed
+    remote = dist.ray_address and dist.rollout_workers
+    host = dist.endpoint_host or ("0.0.0.0" if remote else "127.0.0.1")
+    key = listener_key(
+        host,
+        os.environ.get(API_KEY_ENV),
+        what="the trainer's capture endpoint (it records calls as training data)",
+        no_auth=dist.endpoint_no_auth,
+        generate=True,
+        open_flag="distributed.endpoint_no_auth=true",
+    )
+    return host, key
+
+
+def listening_lines(stack: Stack) -> list[str]:
+    """One line per address this run listens on (the endpoint, engines it started), and
+    whether a key protects it; never the key."""
+    lines = [announce("capture endpoint", stack.root_url, stack.api_key)]
+    seen, backends = set(), [stack.backend]
+    while backends:
+        backend = backends.pop()
+        if id(backend) in seen:
+            continue
+        seen.add(id(backend))
+        url = getattr(backend, "url", None)
+        if isinstance(url, str) and url.startswith("http"):
+            lines.append(announce("engine", url, getattr(backend, "api_key", None)))
+        backends += [getattr(e, "backend", e) for e in getattr(backend, "engines", ())]
+        backends += list(getattr(backend, "backends", ()))
+    return lines
 
 
 def env_options(cfg: TrainConfig, stack: Stack | None = None) -> dict[str, Any]:
@@ -413,17 +455,19 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
                     lambda agent: sync.served_as(learner.policy_of(agent)),
                     routes.chat_template_kwargs,
                 )
-            # Rollout workers on other nodes reach the endpoint at this node's address.
-            remote = cfg.distributed.ray_address and cfg.distributed.rollout_workers
+            host, api_key = endpoint_binding(cfg)
             stack = start_stack(
                 backend=backend,
                 traces=run_dir / "traces",
                 policy_map=routes,
-                host="0.0.0.0" if remote else "127.0.0.1",
+                host=host,
+                api_key=api_key,
             )
         except BaseException:
             getattr(backend, "shutdown", lambda: None)()  # a vLLM started here stops too
             raise
+    for line in listening_lines(stack):
+        console.print(escape(line))
     stack.endpoint.policy_version = state.step
     metrics = MetricsLogger(
         run_dir, cfg.logging, cfg, resume_step=state.step if checkpoint is not None else -1

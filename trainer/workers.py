@@ -51,7 +51,9 @@ class WorkerSpec:
     env_name: str
     env_options: dict[str, Any]  # already pointed at `root_url` for envs that call the model
     root_url: str  # the capture endpoint, reachable from the worker's node
-    api_key: str
+    # The endpoint's key reaches the worker only in this spec, through Ray: never on a
+    # command line, and never in a repr that a log could print.
+    api_key: str = field(repr=False)
     sampling: Sampling = field(default_factory=Sampling)
     agent_sampling: dict[str, Sampling] = field(default_factory=dict)
     policies: dict[str, str] = field(default_factory=dict)  # agent -> the policy it trains
