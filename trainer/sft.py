@@ -58,7 +58,11 @@ def read_traces(paths: list[str | Path], default_agent: str | None = None) -> li
     for path in map(Path, paths):
         if not path.is_file():
             raise DataError(f"{path} does not exist (a JSONL file of chat traces)")
-        for number, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        try:
+            text = path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as exc:
+            raise DataError(f"{path} cannot be read as UTF-8 text: {exc}") from None
+        for number, line in enumerate(text.splitlines(), 1):
             if not line.strip():
                 continue
             where = f"{path}:{number}"
@@ -162,6 +166,10 @@ def sft(
     from masenvs.trainer.train import env_factory, seed_everything
 
     run_dir = Path(cfg.run_dir)
+    if cfg.distributed.learner.world_size > 1:
+        raise ConfigError(
+            "sft runs the learner in this process: --set distributed.learner.world_size=1"
+        )
     if list_checkpoints(run_dir):
         raise ConfigError(
             f"{run_dir} already holds checkpoints: sft writes the first one of a new run; "
@@ -198,6 +206,8 @@ def sft(
             continue  # a frozen agent's policy is the base: nothing to learn
         sample = Sample(t.prompt_token_ids, t.completion_token_ids, [], t.agent, policy, (), 0.0)
         by_policy.setdefault(policy, []).append(sample)
+    if not found:
+        raise DataError(f"no assistant turn fits in --max-tokens {max_tokens}: raise it")
     if not by_policy:
         raise DataError("no trainable target: every line trains a frozen agent")
     log(
