@@ -12,7 +12,6 @@ import math
 import re
 import threading
 import time
-from collections import defaultdict
 from dataclasses import dataclass, field
 from functools import cached_property
 from pathlib import Path
@@ -42,14 +41,22 @@ class Run:
         default=None, repr=False
     )
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    _stats: Any = field(default=None, repr=False)  # step_stats' cache
 
     @property
     def index(self) -> RunIndex:
+        """The run's index, brought up to date (waiting at most 2 s while the indexer
+        thread reads a large run: the page then shows what is indexed so far)."""
+        index = self.open_index()
+        index.refresh(wait=2.0)
+        return index
+
+    def open_index(self) -> RunIndex:
+        """The run's index as it is (opened on first use)."""
         with self._lock:
             if self._index is None:
                 self._index = RunIndex(self.path)
-        self._index.refresh()
-        return self._index
+            return self._index
 
     @cached_property
     def config(self) -> dict[str, Any]:
@@ -319,47 +326,71 @@ def curves(runs: list[Run], several: bool) -> list[dict[str, Any]]:
     return charts
 
 
+def step_stats(run: Run) -> dict[tuple[int, str], dict[str, float]]:
+    """Per (step, agent): samples, kept, dropped, mean answer length, format-failure share
+    and the share of groups whose candidates led to different team rewards.
+
+    Steps are read once: a later call only reads the steps from the last one seen on (a
+    live run), or everything again when rows went away (a resumed run rewrote steps)."""
+    index = run.index
+    penalty = run.format_penalty()
+    count = index.query("SELECT COUNT(*) AS n FROM samples")[0]["n"]
+    cached = run._stats
+    if cached is None or count < cached[0] or cached[1] != penalty:
+        cached = (0, penalty, -1, {})
+    _, _, since, stats = cached
+    if count != cached[0]:
+        rows = index.query(
+            "SELECT step, agent, COUNT(*) AS samples, SUM(kept) AS kept, "
+            "SUM(drop_reason IS NOT NULL) AS dropped, AVG(completion_tokens) AS length, "
+            "AVG(ABS(part_agent - ?) < 1e-9) AS failed, "
+            "(SELECT AVG(n > 1) FROM (SELECT COUNT(DISTINCT t.part_team) AS n FROM samples t "
+            " WHERE t.step = s.step AND t.agent = s.agent AND t.part_team IS NOT NULL "
+            " GROUP BY t.grp)) AS changes "
+            "FROM samples s WHERE step >= ? GROUP BY step, agent",
+            (penalty if penalty is not None else float("nan"), since),
+        )
+        for r in rows:
+            if penalty is None:
+                r["failed"] = None
+            stats[(r["step"], r["agent"])] = r
+        since = max([since, *(r["step"] for r in rows)])
+    run._stats = (count, penalty, since, stats)
+    return stats
+
+
 def behaviour(run: Run) -> list[dict[str, Any]]:
     """Per agent over steps: answer length, format-failure rate, and how often the agent's
     candidates disagree on the team outcome (its output changes what the team gets)."""
-    rows = run.index.query(
-        "SELECT step, agent, grp, completion_tokens, parts FROM samples ORDER BY step"
-    )
-    penalty = run.format_penalty()
-    length: dict[tuple[str, int], list[int]] = defaultdict(list)
-    failed: dict[tuple[str, int], list[bool]] = defaultdict(list)
-    teams: dict[tuple[str, int, str], set[float]] = defaultdict(set)
-    for r in rows:
-        key = (r["agent"], r["step"])
-        length[key].append(r["completion_tokens"] or 0)
-        parts = json.loads(r["parts"] or "null") or {}
-        if penalty is not None and "agent" in parts:
-            failed[key].append(math.isclose(parts["agent"], penalty))
-        if "team" in parts:
-            teams[(r["agent"], r["step"], r["grp"])].add(round(parts["team"], 9))
-    changes: dict[tuple[str, int], list[bool]] = defaultdict(list)
-    for (agent, step, _), values in teams.items():
-        changes[(agent, step)].append(len(values) > 1)
-    steps = sorted({s for _, s in length})
-    agents = list(dict.fromkeys(a for a, _ in length))
+    stats = step_stats(run)
+    steps = sorted({step for step, _ in stats})
+    seen = {agent for _, agent in stats}
+    agents = [a for a in run.agents() if a in seen]  # the run's own order
 
-    def chart(title: str, data: dict[tuple[str, int], list[Any]]) -> dict[str, Any] | None:
+    def chart(title: str, key: str) -> dict[str, Any] | None:
         series = []
         for agent in agents:
-            values = [
-                (sum(data[(agent, s)]) / len(data[(agent, s)])) if data.get((agent, s)) else None
-                for s in steps
-            ]
-            if any(v is not None for v in values):
-                series.append({"label": agent, "values": values})
+            line = [(stats.get((s, agent)) or {}).get(key) for s in steps]
+            if any(v is not None for v in line):
+                series.append({"label": agent, "values": line})
         return {"title": title, "x": steps, "series": series} if series else None
 
     charts = [
-        chart("answer length (tokens)", length),
-        chart("format-failure rate", failed),
-        chart("output changes the team outcome (share of groups)", changes),
+        chart("answer length (tokens)", "length"),
+        chart("format-failure rate", "failed"),
+        chart("output changes the team outcome (share of groups)", "changes"),
     ]
     return [c for c in charts if c is not None]
+
+
+def step_summary(run: Run) -> dict[int, dict[str, int]]:
+    """Per step: samples, kept and dropped, over all agents."""
+    out: dict[int, dict[str, int]] = {}
+    for (step, _), r in step_stats(run).items():
+        row = out.setdefault(step, {"samples": 0, "kept": 0, "dropped": 0})
+        for key in row:
+            row[key] += r[key] or 0
+    return out
 
 
 # -- a step -----------------------------------------------------------------------------------

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import argparse
 import hmac
+import logging
 import os
 import sys
+import threading
+import time
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlencode
@@ -29,6 +32,7 @@ from starlette.templating import Jinja2Templates
 from masenvs.ui import runs as data
 from masenvs.ui.runs import EvalReport, Run, RunError, Tokens, discover
 
+log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 COOKIE = "masenvs_ui_key"
 POLL_SECONDS = 2  # how often a live page asks whether its run changed
@@ -43,6 +47,18 @@ class Catalog:
         self.runs: dict[str, Run] = {}
         self.reports: dict[str, EvalReport] = {}
         self.rescan()
+        # Indexes every run in the background, so that a large run's first build does not
+        # hold a request and a live run's new lines are indexed before anyone asks.
+        threading.Thread(target=self._index_forever, daemon=True, name="ui-indexer").start()
+
+    def _index_forever(self) -> None:
+        while True:
+            for run in list(self.runs.values()):
+                try:
+                    run.open_index().refresh(min_interval=0.0, wait=0.0)
+                except Exception:  # noqa: BLE001 (a bad file must not stop the indexer)
+                    log.exception("indexing %s failed", run.path)
+            time.sleep(1.0)
 
     def rescan(self) -> None:
         runs, reports = discover(self.paths)
@@ -84,8 +100,11 @@ def create_app(
     def page(
         request: Request, name: str, context: dict[str, Any], live: Any = None, poll: bool = False
     ) -> Response:
+        indexing = live.open_index().progress() if isinstance(live, Run) else 1.0
         version = live.version() if live is not None else ""
-        is_live = live is not None and (poll or live.status() == "running")
+        if indexing < 1.0:
+            version += f".{indexing:.2f}"
+        is_live = live is not None and (poll or indexing < 1.0 or live.status() == "running")
         since = request.headers.get("x-since")
         if request.headers.get("hx-request") and since is not None and since == version:
             return Response(status_code=204)  # nothing new: htmx keeps the page as it is
@@ -95,6 +114,7 @@ def create_app(
             "version": version,
             "live": is_live,
             "running": running,
+            "indexing": indexing,
             **context,
         }
         return templates.TemplateResponse(request, name, context)
@@ -124,13 +144,7 @@ def create_app(
         index = run.index
         steps = index.steps()
         by_step = {r["step"]: r for r in metrics}
-        summary = {
-            r["step"]: r
-            for r in index.query(
-                "SELECT step, COUNT(*) AS samples, SUM(kept) AS kept, "
-                "SUM(drop_reason IS NOT NULL) AS dropped FROM samples GROUP BY step"
-            )
-        }
+        summary = data.step_summary(run)
         designs = index.query("SELECT COUNT(*) AS n FROM designs")[0]["n"]
         return page(
             request,
@@ -183,7 +197,9 @@ def create_app(
             tolerance = 0.05
         view = data.conversation(run, request.path_params["cid"], tolerance)
         if view is None:
-            raise NotFound(f"no call {request.path_params['cid']!r} in run {run.id!r}")
+            progress = run.open_index().progress()
+            later = f" yet (indexing: {progress:.0%})" if progress < 1 else ""
+            raise NotFound(f"no call {request.path_params['cid']!r} in run {run.id!r}{later}")
         return page(request, "call.html", {"run": run, "view": view})
 
     async def design_page(request: Request) -> Response:
