@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import random
 import socket
@@ -529,3 +530,66 @@ def test_programs_cannot_read_the_hidden_tests_and_golden_vectors(sb: Sandbox) -
     result = sb.run(program, args=[str(p) for p in secrets])
     assert result.ok and "READ" not in result.stdout, result.stdout
     assert result.stdout.count("refused") == 2
+
+
+def test_a_run_sees_an_allow_list_not_the_host(sb: Sandbox) -> None:
+    require(sb, "allow_list")
+    source = """
+        import json, os, sys
+        print(json.dumps(os.listdir("/")))
+        print(os.path.exists(sys.argv[1]), os.path.exists(sys.argv[2]))
+        import numpy  # an allowed package
+        print("numpy ok")
+    """
+    res = run(sb, source, args=[str(REPO / "README.md"), str(Path.home() / ".cache")])
+    assert res.ok, res.stderr
+    listing, hidden, numpy_ok = res.stdout.splitlines()
+    assert set(json.loads(listing)) <= {
+        "bin",
+        "dev",
+        "etc",
+        "lib",
+        "lib64",
+        "proc",
+        "run",
+        "sbin",
+    } | {
+        "tmp",
+        "usr",
+        *Path(sys.prefix).parts[1:2],
+        *Path(sys.base_prefix).parts[1:2],
+    }
+    assert hidden == "False False" and numpy_ok == "numpy ok"
+
+
+def test_binds_give_a_run_one_file_of_a_bind_dir(tmp_path: Path) -> None:
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    (shared / "mine.txt").write_text("for this run")
+    (shared / "theirs.txt").write_text("for another run")
+    source = "import os, sys\nprint(open(sys.argv[1]).read(), sorted(os.listdir(os.path.dirname(sys.argv[1]))))"
+    with Sandbox(FAST, bind_dirs=[str(shared)]) as sandbox:
+        if not sandbox.isolation.mount_namespace:
+            pytest.skip("binds need a mount namespace per run")
+        where = sandbox.bind_path("mine.txt", str(shared / "mine.txt"))
+        res = sandbox.run(source, args=[where], binds={"mine.txt": str(shared / "mine.txt")})
+        assert res.ok and res.stdout == "for this run ['mine.txt']\n", res
+        assert "theirs" not in sandbox.run(f"import os\nprint(os.listdir({str(shared)!r}))").stdout
+        with pytest.raises(ValueError, match="bind_dirs"):
+            sandbox.run("print(1)", binds={"x": str(REPO / "README.md")})
+        with pytest.raises(ValueError, match="binds"):
+            sandbox.run("print(1)", binds={"../x": str(shared / "mine.txt")})
+
+
+def test_without_bubblewrap_there_is_no_allow_list_and_judges_refuse(monkeypatch) -> None:
+    from masenvs import sandbox_layout
+
+    monkeypatch.setattr(sandbox_layout, "bwrap_path", lambda: None)
+    monkeypatch.delenv("MASENVS_ALLOW_WEAK_SANDBOX", raising=False)
+    with Sandbox(FAST) as weak:
+        iso = weak.isolation
+        assert not iso.allow_list and not iso.judging_safe
+        assert any("bubblewrap" in note for note in iso.notes), iso.notes
+        assert weak.run("print(1)").stdout == "1\n"  # it still runs programs
+        with pytest.raises(SandboxError, match="install bubblewrap"):
+            weak.check_judging()
