@@ -374,7 +374,11 @@ class Sandbox:
         self._stop_server()
         notes: list[str] = []
         if self.namespaces:
-            bwrap = _bwrap_command(self.preload, self.packages, self.bind_dirs, notes)
+            try:
+                bwrap = _bwrap_command(self.preload, self.packages, self.bind_dirs, notes)
+            except Exception as exc:  # e.g. unreadable package metadata: say so, run weak
+                notes.append(f"could not build the allow-list root ({exc!r})")
+                bwrap = None
             if bwrap is not None:
                 try:
                     return self._start_server(*bwrap, notes)

@@ -293,7 +293,10 @@ def stage(server_source: str, modules: dict[str, str]) -> str:
     final = cache / "sandbox-stage" / digest.hexdigest()[:32]
     if final.is_dir():
         return str(final)
-    final.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        final.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # no writable cache (a read-only home): a private temp dir instead
+        final = Path(tempfile.mkdtemp(prefix="masenvs-stage-")) / "stage"
     tmp = Path(tempfile.mkdtemp(prefix=".stage-", dir=final.parent))
     for rel, data in files.items():
         path = tmp / rel
