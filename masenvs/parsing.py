@@ -65,10 +65,15 @@ def answer_segment(text: str, marker: str = "####") -> str | None:
 
 
 def parse_moves(text: str, max_moves: int = 10_000, marker: str = "####") -> list[str] | None:
-    """Moves (U/D/L/R) from the last answer block; None when there is none."""
+    """Moves (U/D/L/R) from the last answer block; None when there is none.
+
+    The answer is the bracketed list right after the marker, else the rest of its line:
+    prose after it (`#### [R, D]\n\nThen move right ...`) is commentary, not more moves.
+    """
     segment = answer_segment(text, marker)
     if segment is None:
         return None
+    segment = _answer_only(segment)
     moves: list[str] = []
     for word, letters in _MOVE.findall(segment):
         if word:
@@ -78,6 +83,17 @@ def parse_moves(text: str, max_moves: int = 10_000, marker: str = "####") -> lis
         if len(moves) > max_moves:
             return None
     return moves or None
+
+
+def _answer_only(segment: str) -> str:
+    """The list that opens `segment` (to its `]`, or its line when unclosed), else its first
+    non-empty line."""
+    rest = segment.lstrip(" \t\r\n:*`")
+    line = rest.split("\n", 1)[0]
+    if rest.startswith("["):
+        end = line.find("]")
+        return line[: end + 1] if end >= 0 else line
+    return line
 
 
 def parse_json_list(segment: str) -> list | None:

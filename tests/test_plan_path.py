@@ -53,6 +53,19 @@ def test_optimal_path_reward_by_hand() -> None:
     assert terms["plan"] and env.state.success
 
 
+def test_prose_after_the_answer_adds_no_moves() -> None:
+    # SmolLM2 keeps talking after its answer; words like "right" or a letter "D" in that
+    # prose are not moves (they were, before issue 33: `#### [R, R, R]` + "go down" was RRRD).
+    env = masenvs.make("plan_path", single_agent=True)
+    env.reset(seed=0, options={"task": TASK})
+    _, _, terms, _, infos = env.step({"plan": "#### [R, R, R]\n\nThen go down, D is next."})
+    assert terms["plan"] and infos["plan"]["success"]
+    assert infos["plan"]["reward_parts"]["team"] == pytest.approx(1.5)  # 3 moves: optimal
+    env.reset(seed=0, options={"task": TASK})
+    _, _, _, _, infos = env.step({"plan": "#### R\nand right and right again"})
+    assert env.state.pos == (0, 1) and not infos["plan"]["success"]
+
+
 def test_invalid_move_and_detour_by_hand() -> None:
     env = masenvs.make("plan_path", single_agent=True)
     env.reset(seed=0, options={"task": TASK})
