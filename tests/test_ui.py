@@ -305,6 +305,48 @@ def test_beyond_loopback_needs_a_key_and_the_key_opens_it(tiny_run: Path, ui: An
     assert httpx.get(server.url + "/", headers=rebound).status_code == 400
 
 
+# -- eval ---------------------------------------------------------------------------------------
+
+
+def test_an_eval_report_shows_two_policies_answering_the_same_task_side_by_side(
+    tiny_run: Path, tmp_path: Path, ui: Any, tab: Any
+) -> None:
+    from masenvs.trainer.evaluate import main as evaluate
+
+    checkpoint = tiny_run / "checkpoints" / "step_00000002"
+    out = tmp_path / "evals" / "eval-tiny.json"
+    args = ["--checkpoint", str(checkpoint), "--baseline", "--episodes", "2", "-k", "1"]
+    args += ["--max-tokens", "8", "--out", str(out)]
+    with ThreadPoolExecutor(1) as pool:  # asyncio.run cannot start on Playwright's loop
+        assert pool.submit(evaluate, args).result() == 0
+    report = json.loads(out.read_text())
+    server = ui(str(out.parent))
+    t = tab(server.url)
+    page = t.goto("/")
+    page.locator(".reports a", has_text="eval-tiny").click()
+    page.wait_for_selector(".side-by-side")
+    results = page.locator("#eval-results").inner_text()
+    for r in report["results"]:
+        assert r["name"] in results
+    columns = page.locator(".side-by-side section.column")
+    assert columns.evaluate_all("els => els.map(e => e.dataset.policy)") == [
+        r["name"] for r in report["results"]
+    ]
+    task = page.locator("select[name=task]").input_value()
+    for i in range(columns.count()):
+        column = columns.nth(i)
+        assert column.locator(".episode").count() == 1  # n = 1 episode of this task each
+        assert "tool" in column.inner_text() and "plan" in column.inner_text()
+    second = page.locator("select[name=task] option").nth(1).get_attribute("value")
+    page.select_option("select[name=task]", second)  # the form reloads on the other task
+    page.wait_for_url(re.compile(r"task="))
+    assert page.locator("select[name=task]").input_value() == second != task
+    t.shot("eval")
+    columns.first.locator(".episode a").first.click()
+    page.wait_for_selector("section.choice")
+    assert page.locator("h1").inner_text().startswith("tool call")
+
+
 # -- auto-MAS and workflow runs -------------------------------------------------------------------
 
 GOOD_DESIGN = 'a = Agent("solver", "Answer with \\\\boxed{}.")\nsystem = Ensemble(a, Agent("b"), judge=Agent("j"))'
