@@ -463,10 +463,20 @@ def test_a_failing_workflow_script_scores_zero_with_its_cause(scripted, script, 
     assert reward == 0.0 and cause in info["error"], info["error"]
 
 
-def test_a_workflow_node_calls_the_designs_own_registered_tool(scripted) -> None:
+@pytest.mark.parametrize(
+    "imports",
+    [
+        "from workflow import AgentNode, ToolRegistry, Workflow",
+        # the import path the published harness rewrites designs to
+        "from pettingllms.multi_agent_env.autoevol.workflow import AgentNode, ToolRegistry, "
+        "Workflow",
+    ],
+)
+def test_a_workflow_node_calls_the_designs_own_registered_tool(scripted, imports) -> None:
     env = masenvs.make("auto_mas", endpoint_url=scripted.url, executions=1, max_rounds=1)
     env.reset(options={"task": MATH})
-    reward, info = step(env, designer_reply(OWN_TOOL))
+    script = OWN_TOOL.replace("from workflow import AgentNode, ToolRegistry, Workflow", imports)
+    reward, info = step(env, designer_reply(script))
     assert reward == pytest.approx(1.05), info["executions"]
     calls = scripted.store.rollout(info["captured"][0]["rollout_id"])
     assert calls[1].messages[-1]["content"] == "Tool 'lookup' returned:\n42"

@@ -27,10 +27,17 @@ import io
 import os
 import re
 import sys
+import types
 from collections.abc import Coroutine
 from typing import Any
 
-_USES_API = re.compile(r"^[ \t]*(?:from|import)[ \t]+(?:workflow|utils\.environments)\b", re.M)
+# The published harness rewrites `workflow` / `utils` imports to this package path; a
+# designer that writes it directly gets the same modules.
+PUBLISHED = "pettingllms.multi_agent_env.autoevol"
+_USES_API = re.compile(
+    r"^[ \t]*(?:from|import)[ \t]+(?:workflow|utils\.environments|" + re.escape(PUBLISHED) + r")\b",
+    re.M,
+)
 PRINTED_CHARS = 20_000  # what is kept of a script's printed output
 
 _loop: asyncio.AbstractEventLoop | None = None
@@ -48,9 +55,17 @@ def install() -> None:
     import masenvs.mas.compat.workflow  # noqa: F401
 
     prefix = f"{__name__}."
+    parts = PUBLISHED.split(".")
+    for i in range(1, len(parts) + 1):  # empty parent packages for the long import path
+        name = ".".join(parts[:i])
+        package = sys.modules.setdefault(name, types.ModuleType(name))
+        package.__path__ = []
     for name, module in list(sys.modules.items()):
         if name.startswith((f"{prefix}workflow", f"{prefix}utils")):
-            sys.modules[name[len(prefix) :]] = module
+            short = name[len(prefix) :]
+            sys.modules[short] = sys.modules[f"{PUBLISHED}.{short}"] = module
+            if "." not in short:  # `from pettingllms...autoevol import workflow`
+                setattr(sys.modules[PUBLISHED], short, module)
 
 
 def run_sync(coro: Coroutine[Any, Any, Any]) -> Any:
