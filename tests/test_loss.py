@@ -202,7 +202,19 @@ def hand_learner(loader: Any) -> Learner:
 
 def test_a_hand_computed_batch_gets_the_hand_computed_update(loader: Any) -> None:
     samples, _ = hand_batch()
-    assert update_problems(hand_learner(loader), samples) == []
+    learner = hand_learner(loader)
+    before = learner.adapter_state_dict("coder")
+    assert update_problems(learner, samples) == []
+    # learner/<policy>/update_norm is how far the adapter moved in this step
+    after = learner.adapter_state_dict("coder")
+    moved = math.sqrt(sum(float((after[k] - before[k]).pow(2).sum()) for k in before))
+    metrics = learner.step(group_advantages(samples, AlgorithmConfig())[0])
+    assert moved > 0 and metrics["learner/coder/update_norm"] > 0
+    assert metrics["learner/coder/update_rel"] == pytest.approx(
+        metrics["learner/coder/update_norm"]
+        / math.sqrt(sum(float(v.pow(2).sum()) for v in after.values())),
+        rel=1e-4,
+    )
 
 
 def test_a_flipped_sign_in_the_loss_is_caught(loader: Any, monkeypatch: pytest.MonkeyPatch) -> None:

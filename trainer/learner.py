@@ -461,6 +461,8 @@ class Learner:
 
         sums = LossSums()
         grad_norms: list[float] = []
+        # How far this step moves the adapter (a LoRA copy is small; whole models are not copied).
+        start = [p.detach().clone() for p in policy.params] if policy.lora else None
         model.train()
         for epoch in range(algo.ppo_epochs):
             for part in self._mini_batches(len(batch), epoch):
@@ -484,6 +486,11 @@ class Learner:
         out["lr"] = lr
         out["samples"] = float(len(batch))
         out["advantage_mean"] = sum(s.advantage or 0.0 for s in batch) / len(batch)
+        if start is not None:
+            moved = sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(policy.params, start))
+            size = sum(float(b.pow(2).sum()) for b in start)
+            out["update_norm"] = math.sqrt(moved)  # ||w_after - w_before||
+            out["update_rel"] = math.sqrt(moved / size) if size else 0.0  # / ||w_before||
         out.update(mismatch.means())
         return out
 
