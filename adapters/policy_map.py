@@ -55,9 +55,10 @@ class PolicyMap:
                 raise UnknownModel(
                     f"The model {agent!r} is not an agent ({known}){self.reject_hint}."
                 )
+            loaded = ", ".join(sorted(set(available) - {BASE})) or "none"
             raise UnknownModel(
                 f"The model {agent!r} does not exist: it is neither an agent of the policy map "
-                f"({known}) nor a loaded model{self.reject_hint}."
+                f"({known}) nor a loaded model ({loaded}){self.reject_hint}."
             )
         if self.default != BASE and self.default not in available:
             raise UnknownModel(

@@ -174,6 +174,13 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--policy", action="append", default=[], metavar="AGENT=ADAPTER", help="route an agent"
     )
+    parser.add_argument(
+        "--unknown-agents",
+        choices=["reject", "base"],
+        default="reject",
+        help="a model name that is not an agent of the run nor an adapter: 404 naming the "
+        "known models (reject, the default, as in serve and train) or the base model (base)",
+    )
     parser.add_argument("--concurrency", type=int, default=8, help="episodes in flight")
     add_engine_arguments(parser)
     parser.add_argument("--max-tokens", type=int, default=256)
@@ -204,6 +211,30 @@ def build_parser() -> argparse.ArgumentParser:
     workflow.add_argument("--runs", type=int, default=1, help="runs of each task (K)")
     workflow.add_argument("--timeout-s", type=float, default=600.0, help="per run")
     return parser
+
+
+def rollout_policy_map(args: argparse.Namespace, spec: Any, env_config: dict[str, Any]) -> Any:
+    """The run's agents (the env's roles, or the workflow's agents) each to its `--policy`
+    adapter, an adapter of its name, or the base model; any other model name is a 404 naming
+    the known ones, unless `--unknown-agents base` (as `masenvs serve` and `train` do)."""
+    from masenvs.adapters.policy_map import BASE, PolicyMap
+    from masenvs.adapters.stack import parse_pairs
+
+    routes = parse_pairs(args.policy, "--policy")
+    adapters = parse_pairs(args.adapter, "--adapter")
+    if spec is not None:
+        agents = [*spec.agents, *spec.agent_map]
+    else:
+        env = make(args.env, **env_config)
+        agents = [*env.possible_agents, *env.callers]
+    for agent in agents:
+        if agent not in routes and agent not in adapters:
+            routes[agent] = BASE
+    return PolicyMap(
+        routes,
+        default=BASE if args.unknown_agents == "base" else None,
+        reject_hint="; pass --unknown-agents base to serve any name with the base model",
+    )
 
 
 def main(argv: list[str]) -> int:
@@ -240,7 +271,7 @@ def main(argv: list[str]) -> int:
                 vllm_url=args.vllm_url,
                 traces=traces,
                 adapters=parse_pairs(args.adapter, "--adapter"),
-                policy_map=parse_pairs(args.policy, "--policy"),
+                policy_map=rollout_policy_map(args, spec, env_config),
                 **(engine_options(args) if args.backend == "embedded" else {}),
             )
     except StackError as exc:
@@ -307,6 +338,7 @@ def _workflow_spec(args: argparse.Namespace) -> Any:
         agents=[a.strip() for a in args.agents.split(",") if a.strip()],
         answer_from=args.answer_from,
         timeout_s=args.timeout_s,
+        unknown_agents=args.unknown_agents,
     )
     load_factory(spec.factory)  # a bad factory fails before any model loads
     return spec

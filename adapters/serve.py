@@ -47,8 +47,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--unknown-agents",
         choices=["base", "reject"],
-        default="base",
-        help="what a model name that is neither an agent nor an adapter gets (default: base model)",
+        default="reject",
+        help="what a model name that is neither a route, an adapter nor the base model gets: "
+        "404 naming the known models (reject, the default, as in rollout and train) or the "
+        "base model (base)",
     )
     parser.add_argument("--backend", choices=["embedded", "vllm"], default="embedded")
     parser.add_argument(
@@ -179,8 +181,12 @@ def _make_backend(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[A
         )
     except StackError as exc:
         raise ValueError(str(exc)) from exc
-    for name, path in adapters.items():
-        asyncio.run(backend.load_adapter(name, path))
+    try:
+        for name, path in adapters.items():
+            asyncio.run(backend.load_adapter(name, path))
+    except BaseException:
+        backend.shutdown()  # its engine thread stops before the error is reported
+        raise
     return backend, None
 
 
@@ -209,7 +215,12 @@ def _serve(args: argparse.Namespace, backend: Any, routes: dict[str, str]) -> in
         else None
     )
     reject = args.unknown_agents == "reject" or args.engine  # an engine never falls back
-    policy_map = PolicyMap(routes, default=None if reject else "base")
+    policy_map = PolicyMap(
+        routes,
+        default=None if reject else "base",
+        reject_hint="; ask for one of those, or start the server with --route NAME=ADAPTER "
+        "or --unknown-agents base (the base model answers any name)",
+    )
     app = create_app(
         backend, store=store, policy_map=policy_map, api_key=args.api_key, engine=args.engine
     )
@@ -228,6 +239,8 @@ def _serve(args: argparse.Namespace, backend: Any, routes: dict[str, str]) -> in
     host = f"[{args.host}]" if ":" in args.host else args.host
     root = f"http://{host}:{port}"
     model = backend.model_names()[0]
+    # The snippet asks for what a user came for: a trained adapter (or a route) when loaded.
+    asked = next(iter([*routes, *(m for m in app.model_ids() if m not in (model, "base"))]), model)
     key = repr(args.api_key) if args.api_key else '"unused"'
     print(
         f"masenvs serve: {model} ({args.backend}) at {root}/v1\n"
@@ -238,7 +251,7 @@ def _serve(args: argparse.Namespace, backend: Any, routes: dict[str, str]) -> in
         "  call it with the openai client:\n"
         "    from openai import OpenAI\n"
         f"    client = OpenAI(base_url='{root}/v1', api_key={key})\n"
-        f"    client.chat.completions.create(model='{model}', "
+        f"    client.chat.completions.create(model='{asked}', "
         "messages=[{'role': 'user', 'content': 'Hello'}])",
         flush=True,
     )

@@ -598,6 +598,7 @@ def test_masenvs_rollout_runs_your_factory_against_masenvs_serve(tmp_path, capsy
     with the URL exactly as the server printed it."""
     traces = tmp_path / "served"
     command = [sys.executable, "-m", "masenvs.adapters.serve", "--model", "tiny", "--port", "0"]
+    command += ["--route", "solver=base", "--route", "checker=base"]  # other names: 404
     server = subprocess.Popen(
         [*command, "--traces", str(traces)],
         stdout=subprocess.PIPE,

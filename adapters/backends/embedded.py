@@ -9,12 +9,14 @@ Requests come in from asyncio code and get their tokens back through asyncio que
 from __future__ import annotations
 
 import asyncio
+import atexit
 import collections
 import contextlib
 import hashlib
 import json
 import secrets
 import threading
+import weakref
 from collections.abc import AsyncIterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -128,6 +130,18 @@ class _AdapterUpdate:
     base_weights: list[tuple[Tensor, Tensor]] = field(default_factory=list)
 
 
+# Engines not shut down by their owner are stopped at interpreter exit: a daemon engine
+# thread still alive (with its OpenMP pool) when the runtime tears down aborts the process
+# ("terminate called without an active exception", exit 134).
+_LIVE: weakref.WeakSet[EmbeddedBackend] = weakref.WeakSet()
+
+
+@atexit.register
+def _shutdown_live_engines() -> None:
+    for engine in list(_LIVE):
+        engine.shutdown()
+
+
 class EmbeddedBackend:
     """Serves a transformers causal LM and its LoRA adapters from a background thread.
 
@@ -188,6 +202,7 @@ class EmbeddedBackend:
         self.stats = EngineStats()
         self._thread = threading.Thread(target=self._loop, name="masenvs-engine", daemon=True)
         self._thread.start()
+        _LIVE.add(self)
 
     @classmethod
     def from_spec(
@@ -632,6 +647,9 @@ class EmbeddedBackend:
                 sampling = RowSampling(
                     params.temperature, params.top_p, params.top_k, params.top_logprobs, generator
                 )
+                if params.repetition_penalty != 1.0:  # over the prompt and the answer
+                    sampling.repetition_penalty = params.repetition_penalty
+                    sampling.seen = set(job.prompt_ids)
                 job.sequences.append(_Sequence(job, choice, sampling, cached=length))
             self._running.extend(job.sequences)
             choice_logits.append(logits[index : index + 1].expand(params.n, -1))
@@ -738,6 +756,8 @@ class EmbeddedBackend:
         for row, seq in enumerate(sequences):
             job = seq.request
             seq.token_ids.append(drawn.tokens[row])
+            if seq.sampling.repetition_penalty != 1.0:
+                seq.sampling.seen.add(drawn.tokens[row])
             self.stats.generated_tokens += 1
             seq.logprobs.append(drawn.logprobs[row])
             if seq.sampling.top_logprobs:
@@ -932,6 +952,8 @@ def _validate(params: SamplingParams, max_batch_size: int) -> None:
         problems.append("top_p must be in (0, 1]")
     if params.top_k < 0:
         problems.append("top_k must be >= 0 (0 turns it off)")
+    if params.repetition_penalty <= 0:
+        problems.append("repetition_penalty must be > 0 (1.0 turns it off)")
     if not 1 <= params.n <= max_batch_size:
         problems.append(f"n must be between 1 and {max_batch_size}")
     if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:
