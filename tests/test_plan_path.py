@@ -179,3 +179,8 @@ def test_offset_line_says_where_the_goal_lies() -> None:
     assert "G is 1 row up of A: U if" in infos["plan"]["messages"][1]["content"]
     _, infos = masenvs.make("plan_path").reset(options={"task": task})
     assert "of A." not in infos["plan"]["messages"][1]["content"]
+    # offset_moves=False: only where G lies; turning it into moves is the agents' job
+    words = masenvs.make("plan_path", show_offset=True, offset_moves=False)
+    _, infos = words.reset(options={"task": task})
+    prompt = infos["plan"]["messages"][1]["content"]
+    assert "G is 2 rows down and 1 column left of A.\n" in prompt and "D, D, L" not in prompt

@@ -44,6 +44,12 @@ class PlanPathConfig(EnvConfig):
         "first), e.g. 'G is 2 rows down and 1 column left of A: D, D, L if no wall is in the "
         "way.': the arithmetic a small model gets wrong, done for it; walls still need detours.",
     )
+    offset_moves: bool = Field(
+        True,
+        description="With show_offset, also list the straight moves (': D, D, L if no wall is in "
+        "the way.'). False: only where G lies ('G is 2 rows down and 1 column left of A.'); "
+        "the agents turn the words into moves themselves.",
+    )
 
 
 # --- reward --------------------------------------------------------------------------------
@@ -180,11 +186,18 @@ SOLO_SYSTEM = (
 )
 
 
-def offset_text(pos: grid.Cell, goal: grid.Cell) -> str:
+def offset_text(pos: grid.Cell, goal: grid.Cell, moves: bool = True) -> str:
     """Where G lies from A and the straight moves there, e.g.
-    'G is 2 rows down and 1 column left of A: D, D, L if no wall is in the way.'"""
-    where, moves = grid.straight_moves(pos, goal)
-    return f"G is {where} of A: {moves} if no wall is in the way." if where else "G is at A."
+    'G is 2 rows down and 1 column left of A: D, D, L if no wall is in the way.'
+    (without `moves`: 'G is 2 rows down and 1 column left of A.')"""
+    where, straight = grid.straight_moves(pos, goal)
+    if not where:
+        return "G is at A."
+    return (
+        f"G is {where} of A: {straight} if no wall is in the way."
+        if moves
+        else f"G is {where} of A."
+    )
 
 
 @dataclass
@@ -234,7 +247,7 @@ class PlanPathEnv(MASEnv):
             grid.grid_text(self.board()),
             f"You are at A (row {pos[0]}, column {pos[1]}); the goal G is at "
             f"(row {goal[0]}, column {goal[1]}).",
-            *([offset_text(pos, goal)] if self.config.show_offset else []),
+            *([offset_text(pos, goal, cfg.offset_moves)] if cfg.show_offset else []),
             f"Round {self.round + 1} of {self.config.max_rounds}.",
         ]
         lines += round_context(
