@@ -480,3 +480,49 @@ def test_a_workflow_node_calls_the_designs_own_registered_tool(scripted, imports
     assert reward == pytest.approx(1.05), info["executions"]
     calls = scripted.store.rollout(info["captured"][0]["rollout_id"])
     assert calls[1].messages[-1]["content"] == "Tool 'lookup' returned:\n42"
+
+
+TWO_NODES = """
+from workflow import AgentNode, Workflow
+
+solver = AgentNode(name="Solver", system_prompt="Solve it.", max_turns=1)
+checker = AgentNode(name="Checker", system_prompt="Check it.", max_turns=1)
+workflow = Workflow(name="solve_check")
+workflow.add_nodes([solver, checker])
+result = workflow.run("What is 2 + 2?")
+print(result.content)
+"""
+
+
+def test_a_training_step_learns_from_the_calls_of_workflow_api_nodes(tmp_path, monkeypatch):
+    # The tiny model writes noise, never a design: its replies are swapped for a script
+    # written against the published API, whose nodes' calls become executor samples.
+    import masenvs.envs.auto_mas as auto_mas
+    from masenvs.trainer.config import load_config
+    from masenvs.trainer.train import train
+
+    monkeypatch.setattr(auto_mas, "extract_design", lambda text: TWO_NODES)
+    cfg = load_config(
+        ROOT / "examples" / "auto_mas.yaml",
+        [
+            "model.name=tiny",
+            f"run_dir={tmp_path / 'run'}",
+            "steps=1",
+            "schedule.every=1",
+            "validation.every=0",
+            "rollout.tasks_per_step=1",
+            "env.options.max_tokens=6",
+            "rollout.max_tokens=8",
+        ],
+    )
+    result = train(cfg)
+    rows = [
+        json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
+    ]
+    (trained,) = [r for r in rows if r.get("step") == 1]
+    assert trained["train/captured_runs"] == 4  # 2 designs x 2 runs
+    assert trained["learner/executor/samples"] == 8  # 4 runs x 2 nodes (one call each)
+    designs = [
+        json.loads(line) for line in (result.run_dir / "designs.jsonl").read_text().splitlines()
+    ]
+    assert {d["graph"]["structure"] for d in designs} == {"Workflow(Solver, Checker)"}
