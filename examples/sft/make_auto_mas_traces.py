@@ -22,25 +22,42 @@ PROBLEMS = [
     ("What is the least common multiple of 18 and 24?", "import math\nprint(math.lcm(18, 24))"),
     ("What is 37 * 43?", "print(37 * 43)"),
     ("What is the sum of the integers from 1 to 150?", "print(sum(range(1, 151)))"),
-    ("How many primes are less than 100?",
-     "print(sum(all(n % d for d in range(2, int(n**0.5) + 1)) for n in range(2, 100)))"),
+    (
+        "How many primes are less than 100?",
+        "print(sum(all(n % d for d in range(2, int(n**0.5) + 1)) for n in range(2, 100)))",
+    ),
     ("What is the remainder when 7^100 is divided by 13?", "print(pow(7, 100, 13))"),
     ("In how many ways can 3 people be chosen from 10?", "import math\nprint(math.comb(10, 3))"),
     ("What is the sum of the digits of 2^50?", "print(sum(int(d) for d in str(2**50)))"),
-    ("Compute 3/8 + 5/12 as a reduced fraction.",
-     "from fractions import Fraction\nf = Fraction(3, 8) + Fraction(5, 12)\n"
-     "print(f'\\\\frac{{{f.numerator}}}{{{f.denominator}}}')"),
-    ("How many positive divisors does 360 have?",
-     "print(sum(1 for d in range(1, 361) if 360 % d == 0))"),
-    ("What is 12 factorial divided by 10 factorial?", "import math\nprint(math.factorial(12) // math.factorial(10))"),
-    ("How many shortest grid paths go from (0,0) to (4,3) moving right or up?",
-     "import math\nprint(math.comb(7, 3))"),
-    ("What is the 15th Fibonacci number, with F(1) = F(2) = 1?",
-     "a, b = 1, 1\nfor _ in range(13):\n    a, b = b, a + b\nprint(b)"),
-    ("What is the sum of the squares of the first 20 positive integers?",
-     "print(sum(k * k for k in range(1, 21)))"),
-    ("What is the smallest positive integer divisible by 2, 3, 4, 5 and 7?",
-     "import math\nfrom functools import reduce\nprint(reduce(math.lcm, [2, 3, 4, 5, 7]))"),
+    (
+        "Compute 3/8 + 5/12 as a reduced fraction.",
+        "from fractions import Fraction\nf = Fraction(3, 8) + Fraction(5, 12)\n"
+        "print(f'\\\\frac{{{f.numerator}}}{{{f.denominator}}}')",
+    ),
+    (
+        "How many positive divisors does 360 have?",
+        "print(sum(1 for d in range(1, 361) if 360 % d == 0))",
+    ),
+    (
+        "What is 12 factorial divided by 10 factorial?",
+        "import math\nprint(math.factorial(12) // math.factorial(10))",
+    ),
+    (
+        "How many shortest grid paths go from (0,0) to (4,3) moving right or up?",
+        "import math\nprint(math.comb(7, 3))",
+    ),
+    (
+        "What is the 15th Fibonacci number, with F(1) = F(2) = 1?",
+        "a, b = 1, 1\nfor _ in range(13):\n    a, b = b, a + b\nprint(b)",
+    ),
+    (
+        "What is the sum of the squares of the first 20 positive integers?",
+        "print(sum(k * k for k in range(1, 21)))",
+    ),
+    (
+        "What is the smallest positive integer divisible by 2, 3, 4, 5 and 7?",
+        "import math\nfrom functools import reduce\nprint(reduce(math.lcm, [2, 3, 4, 5, 7]))",
+    ),
     ("What is 2^20 - 1000000?", "print(2**20 - 1000000)"),
 ]
 
