@@ -246,7 +246,7 @@ class MathEnv(MASEnv):
         cfg, state = self.config, self.state
         if cfg.tool_task == "print" and last_code_block(action) is None:
             action = _bare_print(action)  # one line of Python may come without a fence
-        run = run_tool(action, cfg.tool_timeout)
+        run = run_tool(action, cfg.tool_timeout, judged=True)
         state.tool_runs.append(run)
         answer = printed_answer(run.output) if run.ok else None
         correct = answer is not None and default_judge().equal(

@@ -31,12 +31,17 @@ class ToolRun:
         return f"{head} Output:\n{clip_text(self.output, limit) or '(no output)'}"
 
 
-def run_tool(answer: str, timeout: float, stdin: str = "") -> ToolRun:
-    """Run the last code block of `answer`; stdout on success, stdout and stderr otherwise."""
+def run_tool(answer: str, timeout: float, stdin: str = "", judged: bool = False) -> ToolRun:
+    """Run the last code block of `answer`; stdout on success, stdout and stderr otherwise.
+
+    `judged`: what it prints is rewarded, so a sandbox that cannot hide the task's data (a
+    dataset's answers) refuses to run it (SandboxError, see Sandbox.check_judging)."""
     code = last_code_block(answer)
     if code is None:
         return ToolRun(code="", output="", verdict="no_code")
     sandbox = default_sandbox()
+    if judged:
+        sandbox.check_judging("judge a tool program's printed answer")
     limits = dataclasses.replace(sandbox.limits, wall_seconds=timeout, cpu_seconds=timeout)
     try:
         result = sandbox.run(code, stdin=stdin, limits=limits)
