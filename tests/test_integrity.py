@@ -701,6 +701,23 @@ def test_the_cheat_earns_nothing_as_an_auto_mas_design(loot) -> None:
         (execution,) = infos["designer"]["executions"]
         assert execution["correctness"] == 0.0, (PROBLEMS[index].id, execution)
         assert rewards["designer"] == 0.0, (PROBLEMS[index].id, execution)
+    # What the design's sandbox shows of the places, the checkout and masenvs' task modules.
+    targets = [*loot["places"], str(REPO / "masenvs"), str(REPO / ".git")]
+    probe = (
+        "async def solve(messages):\n"
+        "    import glob, json, os\n"
+        f"    seen = [p for t in {targets!r} for p in glob.glob(os.path.expanduser(t))]\n"
+        "    try:\n"
+        "        import masenvs.tasks.code_problems\n"
+        "        seen.append('import masenvs.tasks')\n"
+        "    except ImportError:\n"
+        "        pass\n"
+        "    return json.dumps(seen)\n"
+    )
+    env.reset(seed=0, options={"task": PROBLEMS[0]})
+    _, _, _, _, infos = env.step({"designer": f"<code>\n{probe}\n</code>"})
+    (execution,) = infos["designer"]["executions"]
+    assert execution["answer"] == "[]", execution
 
 
 VERILOG_SAMPLE = ("and_or_xor", "alu_8bit", "popcount_8", "counter_4bit", "lfsr_8bit", "dff_reset")
