@@ -62,8 +62,10 @@ def test_sft_lowers_the_loss_and_train_resumes_from_its_adapters(tmp_path, capsy
     after = adapter(run, 1, "executor")
     for key, value in tuned.items():  # one RL step at most nudges what sft wrote
         assert (after[key] - value).abs().max() < 0.1 * value.abs().max() + 1e-6, key
-    designer = adapter(run, 1, "designer")
+    # step 1 is the executor's phase (schedule.alternate): the designer keeps sft's adapter
+    designer, tuned_designer = adapter(run, 1, "designer"), adapter(run, 0, "designer")
     assert any(float(v.abs().max()) > 1e-3 for k, v in designer.items() if "lora_B" in k)
+    assert all(bool((designer[k] == v).all()) for k, v in tuned_designer.items())
 
 
 def test_full_sft_learns_the_replies(tmp_path) -> None:
