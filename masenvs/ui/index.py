@@ -77,7 +77,7 @@ class RunIndex:
         self._db = self._open()  # written by refresh() only
         # Reads use their own connection: in WAL mode they see each committed chunk while a
         # long first build goes on, instead of waiting for it.
-        self._reader = sqlite3.connect(self.db_path, check_same_thread=False)
+        self._reader = sqlite3.connect(self.db_path, check_same_thread=False, timeout=30.0)
         self._reader.row_factory = sqlite3.Row
         self._batches: dict[int, Any] = {}  # step -> the batch that wrote it
         self.ready = False  # a first pass over every file has finished
@@ -87,7 +87,9 @@ class RunIndex:
     # -- building --------------------------------------------------------------------------
 
     def _open(self) -> sqlite3.Connection:
-        db = sqlite3.connect(self.db_path, check_same_thread=False, isolation_level=None)
+        db = sqlite3.connect(
+            self.db_path, check_same_thread=False, isolation_level=None, timeout=30.0
+        )
         db.row_factory = sqlite3.Row
         with contextlib.suppress(sqlite3.DatabaseError):
             db.execute("PRAGMA journal_mode=WAL")
@@ -152,26 +154,28 @@ class RunIndex:
             size = path.stat().st_size
         except OSError:
             return False
-        row = self._db.execute(
-            "SELECT id, consumed FROM files WHERE path = ?", (str(path),)
-        ).fetchone()
-        if row is None:
-            file_id = self._db.execute(
-                "INSERT INTO files (path, consumed) VALUES (?, 0)", (str(path),)
-            ).lastrowid
-            consumed = 0
-        else:
-            file_id, consumed = row["id"], row["consumed"]
-        if size < consumed:  # rewritten (truncated): read it again from the start
-            self._forget(file_id)
-            consumed = 0
-        if size == consumed:
-            return False
-        self._db.execute("BEGIN")
+        if size == self._consumed(path):
+            return False  # the common case, answered without a write lock
+        # IMMEDIATE: a second `masenvs ui` on the same run waits here (busy_timeout) and then
+        # sees the lines this one indexed, instead of indexing them twice.
+        self._db.execute("BEGIN IMMEDIATE")
         try:
+            row = self._db.execute(
+                "SELECT id, consumed FROM files WHERE path = ?", (str(path),)
+            ).fetchone()
+            if row is None:
+                file_id = self._db.execute(
+                    "INSERT INTO files (path, consumed) VALUES (?, 0)", (str(path),)
+                ).lastrowid
+                consumed = 0
+            else:
+                file_id, consumed = row["id"], row["consumed"]
+            if size < consumed:  # rewritten (truncated): read it again from the start
+                self._forget(file_id)
+                consumed = 0
+            offset = consumed
             with open(path, "rb") as f:
                 f.seek(consumed)
-                offset = consumed
                 for n, line in enumerate(_whole_lines(f), start=1):
                     try:
                         record = _loads(line)
@@ -186,7 +190,7 @@ class RunIndex:
                             "UPDATE files SET consumed = ? WHERE id = ?", (offset, file_id)
                         )
                         self._db.execute("COMMIT")
-                        self._db.execute("BEGIN")
+                        self._db.execute("BEGIN IMMEDIATE")
             self._db.execute("UPDATE files SET consumed = ? WHERE id = ?", (offset, file_id))
             self._db.execute("COMMIT")
         except BaseException:
