@@ -140,7 +140,7 @@ class DesignRunner:
         else:
             run.answer, run.graph, run.error = (
                 report.get("answer"),
-                _checked_graph(report.get("graph"), gate.calls),
+                _checked_graph(report.get("graph"), gate.call_ids),
                 report.get("error"),
             )
             if run.error is None and not (run.answer or "").strip():
@@ -171,16 +171,19 @@ def design_sandbox() -> Any:
         return _sandbox
 
 
-def _checked_graph(graph: Any, forwarded: int) -> dict[str, Any] | None:
-    """The design's graph, as its process described it; its nodes' call ids are kept only
-    if there are no more of them than calls the gate forwarded (which the design cannot
-    fake)."""
+def _checked_graph(graph: Any, call_ids: list[tuple[str, str]]) -> dict[str, Any] | None:
+    """The design's graph as its process described it (structure, nodes, edges), each node's
+    calls taken from the gate's record of the calls it forwarded for `executor@<node>`, never
+    from the design's report, which the design could forge."""
+    from masenvs.mas.llm import _node_tag
+
     if not isinstance(graph, dict) or not isinstance(graph.get("nodes"), list):
         return None
-    nodes = [n for n in graph["nodes"] if isinstance(n, dict)]
-    claimed = sum(len(n.get("calls") or []) for n in nodes if isinstance(n.get("calls"), list))
-    if claimed > forwarded:
-        nodes = [{**n, "calls": []} for n in nodes]
+    nodes = [
+        {**n, "calls": [cid for tag, cid in call_ids if tag == _node_tag(n["name"])]}
+        for n in graph["nodes"]
+        if isinstance(n, dict) and isinstance(n.get("name"), str)
+    ]
     return {**graph, "nodes": nodes}
 
 

@@ -93,6 +93,9 @@ class Gate:
         self.calls = 0
         self.max_tool_runs, self.tool_runs = max_tool_runs, 0
         self.refused: list[str] = []  # why each refused request was refused
+        # (node tag, trace id) of each call the endpoint answered: the design's graph takes
+        # its per-node calls from here, not from what the design reports.
+        self.call_ids: list[tuple[str, str]] = []
         self._lock = threading.Lock()
         self._headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         self._timeout = timeout
@@ -162,6 +165,11 @@ class Gate:
             reply = _http().post(self.target, json=request, headers=headers, timeout=self._timeout)
         except Exception as exc:  # the endpoint is down: the design fails with this reason
             return self._refuse(502, f"the endpoint did not answer: {type(exc).__name__}: {exc}")
+        if reply.status_code == 200:
+            with contextlib.suppress(ValueError, KeyError, TypeError, AttributeError):
+                call_id = str(reply.json()["id"])
+                with self._lock:
+                    self.call_ids.append((node, call_id))
         return reply.status_code, reply.content
 
     def run_tool(self, body: bytes) -> tuple[int, dict[str, Any]]:
