@@ -69,6 +69,11 @@ def coder(messages: list[dict[str, Any]]) -> str:
     """Writes a program first; answers with what the program printed once it has seen it."""
     system = messages[0]["content"] if messages[0]["role"] == "system" else ""
     last = messages[-1]["content"]
+    if "inside <solution>" in system:  # a workflow node told it is a code task
+        return (
+            "<delivery>read two integers, print the sum</delivery>\n<solution>\n"
+            "a, b = map(int, input().split())\nprint(a + b)\n</solution>"
+        )
     if "ALWAYS-CODE" in system:  # never answers on its own
         return "Still computing.\n```python\nprint(1)\n```"
     if "USE-LOOKUP" in system:  # calls the design's own tool, then answers with its result
@@ -526,3 +531,21 @@ def test_a_training_step_learns_from_the_calls_of_workflow_api_nodes(tmp_path, m
         json.loads(line) for line in (result.run_dir / "designs.jsonl").read_text().splitlines()
     ]
     assert {d["graph"]["structure"] for d in designs} == {"Workflow(Solver, Checker)"}
+
+
+def test_a_workflow_script_on_a_code_task_delivers_a_solution_the_tests_judge(scripted) -> None:
+    task = {
+        "id": "add",
+        "prompt": "Read two integers and print their sum.",
+        "tests": [{"input": "1 2\n", "output": "3\n"}, {"input": "5 5\n", "output": "10\n"}],
+    }
+    script = TWO_NODES.replace("What is 2 + 2?", "Read two integers and print their sum.")
+    env = masenvs.make("auto_mas", task="code", endpoint_url=scripted.url, executions=1)
+    env.reset(options={"task": task})
+    reward, info = step(env, designer_reply(script))
+    assert reward == pytest.approx(1.05), info["executions"]
+    calls = scripted.store.rollout(info["captured"][0]["rollout_id"])
+    # TASK_TYPE=code: each node is told to answer in <solution>, and the second node sees
+    # the first one's <delivery>, as in the published system.
+    assert all("<solution>" in c.messages[0]["content"] for c in calls)
+    assert "read two integers, print the sum" in calls[1].messages[-1]["content"]
