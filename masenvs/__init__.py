@@ -1,10 +1,23 @@
 """masenvs: multi-agent LLM environments, trace capture and AT-GRPO training."""
 
-from masenvs.env import EnvConfig, MASEnv, RewardParts, RewardWeights, Snapshot, play_round
+from masenvs.env import (
+    EnvConfig,
+    EnvConfigError,
+    IgnoredActionsWarning,
+    MASEnv,
+    RewardParts,
+    RewardWeights,
+    Snapshot,
+    play_round,
+)
 from masenvs.registry import env_class, list_envs, make, register
+from masenvs.wrappers import GymnasiumEnv, make_vec
 
 __all__ = [
     "EnvConfig",
+    "EnvConfigError",
+    "GymnasiumEnv",
+    "IgnoredActionsWarning",
     "MASEnv",
     "RewardParts",
     "RewardWeights",
@@ -12,6 +25,7 @@ __all__ = [
     "env_class",
     "list_envs",
     "make",
+    "make_vec",
     "play_round",
     "register",
 ]

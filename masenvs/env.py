@@ -14,6 +14,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import string
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Literal
 
@@ -120,6 +121,11 @@ class EnvConfig(BaseModel):
     max_action_chars: int = Field(
         65536, ge=1, description="Longer actions are cut to this many characters before parsing."
     )
+    strict_actions: bool = Field(
+        False,
+        description="step() fails (ValueError) on actions for agents other than env.acting; "
+        "False: they are ignored, with a warning the first time.",
+    )
     turn_order: Literal["sequential", "simultaneous"] = Field(
         "sequential",
         description="'sequential' (Stronger-MAS): agents act one after another in the env's "
@@ -151,6 +157,13 @@ class EpisodeState:
 
     success: bool = False
     failed: bool = False  # ends the episode without success (e.g. a deadlocked sokoban)
+
+
+class IgnoredActionsWarning(UserWarning):
+    """step() got actions for agents whose turn it is not; only env.acting's was played."""
+
+
+_WARNED_IGNORED: set[type] = set()
 
 
 class MASEnv(ParallelEnv):
@@ -285,6 +298,9 @@ class MASEnv(ParallelEnv):
                 f"it is {agent}'s turn but step() got actions only for {sorted(actions)}: "
                 "pass env.acting's action (the others are ignored)"
             )
+        ignored = sorted(a for a in actions if a != agent)
+        if ignored:
+            self._ignored_actions(agent, ignored)
         action = self._clean_action(actions.get(agent))
         own = self.play_turn(agent, action)
         self.last_actions[agent] = action
@@ -368,6 +384,24 @@ class MASEnv(ParallelEnv):
         if self.config.turn_order == "simultaneous":
             self._round_prompts = {agent: self.prompt(agent) for agent in self.agents}
 
+    def _ignored_actions(self, agent: str, ignored: list[str]) -> None:
+        """The PettingZoo loop `env.step({a: ... for a in env.agents})` plays only the acting
+        agent's action: say so once per env class (or fail, with `strict_actions`)."""
+        message = (
+            f"{self.name}: step() plays only env.acting's action ({agent!r}) and ignored the "
+            f"actions of {', '.join(map(repr, ignored))}: agents take turns, so pass "
+            "{env.acting: action}, or loop `while env.agents: env.step({env.acting: ...})`"
+        )
+        if self.config.strict_actions:
+            raise ValueError(message + " (strict_actions)")
+        if type(self) not in _WARNED_IGNORED:
+            _WARNED_IGNORED.add(type(self))
+            warnings.warn(
+                message + "; warned once (strict_actions=True makes it an error)",
+                IgnoredActionsWarning,
+                stacklevel=3,
+            )
+
     def _clean_action(self, action: Any) -> str:
         if action is None:
             return ""
@@ -420,7 +454,10 @@ def play_round(
     start = env.round
     totals = {agent: RewardParts() for agent in env.agents}
     while True:
-        obs, _, terms, truncs, infos = env.step(actions)
+        agent = env.acting
+        obs, _, terms, truncs, infos = env.step(
+            {agent: actions[agent]} if agent in actions else actions
+        )
         for agent, info in infos.items():
             for level, value in info["reward_parts"].items():
                 setattr(totals[agent], level, getattr(totals[agent], level) + value)

@@ -17,6 +17,9 @@ def register(name: str, entry_point: str) -> None:
     if name in _ENVS and _ENVS[name] != entry_point:
         raise ValueError(f"environment {name!r} is already registered as {_ENVS[name]}")
     _ENVS[name] = entry_point
+    from masenvs.wrappers import register_gymnasium  # gymnasium.make("masenvs/<name>-v0")
+
+    register_gymnasium(name)
 
 
 def list_envs() -> list[str]:
