@@ -48,8 +48,14 @@ class Run:
         """The run's index, brought up to date (waiting at most 2 s while the indexer
         thread reads a large run: the page then shows what is indexed so far)."""
         index = self.open_index()
-        index.refresh(wait=2.0)
+        # a first build of a large run goes on in the indexer thread: show what it has
+        index.refresh(wait=2.0 if index.ready else 0.0)
         return index
+
+    def steps(self) -> list[int]:
+        """The run's training steps (from the cached per-step stats when there are samples)."""
+        stats = step_stats(self)
+        return sorted({step for step, _ in stats}) if stats else self.index.steps()
 
     def open_index(self) -> RunIndex:
         """The run's index as it is (opened on first use)."""

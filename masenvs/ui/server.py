@@ -142,7 +142,7 @@ def create_app(
         run = catalog.run(request.path_params["rid"])
         metrics = run.metrics()
         index = run.index
-        steps = index.steps()
+        steps = run.steps()
         by_step = {r["step"]: r for r in metrics}
         summary = data.step_summary(run)
         designs = index.query("SELECT COUNT(*) AS n FROM designs")[0]["n"]
@@ -168,7 +168,7 @@ def create_app(
         run = catalog.run(request.path_params["rid"])
         step = request.path_params["step"]
         view = data.step_view(run, step)
-        steps = run.index.steps()
+        steps = run.steps()
         designs = run.index.query(
             "SELECT design_id, task_id, round, reward, error, structure, executions "
             "FROM designs WHERE step = ? ORDER BY rowid",
