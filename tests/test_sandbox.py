@@ -593,3 +593,87 @@ def test_without_bubblewrap_there_is_no_allow_list_and_judges_refuse(monkeypatch
         assert weak.run("print(1)").stdout == "1\n"  # it still runs programs
         with pytest.raises(SandboxError, match="install bubblewrap"):
             weak.check_judging()
+
+
+USERNS_SCRIPT = r"""
+import importlib.util, json, sys, types
+root = sys.argv[1]
+package = types.ModuleType("masenvs")
+package.__path__ = [root + "/masenvs"]
+sys.modules["masenvs"] = package
+for name in ("sandbox_layout", "sandbox"):  # both are standard library only
+    spec = importlib.util.spec_from_file_location(f"masenvs.{name}", f"{root}/masenvs/{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module
+    spec.loader.exec_module(module)
+probe = '''
+import ctypes, json, os, socket
+libc = ctypes.CDLL(None, use_errno=True)
+found_shm = libc.shmget(0x5EED, 0, 0) >= 0
+libc.shmget(0x5EED, 4096, 0o1666)
+s = socket.socket(socket.AF_UNIX)
+s.bind(b"\\0masenvs-userns")  # fails if an earlier run's socket were reachable
+print(json.dumps({"root": sorted(os.listdir("/")), "shm_left": found_shm, "home": os.path.exists(%r)}))
+''' % sys.argv[2]
+with module.Sandbox(packages=()) as sandbox:
+    iso = sandbox.isolation
+    runs = [sandbox.run(probe) for _ in range(2)]
+print(json.dumps({"mode": iso.mode, "safe": iso.judging_safe, "notes": list(iso.notes),
+                  "runs": [[r.verdict.value, r.stdout, r.stderr[-300:]] for r in runs]}))
+"""
+
+
+def test_the_user_namespace_mode_gets_the_same_allow_list() -> None:
+    """As an unprivileged user (`nobody`, the system's python): mode userns, the same root,
+    and nothing of one run reaches the next."""
+    import shutil
+
+    setpriv, python = shutil.which("setpriv"), shutil.which("python3", path="/usr/bin:/bin")
+    if os.geteuid() != 0 or not setpriv or not python:
+        pytest.skip("needs root, setpriv and a system python3 to run as an unprivileged user")
+    check = [setpriv, "--reuid=65534", "--regid=65534", "--clear-groups", python, "-c"]
+    usable = subprocess.run(
+        [
+            *check,
+            f"import sys; open({str(REPO / 'masenvs/sandbox.py')!r}); assert sys.version_info >= (3, 10)",
+        ],
+        capture_output=True,
+    )
+    if usable.returncode != 0:
+        pytest.skip("the unprivileged user cannot read this checkout or has no python >= 3.10")
+    import tempfile
+
+    home = tempfile.mkdtemp(prefix="masenvs-nobody-")  # pytest's tmp_path is root's alone
+    os.chmod(home, 0o777)
+    env = {"PATH": "/usr/bin:/bin", "HOME": home, "XDG_CACHE_HOME": home}
+    try:
+        out = subprocess.run(
+            [*check, USERNS_SCRIPT, str(REPO), str(REPO)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=120,
+        )
+    finally:
+        shutil.rmtree(home, ignore_errors=True)
+    assert out.returncode == 0, out.stderr[-2000:]
+    report = json.loads(out.stdout.splitlines()[-1])
+    if report["mode"] != "userns":
+        pytest.skip(f"unprivileged user namespaces are off here: {report['notes']}")
+    assert report["safe"], report["notes"]
+    for verdict, stdout, stderr in report["runs"]:
+        assert verdict == "ok", stderr
+        seen = json.loads(stdout)
+        assert not seen["shm_left"] and not seen["home"], seen
+        assert set(seen["root"]) <= {
+            "bin",
+            "dev",
+            "etc",
+            "lib",
+            "lib64",
+            "proc",
+            "run",
+            "sbin",
+            "tmp",
+            "usr",
+        }
