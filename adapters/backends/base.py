@@ -28,6 +28,9 @@ class SamplingParams:
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0  # 0 turns top-k off
+    # >1 makes tokens already in the prompt or the answer less likely (vLLM's and
+    # transformers' rule); 1.0 is off. Sampling only: log-probs stay the raw model's.
+    repetition_penalty: float = 1.0
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None
@@ -112,3 +115,9 @@ class Backend(Protocol):
         ...
 
     async def close(self) -> None: ...
+
+
+def honours_seed(backend: Any) -> bool:
+    """Whether `backend` samples a request's `seed` as asked; a backend that does not (vLLM's
+    CPU build, see docs/vllm.md) says so with `honours_seed = False` and drops the seed."""
+    return bool(getattr(backend, "honours_seed", True))

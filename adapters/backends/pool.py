@@ -45,6 +45,7 @@ from masenvs.adapters.backends.base import (
     GenerateRequest,
     Generation,
     StreamDelta,
+    honours_seed,
 )
 
 # Error codes of a replica that did not answer (VLLMBackend: connection failed, timed out).
@@ -122,6 +123,11 @@ class EnginePool:
         self._weights: str | None = None
         self._loads = 0  # bumps whenever _adapters / _weights change
         self._rr = 0
+
+    @property
+    def honours_seed(self) -> bool:
+        """Whether every replica samples a request's seed (base.honours_seed)."""
+        return all(honours_seed(e.backend) for e in self.engines)
 
     # ---- Backend protocol ----------------------------------------------------------------
 

@@ -24,6 +24,7 @@ from masenvs.adapters.backends.base import (
     GenerateRequest,
     Generation,
     StreamDelta,
+    honours_seed,
 )
 
 BASE_NAMES = ("", "base")
@@ -96,6 +97,11 @@ class RouterBackend:
 
     def model_names(self) -> list[str]:
         return list(self.routes)
+
+    @property
+    def honours_seed(self) -> bool:
+        """Whether every routed backend samples a request's seed (base.honours_seed)."""
+        return all(honours_seed(b) for b in self.backends)
 
     def decode(self, token_ids: list[int]) -> str:
         return self.backends[0].decode(token_ids)

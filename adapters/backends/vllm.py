@@ -24,6 +24,7 @@ import asyncio
 import contextlib
 import hashlib
 import json
+import logging
 import os
 import shutil
 import signal
@@ -48,6 +49,8 @@ from masenvs.adapters.backends.base import (
     StreamDelta,
 )
 
+log = logging.getLogger(__name__)
+
 BASE_NAMES = ("", "base")
 VLLM_BIN_ENV = "MASENVS_VLLM_BIN"
 VLLM_PYTHON_ENV = "MASENVS_VLLM_PYTHON"
@@ -69,7 +72,9 @@ class VLLMBackend:
     `tokenizer` (a transformers tokenizer, a model directory, or "tiny"/"smollm2-135m")
     decodes ids locally; by default it is loaded from the directory vLLM serves, which
     must then exist on this machine too. `timeout` bounds every request; `VLLMBackend.launch`
-    starts a server first and `shutdown()` stops it.
+    starts a server first and `shutdown()` stops it. `honours_seed` says whether requests
+    carry their `seed` to vLLM (None: find out, see `seeds_honoured`); an unsent seed is
+    logged once.
     """
 
     name = "vllm"
@@ -83,6 +88,7 @@ class VLLMBackend:
         tokenizer: Any = None,
         timeout: float = 600.0,
         process: VLLMProcess | None = None,
+        honours_seed: bool | None = None,
     ) -> None:
         self.url = base_url.rstrip("/").removesuffix("/v1")
         self.api_key = api_key
@@ -112,6 +118,27 @@ class VLLMBackend:
         self.chat_template = getattr(self.tokenizer, "chat_template", None)
         self._tokenizer_id = tokenizer_fingerprint(self.tokenizer)
         self._eos_ids = _eos_ids(self.tokenizer)
+        self.honours_seed, self.seed_note = (
+            (honours_seed, "as given") if honours_seed is not None else self.seeds_honoured()
+        )
+        self._seed_dropped = False  # the first dropped seed is logged, not every one
+
+    def seeds_honoured(self) -> tuple[bool, str]:
+        """Whether this server takes per-request seeds, and how that was found out.
+
+        vLLM on CUDA does. Its CPU build (0.32) kills its engine core on a seeded request
+        whose prefill is split over scheduler steps ("CPU Generator does not use offset",
+        docs/vllm.md), so seeds are sent only to a server known to run on a GPU: one
+        started here (`launch_vllm` knows), or one whose `/server_info` (development mode)
+        names its device. Any other server gets no seeds.
+        """
+        if self.process is not None and self.process.cpu is not None:
+            device = "cpu" if self.process.cpu else "cuda"
+            return not self.process.cpu, f"started here for {device}"
+        device = self._server_device()
+        if device is not None:
+            return device != "cpu", f"its /server_info names device {device!r}"
+        return False, "its device is unknown (no /server_info)"
 
     @classmethod
     def launch(
@@ -257,8 +284,20 @@ class VLLMBackend:
         }
         if params.top_k > 0:
             body["top_k"] = params.top_k
+        if params.repetition_penalty != 1.0:
+            body["repetition_penalty"] = params.repetition_penalty
         if params.seed is not None:
-            body["seed"] = params.seed
+            if self.honours_seed:
+                body["seed"] = params.seed
+            elif not self._seed_dropped:
+                self._seed_dropped = True
+                log.warning(
+                    "vLLM at %s gets no per-request seeds (%s): seeded calls are sampled "
+                    "unseeded. vLLM's CPU build fails on them (docs/vllm.md); a GPU server "
+                    "takes them with VLLMBackend(honours_seed=True).",
+                    self.url,
+                    self.seed_note,
+                )
         if stream:
             body["stream_options"] = {"include_usage": True}
         if (request.messages is None) == (request.prompt is None):
@@ -440,6 +479,23 @@ class VLLMBackend:
         if response.status_code != 200:
             raise _error(response.status_code, response.text)
         return response.json().get("data", [])
+
+    def _server_device(self) -> str | None:
+        """The device vLLM runs on, from `/server_info` (only in development mode)."""
+        try:
+            response = httpx.get(
+                self.url + "/server_info",
+                params={"config_format": "json"},
+                headers=self._headers,
+                timeout=httpx.Timeout(min(self.timeout, 30.0), connect=10.0),
+            )
+            config = response.json().get("vllm_config") if response.status_code == 200 else None
+        except (httpx.HTTPError, ValueError):
+            return None
+        device = (config or {}).get("device_config") if isinstance(config, dict) else None
+        if isinstance(device, dict):
+            device = device.get("device_type") or device.get("device")
+        return str(device).lower() if isinstance(device, str) and device else None
 
     async def _post_json(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -647,6 +703,7 @@ class VLLMProcess:
     url: str
     log_path: Path
     command: list[str] = field(default_factory=list)
+    cpu: bool | None = None  # started for vLLM's CPU build; None: not known
 
     def stop(self, timeout: float = 30.0) -> None:
         """End the server and every process it started; return once they are all gone.
@@ -809,12 +866,21 @@ def lora_rank_for(rank: int) -> int:
 
 
 def model_dir(model: str) -> str:
-    """What vLLM loads for a masenvs model name: its converted directory; else `model` as is."""
+    """What vLLM loads for a masenvs model name: its converted directory; for a hub id the
+    snapshot the learner loads too (from the HF cache, or downloaded once, `hub_snapshot`),
+    so both read the same revision and vLLM needs no network; else `model` as is."""
+    from masenvs.adapters.models import ModelLoadError, hub_snapshot, is_hub_id
+
     if model in ("tiny", "smollm2-135m"):
         from masenvs.adapters.models import cache_dir, load_tokenizer
 
         load_tokenizer(model)  # builds (converts) the cached model directory once
         return str(cache_dir() / model)
+    if is_hub_id(model) and not Path(model).expanduser().exists():
+        try:
+            return str(hub_snapshot(model))
+        except ModelLoadError as exc:
+            raise VLLMLaunchError(str(exc)) from None
     return model
 
 
@@ -884,9 +950,11 @@ def launch_vllm(
     log_file = (
         Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="vllm-", suffix=".log")[1])
     )
-    return launch_server(
+    server = launch_server(
         args, child_env, log_file, f"http://{host}:{port}", timeout, f"vLLM ({install.origin})"
     )
+    server.cpu = cpu
+    return server
 
 
 def launch_server(
