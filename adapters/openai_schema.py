@@ -3,7 +3,8 @@
 Requests are validated with pydantic and turned into the backend's `GenerateRequest`;
 fields the OpenAI API defines but the endpoint cannot honour are rejected with a 400 that
 says so, harmless ones (`user`, zero penalties, ...) are accepted and ignored. vLLM's
-extras `top_k`, `stop_token_ids`, `return_token_ids` and `chat_template_kwargs` work too.
+extras `top_k`, `repetition_penalty`, `stop_token_ids`, `return_token_ids` and
+`chat_template_kwargs` work too.
 """
 
 from __future__ import annotations
@@ -73,6 +74,9 @@ class _Request(BaseModel):
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     top_k: int | None = Field(None, ge=-1)
+    # vLLM's extra: scores of tokens already in the prompt or the answer are divided by it
+    # (positive) or multiplied (negative) before sampling; log-probs stay the raw model's.
+    repetition_penalty: float | None = Field(None, gt=0.0)
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -123,6 +127,7 @@ class _Request(BaseModel):
             temperature=1.0 if self.temperature is None else self.temperature,
             top_p=1.0 if self.top_p is None else self.top_p,
             top_k=max(self.top_k or 0, 0),  # vLLM's -1 and 0 both turn top-k off
+            repetition_penalty=self.repetition_penalty or 1.0,
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             seed=self.seed,

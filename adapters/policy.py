@@ -31,13 +31,15 @@ def server_root(url: str) -> str:
 
 @dataclass
 class Sampling:
-    """Sampling settings sent with every call (the endpoint's `top_k` is an extra field)."""
+    """Sampling settings sent with every call (the endpoint's `top_k` and
+    `repetition_penalty` are vLLM's extra fields)."""
 
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
     max_tokens: int = 256
     seed: int | None = None
+    repetition_penalty: float = 1.0  # 1.0: off (vLLM's and transformers' meaning)
 
 
 @dataclass
@@ -110,6 +112,8 @@ class ChatPolicy:
         extra: dict[str, Any] = {"return_token_ids": True}
         if s.top_k:
             extra["top_k"] = s.top_k
+        if s.repetition_penalty != 1.0:
+            extra["repetition_penalty"] = s.repetition_penalty
         async with self._limit:
             response = await self.client(rollout_id).chat.completions.create(
                 model=self.models.get(agent, agent),

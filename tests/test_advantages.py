@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given
@@ -131,6 +132,24 @@ def test_keep_top_groups_by_mean() -> None:
     samples = [sample(0.0, low), sample(1.0, low), sample(5.0, high), sample(6.0, high)]
     out, _ = group_advantages(samples, AlgorithmConfig(keep_top_groups=0.5, keep_top_by="mean"))
     assert [s.group for s in out] == [high, high]
+
+
+def test_keep_top_groups_ranks_each_policys_groups_apart() -> None:
+    # The tool's rewards are all higher than the plan's; ranked together, keeping half the
+    # groups would keep only the tool's. The authors filter each model's batch on its own.
+    tool = [tree_group(i, 0, "tool") for i in range(4)]
+    plan = [tree_group(i, 0, "plan") for i in range(4)]
+    samples = []
+    for i in range(4):
+        samples += [sample(10.0 + i, tool[i], "tool"), sample(10.0, tool[i], "tool")]
+        samples += [sample(1.0 + i, plan[i], "plan"), sample(0.0, plan[i], "plan")]
+    out, stats = group_advantages(samples, AlgorithmConfig(keep_top_groups=0.5, keep_top_by="mean"))
+    assert {s.group for s in out} == {tool[2], tool[3], plan[2], plan[3]}
+    assert stats.kept == 4
+    # One shared policy: its groups are ranked together, as before.
+    shared = [replace(s, policy="shared") for s in samples]
+    out, _ = group_advantages(shared, AlgorithmConfig(keep_top_groups=0.5, keep_top_by="mean"))
+    assert {s.group for s in out} == set(tool)
 
 
 def test_inputs_are_not_mutated() -> None:

@@ -18,6 +18,7 @@ from masenvs.adapters.models import load_model
 from masenvs.registry import make
 from masenvs.tasks.loaders import write_jsonl
 from masenvs.tasks.records import MathTask
+from masenvs.traces import TraceStore
 from masenvs.trainer.checkpoint import TrainState, save_checkpoint
 from masenvs.trainer.config import load_config
 from masenvs.trainer.evaluate import main, pass_at_k
@@ -142,3 +143,46 @@ def test_a_checkpoint_is_scored_beside_its_base_model(tmp_path: Path) -> None:
         assert result["errors"] == 0
     # Embedded policies are captured: each has its own traces beside the JSON.
     assert (tmp_path / "eval" / "run_3").is_dir() and (tmp_path / "eval" / "base").is_dir()
+
+
+def test_role_swap_plays_each_role_with_the_others_trained_policy(tmp_path: Path) -> None:
+    """`--swap tool=reasoner`: Stronger-MAS's swapped-policies test. Every call of the
+    reasoner role goes to the tool's adapter and the other way round; the unswapped run
+    beside it keeps them in place."""
+    data = write_jsonl(TASKS, tmp_path / "tasks.jsonl")
+    options = {"max_rounds": 1, "source": f"jsonl:{data}"}
+    cfg = load_config(
+        None,
+        [
+            f"run_dir={tmp_path / 'run'}",
+            "model.name=tiny",
+            "env.name=math",
+            f"env.options={json.dumps(options)}",
+            "lora.rank=8",
+            "lora.alpha=16",
+        ],
+    )
+    learner = Learner(cfg, ["tool", "reasoner"])
+    checkpoint = save_checkpoint(cfg.run_dir, learner, TrainState(step=2, next_task_seed=0), cfg)
+    base_args = ["--checkpoint", str(checkpoint), "--source", f"jsonl:{data}"]
+    base_args += ["--temperature", "0", "--dtype", "float32", "--max-tokens", "4"]
+
+    def served(out: Path, *extra: str) -> set[tuple[str, str]]:
+        assert main([*base_args, *extra, "--out", str(out)]) == 0
+        traces = next(p for p in out.with_suffix("").iterdir() if p.is_dir())
+        return {(c.agent, c.model) for c in TraceStore(traces).calls()}
+
+    swapped_out = tmp_path / "swapped.json"
+    assert served(swapped_out, "--swap", "tool=reasoner") == {
+        ("tool", "ckpt0.reasoner"),
+        ("reasoner", "ckpt0.tool"),
+    }
+    report = json.loads(swapped_out.read_text())
+    assert report["swap"] == {"tool": "reasoner", "reasoner": "tool"}
+    assert [r["name"] for r in report["results"]] == ["run@2 swap reasoner=tool"]
+    assert served(tmp_path / "plain.json") == {
+        ("tool", "ckpt0.tool"),
+        ("reasoner", "ckpt0.reasoner"),
+    }
+    for bad, why in [("tool=tool", "two different agents"), ("tool=coder", "not an agent")]:
+        assert main([*base_args, "--swap", bad, "--out", str(tmp_path / "x.json")]) == 2, why

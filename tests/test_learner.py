@@ -352,3 +352,19 @@ def test_saved_adapter_loads_in_peft_with_identical_outputs(loader: Any, tmp_pat
     other = Learner(cfg, ["coder", "tester"], loader)
     other.load_adapter("tester", out)
     assert same(other.adapter_state_dict("tester"), learner.adapter_state_dict("tester"))
+
+
+def test_mini_batch_size_sets_the_optimizer_steps_like_ppo_mini_batch_size(loader: Any) -> None:
+    # The ref's VERL actor steps once per ppo_mini_batch_size samples: the count follows
+    # each policy's batch, where mini_batches fixes it.
+    cfg = config("algorithm.mini_batch_size=3", "optim.lr=5e-3")
+    assert cfg.algorithm.optimizer_steps(8) == 3 and cfg.algorithm.optimizer_steps(2) == 1
+    learner = Learner(cfg, ["coder", "tester"], loader)
+    samples = make_samples("coder", 8, seed=21) + make_samples("tester", 3, seed=22, task=1)
+    metrics = learner.step(with_advantages(samples, cfg))
+    assert metrics["learner/coder/optimizer_steps"] == 3.0  # 8 samples: 3 + 3 + 2
+    assert metrics["learner/tester/optimizer_steps"] == 1.0
+    assert metrics["learner/coder/ratio_mean"] != 1.0  # later steps see moved weights
+    default = Learner(config(), ["coder"], loader)
+    one = default.step(with_advantages(make_samples("coder", 8, seed=21), default.cfg))
+    assert one["learner/coder/optimizer_steps"] == 1.0

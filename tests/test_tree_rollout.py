@@ -158,8 +158,13 @@ def test_a_branch_is_scored_once_and_committed_as_is(sandbox_runs) -> None:
         "print('Moves: [R]')",
     ]
     # The committed path's rewards: the tool's own outcome, and the team's once for each.
-    tool_own = max(s.reward for s in result.samples if s.agent == "tool")
+    # Every tool candidate also carries the team term the plan's goal paid (alpha * r_team
+    # for every agent): one constant of the group, so no advantage moves.
+    tool = [s for s in result.samples if s.agent == "tool"]
+    assert [s.meta["team_term"] for s in tool] == pytest.approx([1.5] * 3)
+    tool_own = max(s.reward - s.meta["team_term"] for s in tool)
     assert result.rewards["tool"] == pytest.approx(tool_own + 1.5)
+    assert max(s.reward for s in tool) == pytest.approx(result.rewards["tool"])
 
 
 def test_simultaneous_turns_hide_this_rounds_tool_output_from_the_plan() -> None:

@@ -50,8 +50,9 @@ def group_advantages(
     - std is the population std (divide by n): every group's advantages then have unit RMS
       whatever its size, so groups of 2 and of 8 weigh alike. `cfg.unbiased_std` switches to
       the sample std (n - 1, as VERL and TRL), which shrinks small groups by sqrt((n-1)/n).
-    - Filters: `drop_zero_std_groups`, then `keep_top_groups` (a fraction, ranked by reward
-      std or mean); neither changes the advantages of the groups that stay.
+    - Filters: `drop_zero_std_groups`, then `keep_top_groups` (a fraction of each policy's
+      groups, ranked by reward std or mean); neither changes the advantages of the groups
+      that stay.
     """
     groups: dict[GroupKey, list[int]] = defaultdict(list)
     for i, s in enumerate(samples):
@@ -79,9 +80,16 @@ def group_advantages(
     if cfg.drop_zero_std_groups:
         kept = [k for k in kept if not flat[k]]
     if cfg.keep_top_groups < 1.0 and kept:
+        # Each policy's groups are ranked among themselves, as the authors filter each
+        # model's batch: one role's higher rewards do not crowd out another's groups.
         score = std if cfg.keep_top_by == "std" else mean
-        n_keep = math.ceil(cfg.keep_top_groups * len(kept))
-        top = set(sorted(kept, key=lambda k: -score[k])[:n_keep])  # stable sort
+        by_policy: dict[str, list[GroupKey]] = defaultdict(list)
+        for k in kept:
+            by_policy[samples[groups[k][0]].policy].append(k)
+        top: set[GroupKey] = set()
+        for keys in by_policy.values():
+            n_keep = math.ceil(cfg.keep_top_groups * len(keys))
+            top.update(sorted(keys, key=lambda k: -score[k])[:n_keep])  # stable sort
         kept = [k for k in kept if k in top]
 
     out: list[Sample] = []

@@ -7,6 +7,7 @@ silently ignored setting). `load_config("run.yaml", ["optim.lr=1e-5"])` is the e
 from __future__ import annotations
 
 import difflib
+import math
 import types
 import typing
 from pathlib import Path
@@ -31,8 +32,9 @@ class ModelConfig(_Section):
 
     name: str = Field(
         "smollm2-135m",
-        description="Base model: 'smollm2-135m', 'tiny' (tests) or a local Hugging Face model "
-        "directory, as `masenvs.adapters.models.load_model` accepts.",
+        description="Base model: 'smollm2-135m', 'tiny' (tests), a local Hugging Face model "
+        "directory or a hub id ('Qwen/Qwen3-1.7B': read from the HF cache, $HF_HOME, or "
+        "downloaded into it), as `masenvs.adapters.models.load_model` accepts.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the learner runs; 'auto' picks CUDA when available."
@@ -62,13 +64,26 @@ class EnvSpec(_Section):
 
 
 class RolloutConfig(_Section):
-    """How training episodes are sampled (AT-GRPO tree sampling)."""
+    """How training episodes are sampled (AT-GRPO tree sampling, or independent trajectories)."""
 
+    mode: Literal["tree", "trajectory"] = Field(
+        "tree",
+        description="'tree': AT-GRPO tree sampling (K candidates per agent per turn from one "
+        "state, the best continues); 'trajectory': K independent episodes per task, one "
+        "answer per turn, no branching (the paper's '+GRPO' baselines; PettingLLMs' no_tree).",
+    )
+    group_by: Literal["turn_agent", "agent"] = Field(
+        "turn_agent",
+        description="Advantage groups: 'turn_agent' = (task, turn, agent), each sample's "
+        "reward its turn's mixed reward (the paper's); 'agent' = (task, agent): in trajectory "
+        "mode every call of an agent gets its episode return, in tree mode an agent's "
+        "candidates of all turns share one baseline (the grouping ablations).",
+    )
     branches: int = Field(
         4,
         ge=1,
         description="K: candidates each agent samples from the same state at every round; "
-        "they form one advantage group (paper: 4 to 8).",
+        "they form one advantage group (paper: 4 to 8). Trajectory mode: episodes per task.",
     )
     tasks_per_step: int = Field(8, ge=1, description="B: tasks (env seeds) per training step.")
     max_rounds: int | None = Field(
@@ -81,6 +96,16 @@ class RolloutConfig(_Section):
         "temperature too, so the PPO ratio is against the distribution that was sampled.",
     )
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
+    top_k: int = Field(
+        0, ge=0, description="Sample among the k most likely tokens only; 0 turns it off."
+    )
+    repetition_penalty: float = Field(
+        1.0,
+        gt=0.0,
+        description="vLLM's repetition penalty over the prompt's and the answer's tokens "
+        "(>1 repeats less); 1.0 is off. Sampling only: the learner scores the raw policy, so "
+        "with a penalty the samples are not the policy's own (the PPO ratio does not see it).",
+    )
     max_tokens: int = Field(512, ge=1, description="Completion token limit per LLM call.")
     select_by: Literal["team", "agent"] = Field(
         "agent",
@@ -187,8 +212,9 @@ class AlgorithmConfig(_Section):
         1.0,
         gt=0.0,
         le=1.0,
-        description="Keep this fraction of groups (rounded up), ranked by `keep_top_by`; "
-        "1.0 keeps all. Applied after `drop_zero_std_groups`.",
+        description="Keep this fraction of each policy's groups (rounded up), ranked by "
+        "`keep_top_by` among that policy's groups (the authors filter each model's batch "
+        "apart); 1.0 keeps all. Applied after `drop_zero_std_groups`.",
     )
     keep_top_by: Literal["std", "mean"] = Field(
         "std",
@@ -222,6 +248,19 @@ class AlgorithmConfig(_Section):
     mini_batches: int = Field(
         1, ge=1, description="Optimizer steps per epoch; the batch is split into this many parts."
     )
+    mini_batch_size: int | None = Field(
+        None,
+        ge=1,
+        description="Samples per optimizer step instead (the ref's `ppo_mini_batch_size`, 16 "
+        "in its configs): each policy's batch of N samples takes ceil(N / mini_batch_size) "
+        "steps per epoch, so the step count follows the batch; set, it overrides mini_batches.",
+    )
+
+    def optimizer_steps(self, samples: int) -> int:
+        """Optimizer steps per epoch for a policy's batch of `samples` samples."""
+        if self.mini_batch_size is None:
+            return self.mini_batches
+        return max(1, math.ceil(samples / self.mini_batch_size))
 
     @model_validator(mode="after")
     def _clip_c_above_upper_clip(self) -> AlgorithmConfig:
@@ -322,6 +361,10 @@ class AgentConfig(_Section):
         None, gt=0.0, description="Sampling temperature of this agent (rollout.temperature)."
     )
     top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus mass (rollout.top_p).")
+    top_k: int | None = Field(None, ge=0, description="Top-k of this agent (rollout.top_k).")
+    repetition_penalty: float | None = Field(
+        None, gt=0.0, description="Repetition penalty of this agent (rollout.repetition_penalty)."
+    )
     max_tokens: int | None = Field(
         None, ge=1, description="Completion token limit of this agent (rollout.max_tokens)."
     )
@@ -550,6 +593,12 @@ class TrainConfig(_Section):
             update={
                 "temperature": r.temperature if own.temperature is None else own.temperature,
                 "top_p": r.top_p if own.top_p is None else own.top_p,
+                "top_k": r.top_k if own.top_k is None else own.top_k,
+                "repetition_penalty": (
+                    r.repetition_penalty
+                    if own.repetition_penalty is None
+                    else own.repetition_penalty
+                ),
                 "max_tokens": r.max_tokens if own.max_tokens is None else own.max_tokens,
             }
         )

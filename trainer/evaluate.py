@@ -262,6 +262,31 @@ def results_table(results: list[TargetResult], title: str) -> Table:
 # -- command line --------------------------------------------------------------------------
 
 
+def parse_swaps(items: list[str], agents: list[str]) -> dict[str, str]:
+    """`--swap A=B` items as {agent: the agent whose policy it plays with}, both ways."""
+    swap: dict[str, str] = {}
+    for item in items:
+        a, sep, b = item.partition("=")
+        a, b = a.strip(), b.strip()
+        if not sep or not a or not b or a == b:
+            raise ValueError(f"--swap {item!r} must name two different agents: --swap plan=tool")
+        for name in (a, b):
+            if name not in agents:
+                raise ValueError(
+                    f"--swap {item!r}: {name!r} is not an agent of this env ({', '.join(agents)})"
+                )
+            if name in swap:
+                raise ValueError(f"--swap {item!r}: {name!r} is already swapped")
+        swap[a], swap[b] = b, a
+    return swap
+
+
+def swap_label(swap: dict[str, str]) -> str:
+    """' swap plan=tool' for a target's name; '' without swaps."""
+    pairs = sorted({tuple(sorted(p)) for p in swap.items()})
+    return "".join(f" swap {a}={b}" for a, b in pairs)
+
+
 def build_parser() -> argparse.ArgumentParser:
     from masenvs.adapters.stack import add_engine_arguments
 
@@ -332,6 +357,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     policies.add_argument(
         "--api-key", default=os.environ.get("OPENAI_API_KEY", "-"), help="for --url servers"
+    )
+    policies.add_argument(
+        "--swap",
+        action="append",
+        default=[],
+        metavar="A=B",
+        help="role swap: agent A plays with agent B's trained policy and B with A's "
+        "(Stronger-MAS's swapped-policies test, e.g. --swap plan=tool); repeatable",
     )
     parser.add_argument("--concurrency", type=int, default=8, help="episodes in flight")
     parser.add_argument("--device", default="auto", help="embedded engine: auto, cpu or cuda")
@@ -405,6 +438,7 @@ def _main(args: argparse.Namespace, console: Console) -> int:
         if seed_start is None:
             seed_start = first.validation.seed_start if first else DEFAULT_SEED_START
         tasks = seed_tasks(env_name, seed_start, args.episodes or 32)
+    args.swap_map = parse_swaps(args.swap, agents)
     n = args.n or args.k
     if not 1 <= args.k <= n:
         raise ValueError(f"-k {args.k} must be between 1 and -n {n} (episodes per task)")
@@ -460,6 +494,7 @@ def _main(args: argparse.Namespace, console: Console) -> int:
         "k": args.k,
         "sampling": asdict(sampling),
         "chat_template_kwargs": template,
+        "swap": args.swap_map,
         "results": [asdict(r) for r in results],
     }
     out.write_text(json.dumps(report, indent=2, default=str) + "\n")
@@ -502,10 +537,11 @@ class _Setup:
         routes: list[tuple[str, dict[str, str]]] = []
         if args.baseline or not checkpoints:
             routes.append(("base", {a: BASE for a in agents}))
+        swap = getattr(args, "swap_map", {})
         for i, c in enumerate(checkpoints):
             route = {}
             for agent in agents:
-                policy = c.config.policy.policy_of(agent)
+                policy = c.config.policy.policy_of(swap.get(agent, agent))
                 name = f"ckpt{i}.{policy}"
                 if name not in backend.model_names():
                     path = c.path / "adapters" / policy
@@ -514,7 +550,7 @@ class _Setup:
                     except (OSError, ValueError, KeyError) as exc:
                         raise StackError(f"could not load {path}: {exc}") from exc
                 route[agent] = name
-            routes.append((c.label, route))
+            routes.append((c.label + swap_label(swap), route))
         traces = out.with_suffix("")  # runs/eval-TIME/<policy>/ next to the JSON
         for label, route in routes:
             store = TraceStore(traces / label.replace("/", "_").replace("@", "_"))
@@ -540,8 +576,10 @@ class _Setup:
                 names[agent] = name
             else:
                 every = item
+        swap = getattr(args, "swap_map", {})
         for url in args.url:
-            models = {a: names.get(a, every or a) for a in template}
+            # A swapped agent asks for the model its partner's name would get.
+            models = {a: names.get(swap.get(a, a), every or swap.get(a, a)) for a in template}
             policy = DirectPolicy(
                 url,
                 api_key=args.api_key,
@@ -549,7 +587,7 @@ class _Setup:
                 models=models,
                 template_kwargs=template,
             )
-            self.targets.append(Target(url, policy))
+            self.targets.append(Target(url + swap_label(swap), policy))
 
     async def run(
         self,

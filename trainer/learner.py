@@ -449,7 +449,8 @@ class Learner:
         # forward runs at the current weights, so its detached log-probs *are* the old ones.
         # More steps (or dropout, which makes the train-mode forward differ) need a
         # separate no-grad pass first.
-        one_step = algo.ppo_epochs * algo.mini_batches == 1 and not _has_dropout(model)
+        one_step = algo.ppo_epochs * algo.optimizer_steps(len(batch)) == 1
+        one_step = one_step and not _has_dropout(model)
         old: list[torch.Tensor] | None = None
         ref: list[torch.Tensor] | None = None
         mismatch = _Mismatch()
@@ -485,6 +486,7 @@ class Learner:
         out["grad_norm"] = sum(grad_norms) / len(grad_norms)
         out["lr"] = lr
         out["samples"] = float(len(batch))
+        out["optimizer_steps"] = float(len(grad_norms))  # epochs x mini-batches
         out["advantage_mean"] = sum(s.advantage or 0.0 for s in batch) / len(batch)
         if start is not None:
             moved = sum(float((p.detach() - b).pow(2).sum()) for p, b in zip(policy.params, start))
@@ -526,8 +528,9 @@ class Learner:
                 mismatch.add(batch, idx, _split(scored.raw_logprobs, batch, idx))
 
     def _mini_batches(self, n: int, epoch: int) -> list[list[int]]:
-        """Split batch indices into `mini_batches` parts; shuffled (seeded by step and epoch)."""
-        parts = self.cfg.algorithm.mini_batches
+        """Split batch indices into `mini_batches` parts (or parts of `mini_batch_size`);
+        shuffled (seeded by step and epoch)."""
+        parts = self.cfg.algorithm.optimizer_steps(n)
         if parts == 1:
             return [list(range(n))]
         gen = torch.Generator().manual_seed(

@@ -1,4 +1,5 @@
-"""Tree-structured sampling (AT-GRPO, Stronger-MAS §3): K candidates per agent per turn.
+"""Tree-structured sampling (AT-GRPO, Stronger-MAS §3): K candidates per agent per turn;
+and its baseline, trajectory-level GRPO: K independent episodes per task (end of the file).
 
 Agents act one after another in the env's turn order; each env step is one agent's turn.
 At every turn the acting agent samples K candidates from the same state (one request with
@@ -21,7 +22,7 @@ from typing import Any, Literal
 
 from masenvs.adapters.policy import ChatPolicy, Reply
 from masenvs.env import MASEnv, Snapshot
-from masenvs.trainer.samples import Sample, tree_group
+from masenvs.trainer.samples import Sample, trajectory_group, tree_group
 
 
 @dataclass
@@ -74,6 +75,7 @@ async def tree_rollout(
     rollout_id: str,
     reset_options: dict[str, Any] | None = None,
     sample_seed: int | None = None,
+    group_by: Literal["agent", "turn_agent"] = "turn_agent",
 ) -> TaskRollout:
     env = make_env()
     _, infos = env.reset(seed=seed, options=reset_options)
@@ -81,9 +83,12 @@ async def tree_rollout(
     result = TaskRollout(task_id=task_id, seed=seed)
     branch_envs = [make_env() for _ in range(branches)]
     totals: dict[str, float] = defaultdict(float)
+    this_round: dict[str, list[Sample]] = defaultdict(list)  # samples of the round so far
 
     while env.agents:
         agent, round_ = env.acting, env.round
+        if env.turn == 0:
+            this_round.clear()
         snapshot = env.snapshot()
         try:
             turn_seed = call_seed(sample_seed, rollout_id, round_, agent)
@@ -111,6 +116,7 @@ async def tree_rollout(
                 turn[k] = _sample(s, agent, policy_of, task_id, round_, seed)
                 turn[k].meta["choice"] = k  # the call's k-th candidate
                 result.samples.append(turn[k])
+                this_round[agent].append(turn[k])
 
         # The winning branch already holds the committed state: swap it in, replay nothing.
         best = choose(scored, select_by)
@@ -120,11 +126,43 @@ async def tree_rollout(
         infos = scored[best].infos
         for name, reward in scored[best].rewards.items():
             totals[name] += reward
+        credit_team(this_round, agent, scored[best].rewards)
 
+    if group_by == "agent":  # ablation: no turn-wise grouping, an agent's turns pooled
+        for sample in result.samples:
+            sample.group = trajectory_group(task_id, sample.agent)
     result.success = bool(env.state.success)
     result.rounds = env.round
     result.rewards = dict(totals)
     return result
+
+
+def credit_team(
+    this_round: dict[str, list[Sample]], acting: str, rewards: dict[str, float]
+) -> None:
+    """The paper's r_i = alpha * r_team + r_loc for every agent: the team term a committed
+    step pays (the env gives every live agent `reward_weights.team * team`) goes to the
+    samples of the agents that acted earlier this round, and into `meta["team_term"]`.
+
+    In a tree it is one constant for all K candidates of such an agent (only the committed
+    candidate reached the step that decided it), so it moves no advantage (docs/training.md);
+    across independent trajectories it differs, and counts."""
+    for other, samples in this_round.items():
+        term = rewards.get(other, 0.0)
+        if other == acting or not term:
+            continue
+        for sample in samples:
+            sample.reward += term
+            sample.meta["team_term"] = sample.meta.get("team_term", 0.0) + term
+
+
+def team_term_metrics(samples: list[Sample]) -> dict[str, float]:
+    """`train/team_term/<agent>`: the mean team term later steps added to that agent's
+    samples (an acting agent's own step's team term is already in its env reward)."""
+    per_agent: dict[str, list[float]] = defaultdict(list)
+    for s in samples:
+        per_agent[s.agent].append(s.meta.get("team_term", 0.0))
+    return {f"train/team_term/{a}": sum(v) / len(v) for a, v in sorted(per_agent.items())}
 
 
 def call_seed(sample_seed: int | None, rollout_id: str, round_: int, agent: str) -> int | None:
@@ -193,6 +231,7 @@ async def collect_tree_batch(
     rollout_prefix: str = "train",
     concurrency: int = 8,
     sample_seed: int | None = None,
+    group_by: Literal["agent", "turn_agent"] = "turn_agent",
 ) -> list[TaskRollout]:
     """Tree rollouts of many tasks in flight at once (the backend batches their calls);
     `sample_seed` seeds every call (see `call_seed`)."""
@@ -209,6 +248,113 @@ async def collect_tree_batch(
                 select_by=select_by,
                 rollout_id=f"{rollout_prefix}-{seed}",
                 sample_seed=sample_seed,
+                group_by=group_by,
             )
 
     return await asyncio.gather(*(one(s) for s in seeds))
+
+
+# ---------------------------------------------------------------------------------------------
+# Trajectory-level GRPO (rollout.mode: trajectory): K independent episodes per task, no tree.
+# ---------------------------------------------------------------------------------------------
+
+
+async def trajectory_rollout(
+    make_env: Callable[[], MASEnv],
+    seed: int,
+    policy: ChatPolicy,
+    *,
+    episode: int,
+    policy_of: Callable[[str], str],
+    group_by: Literal["agent", "turn_agent"] = "turn_agent",
+    rollout_id: str,
+    reset_options: dict[str, Any] | None = None,
+    sample_seed: int | None = None,
+) -> TaskRollout:
+    """Episode `episode` of task `seed`: every agent answers once per turn (n=1) and plays on.
+
+    Every call is a sample. `group_by="turn_agent"`: group (task, round, agent), reward the
+    agent's mixed reward of that turn (with the team term later agents' steps pay, see
+    `credit_team`); `"agent"`: group (task, agent), reward the agent's episode return, shared
+    by all its calls (GRPO on whole trajectories). The K episodes of a task fill the groups.
+    """
+    env = make_env()
+    _, infos = env.reset(seed=seed, options=reset_options)
+    task_id = f"{env.name}:{seed}"
+    result = TaskRollout(task_id=task_id, seed=seed)
+    totals: dict[str, float] = defaultdict(float)
+    this_round: dict[str, list[Sample]] = defaultdict(list)
+    while env.agents:
+        agent, round_ = env.acting, env.round
+        if env.turn == 0:
+            this_round.clear()
+        try:
+            turn_seed = call_seed(sample_seed, rollout_id, round_, agent)
+            extra = {} if turn_seed is None else {"seed": turn_seed}
+            replies = await policy.act(rollout_id, agent, infos[agent]["messages"], n=1, **extra)
+        except Exception as exc:  # a failed call drops this episode, not the run
+            result.error = f"{type(exc).__name__}: {exc}"
+            return result
+        if not replies:
+            result.error = f"the policy returned no answer for {agent!r}"
+            return result
+        reply = replies[0]
+        _, rewards, _, _, infos = await asyncio.to_thread(env.step, {agent: reply.text})
+        played = Scored(reply, rewards[agent], infos[agent]["reward_parts"]["team"], rewards, infos)
+        result.completion_tokens += len(reply.token_ids)
+        _keep_captured(result, infos.get(agent, {}), played.reward, round_)
+        if reply.token_ids and reply.prompt_token_ids:
+            sample = _sample(played, agent, policy_of, task_id, round_, seed)
+            sample.meta["episode"] = episode
+            result.samples.append(sample)
+            this_round[agent].append(sample)
+        for name, reward in rewards.items():
+            totals[name] += reward
+        credit_team(this_round, agent, rewards)
+
+    if group_by == "agent":  # one outcome per agent and episode, on every call it made
+        for sample in result.samples:
+            sample.reward = totals[sample.agent]
+            sample.group = trajectory_group(task_id, sample.agent)
+    result.success = bool(env.state.success)
+    result.rounds = env.round
+    result.rewards = dict(totals)
+    return result
+
+
+async def collect_trajectory_batch(
+    make_env: Callable[[], MASEnv],
+    seeds: list[int],
+    policy: ChatPolicy,
+    *,
+    episodes: int,
+    policy_of: Callable[[str], str],
+    group_by: Literal["agent", "turn_agent"] = "turn_agent",
+    rollout_prefix: str = "train",
+    concurrency: int = 8,
+    sample_seed: int | None = None,
+) -> list[TaskRollout]:
+    """`episodes` (K) independent episodes of every task, one `TaskRollout` each, in (task,
+    episode) order; `concurrency` tasks in flight, each with its K episodes at once."""
+    limit = asyncio.Semaphore(concurrency)
+
+    async def task(seed: int) -> list[TaskRollout]:
+        async with limit:
+            return await asyncio.gather(
+                *(
+                    trajectory_rollout(
+                        make_env,
+                        seed,
+                        policy,
+                        episode=k,
+                        policy_of=policy_of,
+                        group_by=group_by,
+                        rollout_id=f"{rollout_prefix}-{seed}-e{k}",
+                        sample_seed=sample_seed,
+                    )
+                    for k in range(episodes)
+                )
+            )
+
+    per_task = await asyncio.gather(*(task(s) for s in seeds))
+    return [r for results in per_task for r in results]

@@ -21,6 +21,11 @@ def tree_group(task_id: Hashable, round: int, agent: str) -> GroupKey:
     return (task_id, round, agent)
 
 
+def trajectory_group(task_id: Hashable, agent: str) -> GroupKey:
+    """Trajectory-level GRPO grouped by agent: every call of one agent in K episodes of a task."""
+    return (task_id, agent)
+
+
 def workflow_group(
     task_id: Hashable, agent: str, call_index: int, step: str | None = None
 ) -> GroupKey:

@@ -24,6 +24,7 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
+from masenvs.adapters.backends.base import honours_seed
 from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.policy_map import PolicyMap
 from masenvs.adapters.rollout import EpisodeResult, episode_record, run_episodes
@@ -51,7 +52,12 @@ from masenvs.trainer.metrics import (
     weight_snapshot,
 )
 from masenvs.trainer.plots import plot_curves
-from masenvs.trainer.rollout import TaskRollout, collect_tree_batch
+from masenvs.trainer.rollout import (
+    TaskRollout,
+    collect_trajectory_batch,
+    collect_tree_batch,
+    team_term_metrics,
+)
 from masenvs.trainer.samples import Sample
 from masenvs.trainer.serving import training_backend
 from masenvs.trainer.steplog import SAMPLES_FILE, write_step_samples
@@ -154,10 +160,12 @@ def agent_sampling(
     out = {}
     for name in agents:
         a = cfg.agent(name)
-        if validation:
+        if validation:  # the ref validates without top-k and repetition penalty
             out[name] = Sampling(cfg.validation.temperature, a.top_p, 0, a.max_tokens, cfg.seed)
         else:
-            out[name] = Sampling(a.temperature, a.top_p, 0, a.max_tokens)
+            out[name] = Sampling(
+                a.temperature, a.top_p, a.top_k, a.max_tokens, None, a.repetition_penalty
+            )
     return out
 
 
@@ -177,6 +185,19 @@ def rollout_metrics(results: list[TaskRollout]) -> dict[str, float]:
     return out
 
 
+def rollout_sample_seed(cfg: TrainConfig, backend: Any) -> int | None:
+    """The seed training calls derive theirs from (`rollout.seeded`), where the backend
+    samples seeds as asked; None elsewhere (vLLM's CPU build: docs/vllm.md), said once."""
+    if cfg.sample_seed is None or honours_seed(backend):
+        return cfg.sample_seed
+    log.warning(
+        "rollout.seeded is on, but the %s backend does not honour per-call seeds "
+        "(docs/vllm.md): training calls go unseeded, so a rerun samples other candidates",
+        getattr(backend, "name", type(backend).__name__),
+    )
+    return None
+
+
 class TreeSource:
     """Env roles sampled with AT-GRPO tree sampling; validation runs independent episodes."""
 
@@ -186,12 +207,18 @@ class TreeSource:
         self.policy = ChatPolicy(
             stack.root_url,
             sampling=Sampling(
-                cfg.rollout.temperature, cfg.rollout.top_p, 0, cfg.rollout.max_tokens
+                cfg.rollout.temperature,
+                cfg.rollout.top_p,
+                cfg.rollout.top_k,
+                cfg.rollout.max_tokens,
+                None,
+                cfg.rollout.repetition_penalty,
             ),
             agent_sampling=agent_sampling(cfg, learner.agents),
             api_key=stack.api_key or "masenvs",
         )
         self.last_errors: list[str] = []  # the last step's failed tasks, for an empty step
+        self.sample_seed = rollout_sample_seed(cfg, stack.backend)
         self.pool = None
         if cfg.distributed.rollout_workers:  # episodes run in Ray actors (trainer/workers.py)
             from masenvs.trainer.workers import RolloutPool, worker_spec
@@ -203,8 +230,20 @@ class TreeSource:
     async def collect(self, step: int, seeds: list[int]) -> tuple[list[Sample], dict[str, float]]:
         cfg = self.cfg
         started = time.time()
-        if self.pool is not None:
+        if self.pool is not None:  # the workers play cfg.rollout.mode too (worker_spec)
             results = await asyncio.to_thread(self.pool.tree, f"s{step}", seeds)
+        elif cfg.rollout.mode == "trajectory":
+            results = await collect_trajectory_batch(
+                self.make_env,
+                seeds,
+                self.policy,
+                episodes=cfg.rollout.branches,
+                policy_of=self.learner.policy_of,
+                group_by=cfg.rollout.group_by,
+                rollout_prefix=f"s{step}",
+                concurrency=cfg.rollout.concurrency,
+                sample_seed=self.sample_seed,
+            )
         else:
             results = await collect_tree_batch(
                 self.make_env,
@@ -215,14 +254,15 @@ class TreeSource:
                 select_by=cfg.rollout.select_by,
                 rollout_prefix=f"s{step}",
                 concurrency=cfg.rollout.concurrency,
-                sample_seed=cfg.sample_seed,
+                sample_seed=self.sample_seed,
+                group_by=cfg.rollout.group_by,
             )
         for r in results:
             if r.error:
                 log.warning("task %s dropped from step %d: %s", r.task_id, step, r.error)
         self.last_errors = [r.error for r in results if r.error]
         samples = [s for r in results for s in r.samples]
-        metrics = rollout_metrics(results)
+        metrics = rollout_metrics(results) | team_term_metrics(samples)
         if self.pool is not None:
             metrics.update(self.pool.metrics())
         captured = [(r.task_id, c) for r in results for c in r.captured]
@@ -304,7 +344,9 @@ class WorkflowSource:
         self.spec = cfg.workflow
         r = cfg.rollout
         self.settings = ClientSettings(
-            sampling=Sampling(r.temperature, r.top_p, 0, r.max_tokens),
+            sampling=Sampling(
+                r.temperature, r.top_p, r.top_k, r.max_tokens, None, r.repetition_penalty
+            ),
             agents=agent_sampling(cfg, learner.agents),
             api_key=stack.api_key or "masenvs",
         )

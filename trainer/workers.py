@@ -23,13 +23,14 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
+from masenvs.adapters.backends.base import honours_seed
 from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.rollout import EpisodeResult, run_episodes
 from masenvs.adapters.stack import with_endpoint
 from masenvs.registry import make
 from masenvs.traces import EpisodeRecord
 from masenvs.trainer.config import DistributedConfig, TrainConfig
-from masenvs.trainer.rollout import TaskRollout, collect_tree_batch
+from masenvs.trainer.rollout import TaskRollout, collect_trajectory_batch, collect_tree_batch
 from masenvs.trainer.samples import Sample
 
 if TYPE_CHECKING:
@@ -61,6 +62,8 @@ class WorkerSpec:
     select_by: Literal["team", "agent"] = "agent"
     concurrency: int = 8  # tasks in flight in this worker
     sample_seed: int | None = None  # seeds tree sampling's calls (rollout.call_seed)
+    mode: Literal["tree", "trajectory"] = "tree"  # rollout.mode: what `tree()` plays
+    group_by: Literal["agent", "turn_agent"] = "turn_agent"  # rollout.group_by
     workflow: WorkflowSpec | None = None  # workflow mode: the program runs in the worker
     # The trainer's working directory and import path, where they exist on the worker's node:
     # user programs (workflow factories, env packages) import as they do in the trainer.
@@ -92,8 +95,21 @@ class RolloutWorker:
         return self._policy
 
     async def tree(self, prefix: str, seeds: list[int]) -> list[TaskRollout]:
-        """Tree rollouts of `seeds`, rollout ids `{prefix}-{seed}` as in-process."""
+        """Training rollouts of `seeds` as in-process: tree rollouts (ids `{prefix}-{seed}`),
+        or K independent episodes per seed in trajectory mode (`{prefix}-{seed}-e{k}`)."""
         s = self.spec
+        if s.mode == "trajectory":
+            return await collect_trajectory_batch(
+                lambda: make(s.env_name, **s.env_options),
+                seeds,
+                self._chat(),
+                episodes=s.branches,
+                policy_of=s.policies.__getitem__,
+                group_by=s.group_by,
+                rollout_prefix=prefix,
+                concurrency=s.concurrency,
+                sample_seed=s.sample_seed,
+            )
         return await collect_tree_batch(
             lambda: make(s.env_name, **s.env_options),
             seeds,
@@ -104,6 +120,7 @@ class RolloutWorker:
             rollout_prefix=prefix,
             concurrency=s.concurrency,
             sample_seed=s.sample_seed,
+            group_by=s.group_by,
         )
 
     async def workflow(
@@ -175,7 +192,9 @@ def worker_spec(
         branches=cfg.rollout.branches,
         select_by=cfg.rollout.select_by,
         concurrency=math.ceil(cfg.rollout.concurrency / cfg.distributed.rollout_workers),
-        sample_seed=cfg.sample_seed,
+        sample_seed=cfg.sample_seed if honours_seed(stack.backend) else None,
+        mode=cfg.rollout.mode,
+        group_by=cfg.rollout.group_by,
     )
 
 

@@ -3,12 +3,13 @@
 Every row draws one uniform number from its own `torch.Generator` per token, so a seeded
 request samples the same tokens whether it runs alone or batched with others (up to
 floating-point differences in the logits). Log-probabilities are always those of the raw
-model distribution (temperature 1, no top-p/top-k), the quantity an RL trainer needs.
+model distribution (temperature 1, no top-p/top-k, no repetition penalty), the quantity an
+RL trainer needs.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor
@@ -23,6 +24,8 @@ class RowSampling:
     top_k: int
     top_logprobs: int
     generator: torch.Generator
+    repetition_penalty: float = 1.0  # 1.0: off
+    seen: set[int] = field(default_factory=set)  # prompt and answer tokens it applies to
 
 
 @dataclass
@@ -44,6 +47,10 @@ def sample(logits: Tensor, rows: list[RowSampling], log_total: Tensor | None = N
     if log_total is None:
         log_total = peak[:, 0] + weights.sum(dim=-1).log()
     tokens = torch.empty(batch, dtype=torch.long, device=logits.device)
+    raw = logits
+    penalized = [i for i, r in enumerate(rows) if r.repetition_penalty != 1.0 and r.seen]
+    if penalized:  # sampling reads the penalized scores; log-probs stay the raw model's
+        logits = _penalize(logits, rows, penalized)
 
     greedy = [i for i, r in enumerate(rows) if r.temperature <= 0.0]
     plain = [
@@ -57,7 +64,7 @@ def sample(logits: Tensor, rows: list[RowSampling], log_total: Tensor | None = N
         tokens[index] = logits[index].argmax(dim=-1)
     if plain:
         index = _index(plain, batch, logits.device)
-        if all(rows[i].temperature == 1.0 for i in plain):
+        if all(rows[i].temperature == 1.0 for i in plain) and not penalized:
             probs = weights[index]
         else:
             temps = _column([rows[i].temperature for i in plain], logits)
@@ -66,6 +73,7 @@ def sample(logits: Tensor, rows: list[RowSampling], log_total: Tensor | None = N
     if filtered:
         tokens[filtered] = _sample_filtered(logits[filtered], [rows[i] for i in filtered])
 
+    logits = raw
     chosen = logits.gather(1, tokens[:, None])[:, 0] - log_total
     top: list[dict[int, float] | None] = [None] * batch
     most = max(r.top_logprobs for r in rows)
@@ -76,6 +84,18 @@ def sample(logits: Tensor, rows: list[RowSampling], log_total: Tensor | None = N
             if r.top_logprobs > 0:
                 top[i] = dict(zip(ids[i][: r.top_logprobs], values[i][: r.top_logprobs]))
     return Sampled(tokens.tolist(), chosen.tolist(), top)
+
+
+def _penalize(logits: Tensor, rows: list[RowSampling], which: list[int]) -> Tensor:
+    """A copy of `logits` where each row's seen tokens score lower: a positive score is
+    divided by the row's repetition penalty, a negative one multiplied (as vLLM does)."""
+    out = logits.clone()
+    for i in which:
+        ids = torch.tensor(sorted(rows[i].seen), dtype=torch.long, device=logits.device)
+        scores = out[i, ids]
+        penalty = rows[i].repetition_penalty
+        out[i, ids] = torch.where(scores > 0, scores / penalty, scores * penalty)
+    return out
 
 
 def _sample_filtered(logits: Tensor, rows: list[RowSampling]) -> Tensor:

@@ -81,7 +81,10 @@ def _ssl_context() -> ssl.SSLContext:
 
 
 def _extra_body(sampling: Sampling) -> dict[str, Any]:
-    return {"top_k": sampling.top_k} if sampling.top_k else {}
+    extra: dict[str, Any] = {"top_k": sampling.top_k} if sampling.top_k else {}
+    if sampling.repetition_penalty != 1.0:
+        extra["repetition_penalty"] = sampling.repetition_penalty
+    return extra
 
 
 def chat_openai(
@@ -112,7 +115,7 @@ def chat_openai(
         http_client=http_client,
         http_async_client=http_async_client,
     )
-    if sampling.top_k:
+    if _extra_body(sampling):
         options["extra_body"] = _extra_body(sampling)
     options.update(kwargs)
     return ChatOpenAI(**options)
@@ -144,7 +147,7 @@ def autogen_client(
     )
     if sampling.seed is not None:
         options["seed"] = sampling.seed
-    if sampling.top_k:
+    if _extra_body(sampling):
         options["extra_body"] = _extra_body(sampling)
     if http_client is not None:
         options["http_client"] = http_client  # passed on to openai.AsyncOpenAI
@@ -169,7 +172,7 @@ def openai_like(
     additional: dict[str, Any] = {"top_p": sampling.top_p}
     if sampling.seed is not None:
         additional["seed"] = sampling.seed
-    if sampling.top_k:
+    if _extra_body(sampling):
         additional["extra_body"] = _extra_body(sampling)
     options: dict[str, Any] = dict(
         model=agent,
