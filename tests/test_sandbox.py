@@ -677,3 +677,24 @@ def test_the_user_namespace_mode_gets_the_same_allow_list() -> None:
             "tmp",
             "usr",
         }
+
+
+def test_a_run_cannot_uncover_what_its_mounts_hide(sb: Sandbox) -> None:
+    """A run that makes a user and mount namespace of its own cannot unmount the covers of
+    its root (the fresh /proc over the server's, the empty tmpfs over a package dir):
+    the kernel locks mounts inherited into a less privileged namespace."""
+    require(sb, "allow_list")
+    source = """
+        import ctypes, os
+        libc = ctypes.CDLL(None, use_errno=True)
+        print("own namespaces", libc.unshare(0x10000000 | 0x00020000) == 0)
+        covered = ["/proc", "/tmp", "/run/masenvs"]
+        covered += [d for d in ("/usr/lib/python3/dist-packages",) if os.path.isdir(d)]
+        for target in covered:
+            print(target, "unmounted" if libc.umount2(target.encode(), 2) == 0 else "locked")
+        print("pids", sorted(p for p in os.listdir("/proc") if p.isdigit()))
+    """
+    res = run(sb, source)
+    assert res.ok, res.stderr
+    assert "unmounted" not in res.stdout and res.stdout.count("locked") >= 3, res.stdout
+    assert "pids ['1', '2']" in res.stdout  # its init and itself, nothing of the host
