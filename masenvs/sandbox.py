@@ -1070,6 +1070,10 @@ def _mount_run_dirs(
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts)
     if os.path.isdir("/dev/shm"):
         _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, opts)
+    if os.path.isdir("/dev/pts"):  # one pseudo-terminal instance would be shared by all runs
+        _mount(
+            "tmpfs", "/dev/pts", "tmpfs", MS_NOSUID | MS_NODEV | MS_NOEXEC | MS_RDONLY, "size=4k"
+        )
     fresh_proc = True
     try:
         _mount("proc", "/proc", "proc", MS_NOSUID | MS_NODEV | MS_NOEXEC)

@@ -698,3 +698,10 @@ def test_a_run_cannot_uncover_what_its_mounts_hide(sb: Sandbox) -> None:
     assert res.ok, res.stderr
     assert "unmounted" not in res.stdout and res.stdout.count("locked") >= 3, res.stdout
     assert "pids ['1', '2']" in res.stdout  # its init and itself, nothing of the host
+
+
+def test_runs_share_no_pseudo_terminal(sb: Sandbox) -> None:
+    """Two concurrent runs of one uid could talk through one devpts instance; a run has none."""
+    require(sb, "allow_list")
+    res = run(sb, "import os\nprint(os.listdir('/dev/pts'), os.path.exists('/dev/ptmx'))")
+    assert res.ok and res.stdout == "[] False\n", (res.stdout, res.stderr)
