@@ -134,3 +134,29 @@ def test_one_trajectory_step_trains_in_every_env(env: str, group_by: str, tmp_pa
     assert {c.rollout_id for c in calls} == episodes  # K episodes of each task, no tree
     assert all(len(c.choices) == 1 for c in calls)  # one answer per turn
     assert sum(row.get(f"learner/{a}/tokens", 1) for a in agents) > 0
+
+
+def test_the_team_term_also_reaches_agents_acting_after_the_step_that_decides_it() -> None:
+    """Code's coder decides the team outcome; the tester acts after it in the round and
+    gets the same alpha * r_team on each of its samples (constant within its group)."""
+    from masenvs.trainer.rollout import RoundCredit
+    from masenvs.trainer.samples import Sample, tree_group
+
+    def sample(agent: str, reward: float) -> Sample:
+        return Sample([1], [2], [], agent, agent, tree_group("code:0", 0, agent), reward)
+
+    credit = RoundCredit()
+    coder = sample("coder", 1.5)  # its own reward already holds the team part it decided
+    credit.add("coder", coder)
+    credit.commit("coder", {"coder": 1.5, "tester": 0.8})  # the env pays the tester 0.8
+    testers = [sample("tester", 0.2), sample("tester", 0.0)]
+    for s in testers:
+        credit.add("tester", s)
+    credit.commit("tester", {"coder": 0.0, "tester": 0.2})
+    assert [s.reward for s in testers] == pytest.approx([1.0, 0.8])
+    assert [s.meta["team_term"] for s in testers] == pytest.approx([0.8, 0.8])
+    assert coder.reward == 1.5 and "team_term" not in coder.meta
+    credit.clear()  # a new round owes nobody anything
+    late = sample("tester", 0.0)
+    credit.add("tester", late)
+    assert late.reward == 0.0

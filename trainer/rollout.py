@@ -83,7 +83,7 @@ async def tree_rollout(
     result = TaskRollout(task_id=task_id, seed=seed)
     branch_envs = [make_env() for _ in range(branches)]
     totals: dict[str, float] = defaultdict(float)
-    this_round: dict[str, list[Sample]] = defaultdict(list)  # samples of the round so far
+    this_round = RoundCredit()  # the round's samples, for the team term
 
     while env.agents:
         agent, round_ = env.acting, env.round
@@ -116,7 +116,7 @@ async def tree_rollout(
                 turn[k] = _sample(s, agent, policy_of, task_id, round_, seed)
                 turn[k].meta["choice"] = k  # the call's k-th candidate
                 result.samples.append(turn[k])
-                this_round[agent].append(turn[k])
+                this_round.add(agent, turn[k])
 
         # The winning branch already holds the committed state: swap it in, replay nothing.
         best = choose(scored, select_by)
@@ -126,7 +126,7 @@ async def tree_rollout(
         infos = scored[best].infos
         for name, reward in scored[best].rewards.items():
             totals[name] += reward
-        credit_team(this_round, agent, scored[best].rewards)
+        this_round.commit(agent, scored[best].rewards)
 
     if group_by == "agent":  # ablation: no turn-wise grouping, an agent's turns pooled
         for sample in result.samples:
@@ -137,23 +137,44 @@ async def tree_rollout(
     return result
 
 
-def credit_team(
-    this_round: dict[str, list[Sample]], acting: str, rewards: dict[str, float]
-) -> None:
-    """The paper's r_i = alpha * r_team + r_loc for every agent: the team term a committed
-    step pays (the env gives every live agent `reward_weights.team * team`) goes to the
-    samples of the agents that acted earlier this round, and into `meta["team_term"]`.
+class RoundCredit:
+    """The paper's r_i = alpha * r_team + r_loc for every agent, within one round.
 
-    In a tree it is one constant for all K candidates of such an agent (only the committed
-    candidate reached the step that decided it), so it moves no advantage (docs/training.md);
-    across independent trajectories it differs, and counts."""
-    for other, samples in this_round.items():
-        term = rewards.get(other, 0.0)
-        if other == acting or not term:
-            continue
-        for sample in samples:
-            sample.reward += term
-            sample.meta["team_term"] = sample.meta.get("team_term", 0.0) + term
+    A committed step pays the team term it decides (`reward_weights.team * team`) to every
+    live agent (the env's rewards). The acting agent has it in its own reward; every other
+    agent's samples of this round get it here, whether it acted before the step (plan-path's
+    tool, before the plan) or acts after it (code's tester, after the coder), and keep it in
+    `meta["team_term"]`. In a tree it is one constant for all K candidates of such an agent
+    (only the committed path reached or left that step), so it moves no advantage
+    (docs/training.md); across independent trajectories it differs, and counts."""
+
+    def __init__(self) -> None:
+        self.samples: dict[str, list[Sample]] = defaultdict(list)
+        self.pending: dict[str, float] = defaultdict(float)  # paid before the agent acted
+
+    def clear(self) -> None:
+        self.samples.clear()
+        self.pending.clear()
+
+    def add(self, agent: str, sample: Sample) -> None:
+        self.samples[agent].append(sample)
+        if self.pending[agent]:
+            _add_team_term(sample, self.pending[agent])
+
+    def commit(self, acting: str, rewards: dict[str, float]) -> None:
+        for other, term in rewards.items():
+            if other == acting or not term:
+                continue
+            if self.samples[other]:
+                for sample in self.samples[other]:
+                    _add_team_term(sample, term)
+            else:
+                self.pending[other] += term
+
+
+def _add_team_term(sample: Sample, term: float) -> None:
+    sample.reward += term
+    sample.meta["team_term"] = sample.meta.get("team_term", 0.0) + term
 
 
 def team_term_metrics(samples: list[Sample]) -> dict[str, float]:
@@ -275,7 +296,7 @@ async def trajectory_rollout(
 
     Every call is a sample. `group_by="turn_agent"`: group (task, round, agent), reward the
     agent's mixed reward of that turn (with the team term later agents' steps pay, see
-    `credit_team`); `"agent"`: group (task, agent), reward the agent's episode return, shared
+    `RoundCredit`); `"agent"`: group (task, agent), reward the agent's episode return, shared
     by all its calls (GRPO on whole trajectories). The K episodes of a task fill the groups.
     """
     env = make_env()
@@ -283,7 +304,7 @@ async def trajectory_rollout(
     task_id = f"{env.name}:{seed}"
     result = TaskRollout(task_id=task_id, seed=seed)
     totals: dict[str, float] = defaultdict(float)
-    this_round: dict[str, list[Sample]] = defaultdict(list)
+    this_round = RoundCredit()
     while env.agents:
         agent, round_ = env.acting, env.round
         if env.turn == 0:
@@ -307,10 +328,10 @@ async def trajectory_rollout(
             sample = _sample(played, agent, policy_of, task_id, round_, seed)
             sample.meta["episode"] = episode
             result.samples.append(sample)
-            this_round[agent].append(sample)
+            this_round.add(agent, sample)
         for name, reward in rewards.items():
             totals[name] += reward
-        credit_team(this_round, agent, rewards)
+        this_round.commit(agent, rewards)
 
     if group_by == "agent":  # one outcome per agent and episode, on every call it made
         for sample in result.samples:
