@@ -176,6 +176,9 @@ def test_the_trainer_records_each_samples_group_advantage_and_the_branch_that_co
 def test_runs_step_tree_and_conversation_show_agents_rewards_and_the_continued_branch(
     tiny_run: Path, ui: Any, tab: Any
 ) -> None:
+    copy = tiny_run.parent / "plan-path-copy"  # a second run to overlay (its index travels)
+    if not copy.exists():
+        shutil.copytree(tiny_run, copy)
     server = ui(str(tiny_run.parent))
     t = tab(server.url)
     page = t.goto("/")
@@ -185,7 +188,15 @@ def test_runs_step_tree_and_conversation_show_agents_rewards_and_the_continued_b
     captions = page.locator("figure[data-chart] figcaption").all_inner_texts()
     for title in ("success", "reward", "loss", "grad norm", "learning rate", "tokens/s"):
         assert title in captions
+    legend = page.locator("figure[data-chart]").first.locator(".u-legend").inner_text()
+    assert "plan-path: train/success" in legend and "plan-path-copy: train/success" in legend
     t.shot("runs")
+    page.locator('#runs input[value="plan-path-copy"]').uncheck()
+    page.locator("form.runs button").click()  # overlay only the checked run
+    page.wait_for_url(re.compile(r"run=plan-path$"))
+    page.wait_for_selector("figure[data-chart][data-drawn=yes]")
+    legend = page.locator("figure[data-chart]").first.locator(".u-legend").inner_text()
+    assert "train/success" in legend and "plan-path-copy" not in legend
 
     row.locator("a", has_text="plan-path").click()
     page.wait_for_selector("#steps")
@@ -382,6 +393,11 @@ def test_an_auto_mas_run_shows_each_design_graph_its_nodes_calls_and_scores(
     assert table.locator("tbody tr").count() == len(designs)
     assert "Ensemble(solver, b, j)" in table.inner_text()
     assert "designer" in page.locator("svg.tree").text_content()
+    # the schedule trains the executor first: the designer's group is shown as not trained
+    frozen = page.locator('table.groups tr.cand[data-agent="designer"][data-kept="no"]')
+    assert (
+        frozen.count() == 2 and "dropped: frozen" in page.locator("table.groups").first.inner_text()
+    )
     table.locator("a").first.click()
     page.wait_for_selector("svg.graph")
     nodes = page.locator("svg.graph a.gnode")

@@ -111,3 +111,40 @@ def test_a_path_that_is_not_a_run_is_refused_with_its_cause(tmp_path: Path) -> N
         )
         assert done.returncode == 2 and cause in done.stderr, done.stderr
         assert "Traceback" not in done.stderr
+
+
+def test_each_sample_says_whether_its_group_trained_and_why_not() -> None:
+    from masenvs.trainer.atgrpo import group_advantages
+    from masenvs.trainer.config import AlgorithmConfig
+    from masenvs.trainer.samples import Sample
+    from masenvs.trainer.steplog import step_records
+
+    def s(group: str, agent: str, reward: float, k: int) -> Sample:
+        meta = {"call_id": f"{group}-call", "choice": k, "continued": k == 0}
+        return Sample([1], [2, 3], [], agent, agent, (group, 0, agent), reward, meta=meta)
+
+    samples = [
+        s("flat", "tool", 1.0, 0),
+        s("flat", "tool", 1.0, 1),
+        s("wide", "tool", 2.0, 0),
+        s("wide", "tool", -2.0, 1),
+        s("narrow", "tool", 0.1, 0),
+        s("narrow", "tool", 0.0, 1),
+        s("frozen", "plan", 1.0, 0),
+        s("frozen", "plan", 0.0, 1),
+    ]
+    trained = [x for x in samples if x.agent == "tool"]  # plan is frozen this step
+    cfg = AlgorithmConfig(drop_zero_std_groups=True, keep_top_groups=0.5)
+    trainable, _ = group_advantages(trained, cfg)
+    rows = {(r["group"][0], r["choice"]): r for r in step_records(7, samples, trained, trainable)}
+    assert {(g, r["drop"]) for (g, _), r in rows.items()} == {
+        ("flat", "flat"),
+        ("wide", None),
+        ("narrow", "filtered"),  # keep_top_groups kept the wider group
+        ("frozen", "frozen"),
+    }
+    assert rows[("wide", 0)]["advantage"] > 0 > rows[("wide", 1)]["advantage"]
+    assert rows[("wide", 0)]["kept"] and not rows[("narrow", 0)]["kept"]
+    assert rows[("narrow", 0)]["advantage"] is None
+    assert rows[("wide", 0)]["continued"] and not rows[("wide", 1)]["continued"]
+    assert all(r["step"] == 7 for r in rows.values())

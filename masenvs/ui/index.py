@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 INDEX_NAME = ".masenvs-ui.sqlite"
-SCHEMA_VERSION = 4
+SCHEMA_VERSION = 5
 CHUNK_LINES = 20_000  # a first build commits this often
 PREVIEW = 160  # characters of each choice's text kept in the index
 try:  # 4x faster on records full of token ids; the stdlib's when it is not installed
@@ -145,9 +145,13 @@ class RunIndex:
         return 1.0 if self.ready or not self.total_bytes else self.done_bytes / self.total_bytes
 
     def _consumed(self, path: Path) -> int:
-        row = self._db.execute("SELECT consumed FROM files WHERE path = ?", (str(path),))
+        row = self._db.execute("SELECT consumed FROM files WHERE path = ?", (self._key(path),))
         found = row.fetchone()
         return found["consumed"] if found else 0
+
+    def _key(self, path: Path) -> str:
+        """A file's name relative to the run: a copied or moved run keeps its index."""
+        return str(path.relative_to(self.run_dir))
 
     def _consume(self, path: Path, add: Any) -> bool:
         try:
@@ -161,11 +165,11 @@ class RunIndex:
         self._db.execute("BEGIN IMMEDIATE")
         try:
             row = self._db.execute(
-                "SELECT id, consumed FROM files WHERE path = ?", (str(path),)
+                "SELECT id, consumed FROM files WHERE path = ?", (self._key(path),)
             ).fetchone()
             if row is None:
                 file_id = self._db.execute(
-                    "INSERT INTO files (path, consumed) VALUES (?, 0)", (str(path),)
+                    "INSERT INTO files (path, consumed) VALUES (?, 0)", (self._key(path),)
                 ).lastrowid
                 consumed = 0
             else:
@@ -328,7 +332,7 @@ class RunIndex:
         if found is None:
             return None
         try:
-            with open(found["path"], "rb") as f:
+            with open(self.run_dir / found["path"], "rb") as f:
                 f.seek(row["offset"])
                 return _loads(f.read(row["length"]))
         except (OSError, ValueError):
