@@ -26,9 +26,17 @@ SCHEMA_VERSION = 5
 CHUNK_LINES = 20_000  # a first build commits this often
 PREVIEW = 160  # characters of each choice's text kept in the index
 try:  # 4x faster on records full of token ids; the stdlib's when it is not installed
+    from orjson import dumps as _orjson_dumps
     from orjson import loads as _loads
+
+    def _dumps(value: Any) -> str:
+        return _orjson_dumps(value).decode()
+
 except ImportError:  # pragma: no cover
     _loads = json.loads
+    _dumps = json.dumps
+
+_COLUMNS = {"calls": 17, "episodes": 10, "samples": 25, "designs": 11}  # per table
 
 _STEP_OF_ROLLOUT = re.compile(r"^s(\d+)-")  # training rollouts are s{step}-{seed}[-{k}]
 
@@ -79,6 +87,7 @@ class RunIndex:
         # long first build goes on, instead of waiting for it.
         self._reader = sqlite3.connect(self.db_path, check_same_thread=False, timeout=30.0)
         self._reader.row_factory = sqlite3.Row
+        self._pending: dict[str, list[tuple[Any, ...]]] = {t: [] for t in _COLUMNS}
         self._batches: dict[int, Any] = {}  # step -> the batch that wrote it
         self.ready = False  # a first pass over every file has finished
         self.total_bytes = 0
@@ -190,19 +199,32 @@ class RunIndex:
                     offset += len(line)
                     self.done_bytes += len(line)
                     if n % CHUNK_LINES == 0:  # readers see a large first build fill in
+                        self._flush()
                         self._db.execute(
                             "UPDATE files SET consumed = ? WHERE id = ?", (offset, file_id)
                         )
                         self._db.execute("COMMIT")
                         self._db.execute("BEGIN IMMEDIATE")
+            self._flush()
             self._db.execute("UPDATE files SET consumed = ? WHERE id = ?", (offset, file_id))
             self._db.execute("COMMIT")
         except BaseException:
+            for rows in self._pending.values():
+                rows.clear()
             self._db.execute("ROLLBACK")
             raise
         return offset > consumed
 
+    def _flush(self) -> None:
+        """Insert the rows read so far (one executemany per table)."""
+        for table, rows in self._pending.items():
+            if rows:
+                marks = ",".join("?" * _COLUMNS[table])
+                self._db.executemany(f"INSERT INTO {table} VALUES ({marks})", rows)
+                rows.clear()
+
     def _forget(self, file_id: int) -> None:
+        self._flush()
         self._batches.clear()
         for table in ("calls", "episodes", "samples", "designs"):
             self._db.execute(f"DELETE FROM {table} WHERE file = ?", (file_id,))
@@ -213,8 +235,7 @@ class RunIndex:
             first = choices[0] if choices else {}
             rollout = r.get("rollout_id")
             match = _STEP_OF_ROLLOUT.match(rollout or "")
-            self._db.execute(
-                "INSERT INTO calls VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+            self._pending["calls"].append(
                 (
                     r.get("id"),
                     rollout,
@@ -229,7 +250,7 @@ class RunIndex:
                     len(r.get("prompt_token_ids") or []),
                     sum(len(c.get("token_ids") or []) for c in choices),
                     first.get("finish_reason"),
-                    json.dumps([str(c.get("text") or "")[:PREVIEW] for c in choices]),
+                    _dumps([str(c.get("text") or "")[:PREVIEW] for c in choices]),
                     file_id,
                     offset,
                     length,
@@ -237,14 +258,13 @@ class RunIndex:
             )
         elif r.get("type") == "episode":
             extra = r.get("extra") or {}
-            self._db.execute(
-                "INSERT INTO episodes VALUES (?,?,?,?,?,?,?,?,?,?)",
+            self._pending["episodes"].append(
                 (
                     r.get("rollout_id"),
                     r.get("task_id"),
                     r.get("env"),
                     int(bool(r.get("success"))),
-                    json.dumps(r.get("rewards") or {}),
+                    _dumps(r.get("rewards") or {}),
                     extra.get("error"),
                     r.get("created_at"),
                     file_id,
@@ -264,11 +284,11 @@ class RunIndex:
             found = old.fetchone()
             batch = found["batch"] if found else r.get("batch")
         if batch != r.get("batch"):
+            self._flush()
             self._db.execute("DELETE FROM samples WHERE step = ?", (step,))
         self._batches[step] = r.get("batch")
         parts = r.get("reward_parts") if isinstance(r.get("reward_parts"), dict) else {}
-        self._db.execute(
-            "INSERT INTO samples VALUES (?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?,?)",
+        self._pending["samples"].append(
             (
                 step,
                 r.get("batch"),
@@ -277,11 +297,11 @@ class RunIndex:
                 r.get("rollout_id"),
                 r.get("agent"),
                 r.get("policy"),
-                json.dumps(r.get("group")),
+                _dumps(r.get("group")),
                 r.get("task_id"),
                 r.get("round"),
                 r.get("reward"),
-                json.dumps(parts),
+                _dumps(parts),
                 _number(parts.get("agent")),
                 _number(parts.get("team")),
                 r.get("advantage"),
@@ -300,8 +320,7 @@ class RunIndex:
 
     def _add_design_line(self, r: dict[str, Any], file_id: int, offset: int, length: int) -> None:
         graph = r.get("graph") or {}
-        self._db.execute(
-            "INSERT INTO designs VALUES (?,?,?,?,?,?,?,?,?,?,?)",
+        self._pending["designs"].append(
             (
                 r.get("step"),
                 r.get("task_id"),
