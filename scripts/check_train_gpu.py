@@ -5,6 +5,15 @@
     python scripts/check_train_gpu.py --model /models/Qwen3-1.7B --backend embedded   # no vLLM here
     python scripts/check_train_gpu.py --model DIR --set rollout.branches=4 --steps 4
     python scripts/check_train_gpu.py --random-init qwen3-1.7b --backend embedded  # no weights
+    python scripts/check_train_gpu.py --config all --steps 1 --offline-tasks   # every paper config
+
+`--config all` is the rehearsal of the paper's runs: every examples/paper/*.yaml for --steps
+steps (1 is enough to see that it runs and what a step costs), each with its own model (the
+config's hub id from the HF cache; --model for all of them; --random-init auto: Qwen3's
+shape of the config's size) and its own backend, one after another; a table of what ran and
+what failed goes to $OUT/check_train_gpu_all.json beside each config's own results.
+--offline-tasks gives math, code and auto-MAS their built-in tasks (no dataset download);
+tests/test_paper_configs.py runs exactly this on CPU with the tiny model.
 
 A lent GPU machine cannot reach the model hub, so --model names a local model directory
 (config.json + safetensors). Without --model the config's hub id is looked up in the local
@@ -59,7 +68,18 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-DEFAULT_CONFIG = ROOT / "examples" / "paper" / "plan_path_qwen3_1.7b.yaml"
+PAPER = ROOT / "examples" / "paper"
+DEFAULT_CONFIG = PAPER / "plan_path_qwen3_1.7b.yaml"
+# --offline-tasks: tasks a machine without internet has (the configs' datasets need the hub).
+OFFLINE_TASKS: dict[str, list[str]] = {
+    "math": ["env.options.source=generated"],
+    "code": ["env.options.source=builtin", "env.options.split=null"],
+    "auto_mas": [
+        "env.options.math_source=generated",
+        "env.options.code_sources={builtin: 1}",
+        "env.options.split=null",
+    ],
+}
 
 
 class CheckError(Exception):
@@ -138,8 +158,8 @@ def resolve_model(spec: str) -> Path:
         ) from None
 
 
-def short_run(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> list[str]:
-    """Overrides that keep the config's method and shorten the episodes."""
+def short_run(args: argparse.Namespace, model_dir: Path, run_dir: Path, env: str = "") -> list[str]:
+    """Overrides that keep the config's method and shorten the episodes (of `env`)."""
     overrides = [
         f"model.name={model_dir}",
         f"model.device={args.device}",
@@ -158,7 +178,18 @@ def short_run(args: argparse.Namespace, model_dir: Path, run_dir: Path) -> list[
     ]
     if args.backend:
         overrides.append(f"backend.kind={args.backend}")
+    if env == "auto_mas":  # its executions' answers are capped by the env, not the rollout
+        overrides.append(f"env.options.max_tokens={args.max_tokens}")
+    if args.offline_tasks:
+        overrides += OFFLINE_TASKS.get(env, [])
     return overrides + args.set
+
+
+def random_init_for(choice: str | None, config: str) -> str | None:
+    """--random-init's shape for `config`; 'auto' reads the size from the config's name."""
+    if choice != "auto":
+        return choice
+    return "qwen3-8b" if "8b" in Path(config).stem else "qwen3-1.7b"
 
 
 def synchronize(device: str) -> None:
@@ -293,16 +324,18 @@ class MemorySampler(threading.Thread):
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--config", default=str(DEFAULT_CONFIG), help="a paper config")
+    parser.add_argument(
+        "--config", default=str(DEFAULT_CONFIG), help="a paper config, or 'all' (every one)"
+    )
     model = parser.add_mutually_exclusive_group()
     model.add_argument(
         "--model", help="local model directory (default: the config's model, from the HF cache)"
     )
     model.add_argument(
         "--random-init",
-        choices=sorted(QWEN3_SHAPES),
+        choices=[*sorted(QWEN3_SHAPES), "auto"],
         help="no weights at hand: a model of this shape with random weights (speed and memory "
-        "only; answers run to --max-tokens)",
+        "only; answers run to --max-tokens); auto: the config's size",
     )
     parser.add_argument("--backend", choices=["vllm", "embedded"], help="default: the config's")
     parser.add_argument("--steps", type=int, default=3, help="training steps (the first warms up)")
@@ -317,13 +350,71 @@ def main(argv: list[str] | None = None) -> int:
         "--backend embedded), to test the script where no GPU is",
     )
     parser.add_argument(
+        "--offline-tasks",
+        action="store_true",
+        help="math, code and auto-MAS draw built-in tasks instead of their hub datasets",
+    )
+    parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="more config overrides"
     )
     args = parser.parse_args(argv)
+    out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="masenvs-gpu-"))
+    if args.config == "all":
+        return rehearse_all(args, out)
+    args.random_init = random_init_for(args.random_init, args.config)
+    return check(args, out)
 
+
+def rehearse_all(args: argparse.Namespace, out: Path) -> int:
+    """Every paper config in turn (`check` each, results in $OUT/<config>/); a table of which
+    ran, their step times and what failed, in $OUT/check_train_gpu_all.json."""
+    rows = []
+    for path in sorted(PAPER.glob("*.yaml")):
+        one = argparse.Namespace(**vars(args))
+        one.config = str(path)
+        one.random_init = random_init_for(args.random_init, one.config)
+        print(f"\n== {path.name} ==", flush=True)
+        started = time.perf_counter()
+        try:
+            code, error = check(one, out / path.stem), None
+        except Exception as exc:  # one config failing does not stop the others
+            code, error = 1, f"{type(exc).__name__}: {exc}"
+        summary = None
+        if code == 0:
+            summary = json.loads((out / path.stem / "check_train_gpu.json").read_text())
+        elif error is None:
+            error = f"stopped before training (exit {code})"
+        rows.append(
+            {
+                "config": path.name,
+                "ok": code == 0,
+                "error": error,
+                "wall_s": time.perf_counter() - started,
+                # The last step's (the first has no step before it to time from).
+                "rollout_s": summary["steps"][-1]["rollout_s"] if summary else None,
+                "update_s": summary["steps"][-1]["update_s"] if summary else None,
+                "device": summary["device"] if summary else None,
+            }
+        )
+    print(f"\n{'config':<28} {'ok':>3} {'rollout s':>9} {'update s':>8} {'wall s':>7}  error")
+    for r in rows:
+        rollout, update = (
+            (f"{r['rollout_s']:.1f}", f"{r['update_s']:.1f}") if r["ok"] else ("-", "-")
+        )
+        print(
+            f"{r['config']:<28} {'yes' if r['ok'] else 'NO':>3} {rollout:>9} {update:>8} "
+            f"{r['wall_s']:>7.0f}  {r['error'] or ''}"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "check_train_gpu_all.json").write_text(json.dumps(rows, indent=2))
+    print(f"results: {out / 'check_train_gpu_all.json'}")
+    return 0 if all(r["ok"] for r in rows) else 1
+
+
+def check(args: argparse.Namespace, out: Path) -> int:
+    """One config's check (main's, after parsing): 2 when it cannot start, else 0."""
     from masenvs.trainer.config import ConfigError, load_config
 
-    out = Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="masenvs-gpu-"))
     # The run (with its full-model checkpoint, tens of GB) stays out of $OUT, which is copied
     # back from a lent machine; only the metrics go there.
     run_dir = Path(tempfile.gettempdir()) / f"check-train-gpu-{os.getpid()}"
@@ -333,7 +424,8 @@ def main(argv: list[str] | None = None) -> int:
             model_dir = run_dir.with_name(f"{run_dir.name}-{args.random_init}")
         else:
             model_dir = resolve_model(args.model or written.model.name)
-        cfg = load_config(args.config, short_run(args, model_dir, run_dir))
+        overrides = short_run(args, model_dir, run_dir, written.env.name)
+        cfg = load_config(args.config, overrides)
     except (CheckError, ConfigError, KeyError, ValueError) as exc:
         print(f"check_train_gpu: {exc}", file=sys.stderr)
         return 2

@@ -199,3 +199,48 @@ def test_gpu_check_rehearsal_on_cpu(
     printed = capsys.readouterr().out
     assert "MFU" in printed and "peak memory" in printed
     assert not list(Path(tempfile.gettempdir()).glob(f"check-train-gpu-{os.getpid()}*"))
+
+
+def test_gpu_rehearsal_runs_every_paper_config_on_cpu(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # `--config all` is what a GPU machine runs to rehearse every paper config; here the
+    # same script, the same per-config overrides and train(), with the tiny model on CPU.
+    script = check_train_gpu()
+    monkeypatch.setenv("OUT", str(tmp_path))
+    argv = "--config all --device cpu --model tiny --backend embedded --steps 1 --tasks 1"
+    argv += " --max-tokens 8 --rounds 1 --offline-tasks --set rollout.branches=2"
+    assert script.main(argv.split()) == 0
+    rows = json.loads((tmp_path / "check_train_gpu_all.json").read_text())
+    assert [r["config"] for r in rows] == sorted(p.name for p in PAPER.glob("*.yaml"))
+    assert all(r["ok"] and r["error"] is None and r["rollout_s"] > 0 for r in rows), rows
+    for path in PAPER.glob("*.yaml"):
+        one = json.loads((tmp_path / path.stem / "check_train_gpu.json").read_text())
+        written = load_config(path)
+        # The config's method as written: policy mode, fine-tuning, K from --set only.
+        assert one["settings"]["mode"] == written.policy.mode
+        assert one["settings"]["finetune"] == written.policy.finetune
+        assert [s["step"] for s in one["steps"]] == [1]
+    table = capsys.readouterr().out.rsplit("error\n", 1)[1].splitlines()[: len(rows)]
+    assert all(line.split()[1] == "yes" for line in table), table
+
+
+def test_every_train_command_in_the_rows_table_loads_on_every_config() -> None:
+    """docs/paper.md's table of rows and ablations: each `masenvs train C --set ...` line is
+    a valid config for every paper config (R: the config's solo role)."""
+    import re
+    import shlex
+
+    table = DOCS.split("## Every row and ablation")[1].split("\n## ")[0]
+    commands = re.findall(r"`(masenvs train C[^`]*)`", table)
+    commands += [f"masenvs train C {m}" for m in re.findall(r"`(--set [^`]*)`", table)]
+    assert len(commands) >= 8
+    solo = {"plan_path": "plan", "sudoku": "plan", "sokoban": "plan", "math": "reasoner"}
+    for path in CONFIGS:
+        task = path.stem.rsplit("_qwen3", 1)[0]
+        for command in commands:
+            words = shlex.split(command.replace("R:", f"{solo.get(task, 'coder')}:"))
+            overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+            config = load_config(path, overrides)  # a typo or a wrong value fails here
+            if "rollout.mode=trajectory" in overrides:
+                assert config.rollout.mode == "trajectory"
