@@ -58,9 +58,9 @@ class Layout:
     stage: str = ""  # host dir bound at STAGE_MOUNT
     hidden: list[tuple[str, str]] = field(default_factory=list)  # (host dir, where) for the
     # server only: each run covers them and gets single files of them (Sandbox.bind_dirs)
-    notes: list[str] = field(default_factory=list)
 
     def covered(self, path: str) -> bool:
+        """`path` lies in a bound tree (so it is there already, read-only)."""
         return any(path == b or path.startswith(b.rstrip("/") + "/") for b in self.binds)
 
     def bwrap_args(self) -> list[str]:
