@@ -9,6 +9,7 @@ needs an API key (the same rule as `masenvs serve`).
 from __future__ import annotations
 
 import argparse
+import hashlib
 import hmac
 import logging
 import os
@@ -93,6 +94,7 @@ def create_app(
     catalog = Catalog(paths)
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     templates.env.globals["poll_seconds"] = POLL_SECONDS
+    templates.env.globals["v"] = _asset_version()
     templates.env.filters["num"] = _num
     for run in catalog.runs.values():  # token pieces need the tokenizer: load it now
         Tokens.warm(run.model)
@@ -238,7 +240,7 @@ def create_app(
         Route("/run/{rid}/design/{did}", design_page),
         Route("/run/{rid}/rollout/{rollout:path}", rollout_page),
         Route("/eval/{eid}", eval_page),
-        Mount("/static", StaticFiles(directory=str(HERE / "static")), name="static"),
+        Mount("/static", _CachedStatic(directory=str(HERE / "static")), name="static"),
     ]
     middleware = []
     if _is_loopback(host):  # a page on another site cannot reach us by DNS rebinding
@@ -248,6 +250,25 @@ def create_app(
     if api_key:
         return _KeyGate(app, api_key)  # type: ignore[return-value]
     return app
+
+
+class _CachedStatic(StaticFiles):
+    """The vendored scripts and styles, cached by the browser: their URLs carry `?v=` of the
+    files' state, so a new version is fetched and an unchanged one is not even revalidated."""
+
+    async def get_response(self, path: str, scope: Any) -> Response:
+        response = await super().get_response(path, scope)
+        if response.status_code == 200:
+            response.headers["Cache-Control"] = "public, max-age=86400, immutable"
+        return response
+
+
+def _asset_version() -> str:
+    stamp = "".join(
+        f"{p.name}{p.stat().st_mtime_ns}{p.stat().st_size}"
+        for p in sorted((HERE / "static").iterdir())
+    )
+    return hashlib.sha1(stamp.encode()).hexdigest()[:10]
 
 
 class _Combined:
