@@ -22,7 +22,7 @@ from masenvs.adapters.stack import Stack, start_stack
 from masenvs.traces import TraceStore
 from masenvs.trainer.config import DistributedConfig, TrainConfig, load_config
 from masenvs.trainer.metrics import read_metrics
-from masenvs.trainer.rollout import TaskRollout, collect_tree_batch
+from masenvs.trainer.rollout import TaskRollout, collect_trajectory_batch, collect_tree_batch
 from masenvs.trainer.train import env_factory, env_options, train
 from masenvs.trainer.workers import (
     RolloutPool,
@@ -326,3 +326,44 @@ def test_a_cluster_nobody_runs_fails_at_once_naming_the_fix() -> None:
     with pytest.raises(WorkerError, match=r"ray_address='127.0.0.1:1'.*ray start --head"):
         start_ray(DistributedConfig(rollout_workers=1, ray_address="127.0.0.1:1"))
     assert time.monotonic() - started < 15
+
+
+def test_workers_play_trajectory_mode_as_in_process(cluster: None, stack: Stack) -> None:
+    """rollout.mode=trajectory on the workers: K independent episodes per task, the same
+    rollouts (temperature 0) as collect_trajectory_batch in the trainer's process."""
+    cfg = config("distributed.rollout_workers=2", "rollout.mode=trajectory")
+    seeds = [200, 201, 202]
+    workers = pool(stack, cfg)
+    try:
+        remote = workers.tree("traj", seeds)
+    finally:
+        workers.close()
+
+    async def local() -> list[TaskRollout]:
+        policy = greedy_policy(stack)
+        try:
+            return await collect_trajectory_batch(
+                env_factory(cfg, stack),
+                seeds,
+                policy,
+                episodes=2,
+                policy_of=AGENTS.__getitem__,
+                rollout_prefix="traj-local",
+            )
+        finally:
+            await policy.aclose()
+
+    here = asyncio.run(local())
+    assert [(r.seed, r.error) for r in remote] == [(s, None) for s in seeds for _ in (0, 1)]
+    for a, b in zip(here, remote, strict=True):
+        assert (a.task_id, a.success, a.rounds, a.rewards) == (
+            b.task_id,
+            b.success,
+            b.rounds,
+            b.rewards,
+        )
+        assert [(s.group, s.reward, s.meta["episode"]) for s in a.samples] == [
+            (s.group, s.reward, s.meta["episode"]) for s in b.samples
+        ]
+    traced = {c.rollout_id for c in stack.store.calls() if c.rollout_id.startswith("traj-")}
+    assert {f"traj-{s}-e{k}" for s in seeds for k in (0, 1)} <= traced
