@@ -17,19 +17,28 @@ import os
 import time
 import uuid
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 from rich.table import Table
 from rich.text import Text
 
 from masenvs.adapters.policy import ChatPolicy, Sampling, server_root
 from masenvs.adapters.stack import add_engine_arguments, with_endpoint
 from masenvs.env import MASEnv
-from masenvs.registry import make
+from masenvs.registry import env_class, make
 from masenvs.traces import EpisodeRecord, TraceStore
 
 
@@ -59,6 +68,7 @@ async def run_episode(
     rollout_id: str | None = None,
     store: TraceStore | None = None,
     options: dict[str, Any] | None = None,
+    on_turn: Callable[[int], None] | None = None,
 ) -> EpisodeResult:
     """One episode: at each turn the acting agent answers its prompt and the env plays it, so
     a later agent's prompt shows what earlier agents did this round (sequential turns)."""
@@ -76,6 +86,8 @@ async def run_episode(
             error = f"{type(exc).__name__}: {exc}"
             break
         tokens += reply.completion_tokens
+        if on_turn is not None:  # progress per call: an episode can take minutes on a CPU
+            on_turn(reply.completion_tokens)
         if len(actions_log) <= round_:
             actions_log.append({})
         actions_log[round_][agent] = reply.text
@@ -123,20 +135,99 @@ async def run_episodes(
     progress: Progress | None = None,
     rollout_prefix: str = "ro",
 ) -> list[EpisodeResult]:
-    """Many episodes in flight at once; the backend batches their calls."""
+    """Many episodes in flight at once; the backend batches their calls. `progress` counts
+    turns (calls), each episode's budget being max_rounds x agents, less what an episode
+    that ends early leaves, so its ETA is right from the first call."""
     limit = asyncio.Semaphore(concurrency)
-    task_id = progress.add_task(env_name, total=len(seeds)) if progress else None
+    probe = make(env_name, **(env_config or {}))
+    budget = probe.config.max_rounds * len(probe.possible_agents)
+    started = time.perf_counter()
+    count: dict[str, Any] = {
+        "episodes": 0,
+        "tokens": 0,
+        "total": budget * len(seeds),
+        "printed": started,
+    }
+    task_id = (
+        progress.add_task(_described(env_name, count, len(seeds)), total=count["total"])
+        if progress
+        else None
+    )
+
+    def on_turn(tokens: int) -> None:
+        count["tokens"] += tokens
+        if progress is None:
+            return
+        progress.update(task_id, advance=1, description=_described(env_name, count, len(seeds)))
+        now = time.perf_counter()
+        if not progress.console.is_terminal and now - count["printed"] >= 30.0:
+            count["printed"] = now  # a log gets a line every 30 s, between episodes too
+            progress.console.print(_calls_line(env_name, count, started, progress, task_id))
 
     async def one(seed: int) -> EpisodeResult:
         async with limit:
             env = make(env_name, **(env_config or {}))
             rollout_id = new_rollout_id(rollout_prefix)
-            result = await run_episode(env, policy, seed, rollout_id=rollout_id, store=store)
+            result = await run_episode(
+                env, policy, seed, rollout_id=rollout_id, store=store, on_turn=on_turn
+            )
+            count["episodes"] += 1
             if progress is not None:
-                progress.advance(task_id)
+                turns = sum(len(r) for r in result.actions)
+                count["total"] -= budget - turns  # an episode that ended early
+                progress.update(
+                    task_id,
+                    total=count["total"],
+                    description=_described(env_name, count, len(seeds)),
+                )
+                if not progress.console.is_terminal:  # a log gets one line per episode
+                    progress.console.print(
+                        _episode_line(result, count, len(seeds), started, progress, task_id)
+                    )
             return result
 
     return await asyncio.gather(*(one(s) for s in seeds))
+
+
+def _described(env_name: str, count: dict[str, Any], episodes: int) -> str:
+    return f"{env_name}: episodes {count['episodes']}/{episodes}, {count['tokens']} tokens, calls"
+
+
+def _calls_line(
+    env_name: str, count: dict[str, Any], started: float, progress: Progress, task_id: Any
+) -> str:
+    """`sudoku: calls 24/64, 1210 tokens, 20 tok/s, 60 s, ETA 100 s`."""
+    seconds = time.perf_counter() - started
+    task = next((t for t in progress.tasks if t.id == task_id), None)
+    done = int(task.completed) if task is not None else 0
+    left = seconds / done * (count["total"] - done) if done else 0.0
+    return (
+        f"{env_name}: calls {done}/{count['total']}, {count['tokens']} tokens, "
+        f"{count['tokens'] / max(seconds, 1e-9):.0f} tok/s, {seconds:.0f} s, ETA {left:.0f} s"
+    )
+
+
+def _episode_line(
+    result: EpisodeResult,
+    count: dict[str, Any],
+    episodes: int,
+    started: float,
+    progress: Progress,
+    task_id: Any,
+) -> str:
+    """`episode 3/8 (seed 2): success, 2 rounds, 96 tokens, 41 s, 61 tok/s, ETA 1 min 20 s`."""
+    seconds = time.perf_counter() - started
+    task = next((t for t in progress.tasks if t.id == task_id), None)
+    eta = ""
+    if task is not None and task.completed and task.total:
+        left = seconds / task.completed * (task.total - task.completed)
+        eta = f", ETA {left:.0f} s"
+    return (
+        f"episode {count['episodes']}/{episodes} (seed {result.seed}): "
+        f"{'success' if result.success else 'no success'}, {result.rounds} rounds, "
+        f"{result.completion_tokens} tokens, {seconds:.0f} s, "
+        f"{count['tokens'] / max(seconds, 1e-9):.0f} tok/s{eta}"
+    )
 
 
 def summary_table(results: list[EpisodeResult], seconds: float) -> Table:
@@ -183,7 +274,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--concurrency", type=int, default=8, help="episodes in flight")
     add_engine_arguments(parser)
-    parser.add_argument("--max-tokens", type=int, default=256)
+    parser.add_argument(
+        "--max-tokens",
+        type=int,
+        help="completion tokens per call (default: the env's answer length, e.g. 64 for the "
+        "grid tasks, 256 for math and code)",
+    )
     parser.add_argument("--temperature", type=float, default=0.7)
     parser.add_argument("--single-agent", action="store_true")
     parser.add_argument(
@@ -258,8 +354,10 @@ def main(argv: list[str]) -> int:
     try:
         make(args.env, **env_config)  # fail on a bad env or config before loading a model
     except (KeyError, ValueError, TypeError) as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{escape(str(exc))}[/red]")
         return 2
+    if args.max_tokens is None:
+        args.max_tokens = env_class(args.env).answer_tokens
     if args.url:
         return _remote(args, spec, env_config, console)
     traces = args.traces or Path("runs") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}"
@@ -275,7 +373,7 @@ def main(argv: list[str]) -> int:
                 **(engine_options(args) if args.backend == "embedded" else {}),
             )
     except StackError as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{escape(str(exc))}[/red]")
         return 2
     env_config = with_endpoint(args.env, env_config, stack.root_url, stack.api_key)
     sampling = Sampling(temperature=args.temperature, max_tokens=args.max_tokens)
@@ -293,6 +391,8 @@ def main(argv: list[str]) -> int:
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
             console=console,
         ) as progress:
             results = asyncio.run(

@@ -12,6 +12,7 @@ from typing import Any, TextIO
 
 import yaml
 from rich.console import Console
+from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
@@ -89,7 +90,7 @@ def cmd_play(args: argparse.Namespace, console: Console, stream: TextIO = sys.st
     try:
         env = make(args.env, **config)
     except (KeyError, ValueError, TypeError) as exc:
-        console.print(f"[red]{exc}[/red]")
+        console.print(f"[red]{escape(str(exc))}[/red]")
         return 2
     observations, infos = env.reset(seed=args.seed)
     console.print(Panel(Text(env.render_text()), title=f"{env.name}, seed {args.seed}"))

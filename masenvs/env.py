@@ -174,6 +174,9 @@ class MASEnv(ParallelEnv):
     solo_role: ClassVar[str] = ""  # the one role in single-agent mode
     config_class: ClassVar[type[EnvConfig]] = EnvConfig
     grid_render: ClassVar[bool] = False  # grid tasks also render "rgb_array"
+    # Completion tokens per call when a rollout does not say (`masenvs rollout`): enough for
+    # a good answer, so a small model's chatter does not run every call to the limit.
+    answer_tokens: ClassVar[int] = 256
 
     metadata: ClassVar[dict[str, Any]] = {"render_modes": ["ansi"], "is_parallelizable": True}
 

@@ -213,6 +213,7 @@ class PlanPathEnv(MASEnv):
     roles = ("tool", "plan")
     solo_role = "plan"
     config_class = PlanPathConfig
+    answer_tokens = 64  # moves or a short program (examples/learning: 24-48)
     grid_render = True
 
     config: PlanPathConfig

@@ -466,6 +466,7 @@ class SokobanEnv(MASEnv):
     roles = ("tool", "plan")
     solo_role = "plan"
     config_class = SokobanConfig
+    answer_tokens = 64  # moves or a short program (examples/learning: 24-48)
     grid_render = True
 
     config: SokobanConfig

@@ -492,6 +492,7 @@ class SudokuEnv(MASEnv):
     roles = ("tool", "plan")
     solo_role = "plan"
     config_class = SudokuConfig
+    answer_tokens = 64  # moves or a short program (examples/learning: 24-48)
     grid_render = True
 
     config: SudokuConfig
