@@ -18,6 +18,9 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from masenvs.adapters.backends.base import Completion, GenerateRequest, SamplingParams
 
+MAX_STOPS = 64  # stop sequences in one request (OpenAI allows 4)
+MAX_STOP_CHARS = 1024  # characters of one stop sequence
+
 
 class APIError(Exception):
     """An error answered as OpenAI's `{"error": {...}}` body with an HTTP status."""
@@ -95,6 +98,13 @@ class _Request(BaseModel):
     def _stops(cls, value: str | list[str] | None) -> str | list[str] | None:
         if isinstance(value, list) and any(not s for s in value):
             raise ValueError("stop sequences must be non-empty strings")
+        # Every stop string is looked for after every token: bounded, so one request
+        # cannot make each decoding step cost seconds.
+        stops = [value] if isinstance(value, str) else value or []
+        if len(stops) > MAX_STOPS or any(len(s) > MAX_STOP_CHARS for s in stops):
+            raise ValueError(
+                f"at most {MAX_STOPS} stop sequences of at most {MAX_STOP_CHARS} characters"
+            )
         return value
 
     def check_unsupported(self) -> None:

@@ -218,6 +218,16 @@ def test_serve_answers_deep_json_with_400(serve_process) -> None:
     assert reply.status_code == 400
 
 
+def test_serve_bounds_what_each_decoding_step_checks(serve_process) -> None:
+    _, port = serve_process
+    url = f"http://127.0.0.1:{port}/v1/chat/completions"
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    for stop in (["a"] * 100_000, "x" * 1_000_000):  # each looked for after every token
+        reply = httpx.post(url, json={**chat, "stop": stop}, timeout=60)
+        assert reply.status_code == 400 and "stop" in reply.text
+    assert httpx.post(url, json={**chat, "stop": ["\n", "END"]}, timeout=60).status_code == 200
+
+
 # -- masenvs search-serve -----------------------------------------------------------------------
 
 
