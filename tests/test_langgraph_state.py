@@ -71,7 +71,7 @@ def test_a_graph_with_its_own_state_trains_with_the_mapping_in_the_config(tmp_pa
         assert "Answer:" in mine[0].messages[-1]["content"]
         assert episode.extra["answer"] == mine[2].choices[0].text
     # The default warmup (10 steps) is longer than this 2-step run, and it says so.
-    assert "optim.warmup_steps=10 is not shorter than the run (steps=2)" in done.stdout
+    assert "optim.warmup_steps=10 is longer than the run (steps=2)" in done.stdout
     assert "adapters moved from their start" in done.stdout
 
 

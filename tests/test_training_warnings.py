@@ -26,9 +26,10 @@ def test_a_warmup_as_long_as_the_run_is_named_with_the_fix() -> None:
     cfg = load_config(None, ["steps=2"])  # the default warmup_steps is 10
     warning = schedule_warning(cfg)
     assert warning is not None
-    assert "optim.warmup_steps=10 is not shorter than the run (steps=2)" in warning
+    assert "optim.warmup_steps=10 is longer than the run (steps=2)" in warning
     assert "below 20% of optim.lr=1e-05" in warning and "--set optim.warmup_steps=0" in warning
     assert schedule_warning(load_config(None, ["steps=100"])) is None
+    assert schedule_warning(load_config(None, ["steps=10"])) is None  # the last step reaches lr
     assert schedule_warning(load_config(None, ["steps=2", "optim.warmup_steps=0"])) is None
 
 
@@ -72,7 +73,7 @@ def test_the_two_step_default_run_prints_the_warmup_warning_and_its_figures(
     printed = StringIO()
     train(cfg, console=Console(file=printed, width=400))
     out = printed.getvalue()
-    assert "warning: optim.warmup_steps=10 is not shorter than the run (steps=2)" in out
+    assert "warning: optim.warmup_steps=10 is longer than the run (steps=2)" in out
     steps = [line for line in out.splitlines() if line.startswith("step ")]
     assert [s.split()[1] for s in steps if "success" in s] == ["1/2", "2/2"]
     for line in steps:

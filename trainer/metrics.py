@@ -165,12 +165,12 @@ TINY_LR = 0.01
 def schedule_warning(cfg: TrainConfig) -> str | None:
     """A learning-rate schedule that never reaches `optim.lr` (warmup as long as the run)."""
     warmup, steps = cfg.optim.warmup_steps, cfg.steps
-    if warmup < steps or warmup == 0:
+    if warmup <= steps:  # the last step at least reaches optim.lr
         return None
-    peak = min(steps, warmup) / warmup
+    peak = steps / warmup
     return (
-        f"optim.warmup_steps={warmup} is not shorter than the run (steps={steps}): the learning "
-        f"rate stays below {peak:.0%} of optim.lr={cfg.optim.lr:g} all run long and the "
+        f"optim.warmup_steps={warmup} is longer than the run (steps={steps}): the learning "
+        f"rate stays at or below {peak:.0%} of optim.lr={cfg.optim.lr:g} all run long and the "
         f"weights barely move; set optim.warmup_steps below steps "
         f"(e.g. --set optim.warmup_steps={steps // 10})"
     )
