@@ -59,6 +59,7 @@ from masenvs.traces import CallRecord, ChoiceRecord, TraceStore
 log = logging.getLogger("masenvs.endpoint")
 
 MAX_BODY_BYTES = 32 << 20
+MAX_BUFFERED_BYTES = 256 << 20  # bodies held while they arrive, all requests together
 MAX_ENDED_ROLLOUTS = 1 << 16  # ended rollouts remembered to refuse their late calls
 _ANY = ["GET", "POST", "PUT", "PATCH", "DELETE"]  # wrong methods get a JSON 405 from _guard
 
@@ -696,12 +697,44 @@ async def read_body(request: Request, limit: int = MAX_BODY_BYTES) -> bytes:
     if length is not None and int(length) > limit:
         raise APIError(413, f"The request body is larger than {limit} bytes.")
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise APIError(413, f"The request body is larger than {limit} bytes.")
-        chunks.append(chunk)
-    return b"".join(chunks)
+    try:
+        async for chunk in request.stream():
+            size += len(chunk)
+            if size > limit:
+                raise APIError(413, f"The request body is larger than {limit} bytes.")
+            # Many clients uploading at once (slowly, each under the cap) share one budget.
+            if not _bodies.take(len(chunk)):
+                raise APIError(
+                    503,
+                    "The server is receiving too many request bodies at once; retry shortly.",
+                    type="server_error",
+                )
+            chunks.append(chunk)
+        return b"".join(chunks)
+    finally:
+        _bodies.give(sum(len(c) for c in chunks))
+
+
+class _Bodies:
+    """Bytes of request bodies being received right now, over every endpoint in the process."""
+
+    def __init__(self) -> None:
+        self.held = 0
+        self._lock = threading.Lock()  # endpoints in other threads share the budget
+
+    def take(self, n: int) -> bool:
+        with self._lock:
+            if self.held + n > MAX_BUFFERED_BYTES:
+                return False
+            self.held += n
+            return True
+
+    def give(self, n: int) -> None:
+        with self._lock:
+            self.held -= n
+
+
+_bodies = _Bodies()
 
 
 def json_body(raw: bytes) -> Any:

@@ -41,6 +41,12 @@ def memory_mb(pid: int) -> tuple[float, float]:
     return int(fields["VmRSS"].split()[0]) / 1024, int(fields["VmHWM"].split()[0]) / 1024
 
 
+def reset_peak(pid: int) -> None:
+    """Start VmHWM afresh at the current RSS, so a test sees only its own peak."""
+    with contextlib.suppress(OSError):
+        Path(f"/proc/{pid}/clear_refs").write_text("5")
+
+
 @contextlib.contextmanager
 def server_process(args: list[str], ready: str, env: dict[str, str] | None = None) -> Iterator[Any]:
     """A subprocess started with `args`; yields (process, the first match of regex `ready`
@@ -150,11 +156,13 @@ def unix(path: str) -> socket.socket:
 )
 def test_the_gate_refuses_unbounded_bodies_while_they_stream(gate_process, length: str) -> None:
     proc, path = gate_process
+    reset_peak(proc.pid)
     before = memory_mb(proc.pid)[1]
     head = f"POST /v1/chat/completions HTTP/1.1\r\nHost: gate\r\n{length}\r\n".encode()
     with unix(path) as sock:
         status, sent = stream_body(sock, head, 64 * MB, chunked="chunked" in length)
     grown = memory_mb(proc.pid)[1] - before
+    print(f"peak RSS growth: {grown:.1f} MiB")  # shown with pytest -s
     assert status in (400, 411, 413), status
     assert sent < 64 * MB, "the gate answered only after the whole body"
     assert grown < 16, f"the gate's process grew {grown:.0f} MiB"
@@ -174,6 +182,7 @@ def serve_process() -> Iterator[tuple[subprocess.Popen, int]]:
 
 def test_serve_refuses_a_chunked_body_past_its_cap_while_it_streams(serve_process) -> None:
     proc, port = serve_process
+    reset_peak(proc.pid)
     before = memory_mb(proc.pid)[1]
     head = (
         b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
@@ -182,14 +191,61 @@ def test_serve_refuses_a_chunked_body_past_its_cap_while_it_streams(serve_proces
     with socket.create_connection(("127.0.0.1", port)) as sock:
         status, sent = stream_body(sock, head, 48 * MB, chunked=True)  # the cap is 32 MB
     grown = memory_mb(proc.pid)[1] - before
+    print(f"peak RSS growth: {grown:.1f} MiB")  # shown with pytest -s
     assert status == 413 and sent < 48 * MB
     assert grown < 48, f"serve grew {grown:.0f} MiB for a body refused at 32 MiB"
     with socket.create_connection(("127.0.0.1", port)) as sock:
         assert post_raw(sock, "/v1/chat/completions", b"0", "Content-Length: -1\r\n") == 400
 
 
+def test_serve_bounds_many_bodies_arriving_at_once(serve_process) -> None:
+    proc, port = serve_process
+    reset_peak(proc.pid)
+    before = memory_mb(proc.pid)[1]
+    head = (
+        b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        b"Transfer-Encoding: chunked\r\n\r\n"
+    )
+    piece = b"x" * MB
+    frame = b"%x\r\n" % len(piece) + piece + b"\r\n"
+    socks = [socket.create_connection(("127.0.0.1", port)) for _ in range(20)]
+    statuses: dict[int, int] = {}
+    try:
+        for sock in socks:
+            sock.sendall(head)
+            sock.settimeout(30)
+        for _ in range(30):  # 20 bodies of 30 MB, each under the cap, all arriving together
+            for i, sock in enumerate(socks):
+                if i in statuses:
+                    continue
+                if select.select([sock], [], [], 0)[0]:
+                    statuses[i] = status_of(sock)
+                    continue
+                try:
+                    sock.sendall(frame)
+                except OSError:
+                    statuses[i] = status_of(sock)
+        for i, sock in enumerate(socks):
+            if i not in statuses:
+                with contextlib.suppress(OSError):
+                    sock.sendall(b"0\r\n\r\n")
+                statuses[i] = status_of(sock)
+    finally:
+        for sock in socks:
+            sock.close()
+    grown = memory_mb(proc.pid)[1] - before
+    print(f"peak RSS growth: {grown:.1f} MiB")  # shown with pytest -s
+    assert 503 in statuses.values(), statuses  # over the budget some wait for another time
+    assert set(statuses.values()) <= {400, 503}, statuses
+    assert grown < 400, f"serve grew {grown:.0f} MiB for 600 MB arriving at once"
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    after = httpx.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=chat, timeout=60)
+    assert after.status_code == 200  # the budget came back
+
+
 def test_serve_caps_prompts_in_characters_before_tokenizing(serve_process) -> None:
     proc, port = serve_process
+    reset_peak(proc.pid)
     before = memory_mb(proc.pid)[1]
     prompt = "lorem ipsum dolor " * (4 * MB // 18)  # 4 MB: ~75x that to tokenize
     reply = httpx.post(
@@ -198,6 +254,7 @@ def test_serve_caps_prompts_in_characters_before_tokenizing(serve_process) -> No
         timeout=120,
     )
     grown = memory_mb(proc.pid)[1] - before
+    print(f"peak RSS growth: {grown:.1f} MiB")  # shown with pytest -s
     assert reply.status_code == 400, reply.text
     assert reply.json()["error"]["code"] == "context_length_exceeded"
     assert grown < 64, f"serve grew {grown:.0f} MiB for a prompt it refused"
@@ -252,11 +309,13 @@ def search_serve(corpus: Path, *extra: str) -> Iterator[tuple[subprocess.Popen, 
 )
 def test_search_serve_refuses_unbounded_bodies_while_they_stream(corpus: Path, length: str) -> None:
     with search_serve(corpus) as (proc, port):
+        reset_peak(proc.pid)
         before = memory_mb(proc.pid)[1]
         head = f"POST /retrieve HTTP/1.1\r\nHost: x\r\n{length}\r\n".encode()
         with socket.create_connection(("127.0.0.1", port)) as sock:
             status, sent = stream_body(sock, head, 64 * MB, chunked="chunked" in length)
         grown = memory_mb(proc.pid)[1] - before
+        print(f"peak RSS growth: {grown:.1f} MiB")  # shown with pytest -s
         assert status in (400, 411, 413) and sent < 64 * MB
         assert grown < 16, f"search-serve grew {grown:.0f} MiB"
 
