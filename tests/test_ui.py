@@ -328,8 +328,12 @@ def test_an_eval_report_shows_two_policies_answering_the_same_task_side_by_side(
     out = tmp_path / "evals" / "eval-tiny.json"
     args = ["--checkpoint", str(checkpoint), "--baseline", "--episodes", "2", "-k", "1"]
     args += ["--max-tokens", "8", "--out", str(out)]
+    swapped = out.with_name("eval-swap.json")
+    swap = ["--checkpoint", str(checkpoint), "--swap", "plan=tool", "--episodes", "2", "-k", "1"]
+    swap += ["--max-tokens", "8", "--out", str(swapped)]
     with ThreadPoolExecutor(1) as pool:  # asyncio.run cannot start on Playwright's loop
         assert pool.submit(evaluate, args).result() == 0
+        assert pool.submit(evaluate, swap).result() == 0
     report = json.loads(out.read_text())
     server = ui(str(out.parent))
     t = tab(server.url)
@@ -356,6 +360,15 @@ def test_an_eval_report_shows_two_policies_answering_the_same_task_side_by_side(
     columns.first.locator(".episode a").first.click()
     page.wait_for_selector("section.choice")
     assert page.locator("h1").inner_text().startswith("tool call")
+
+    # the role swap beside the same checkpoint in its own seats (from the other report)
+    page = t.goto("/eval/eval-swap")
+    own = next(r for r in report["results"] if r["name"] != "base")
+    row = page.locator("#role-swap tbody tr")
+    assert row.count() == 1 and own["name"] in row.inner_text()
+    assert "eval-tiny" in row.inner_text()  # where the unswapped figure comes from
+    swap_result = json.loads(swapped.read_text())["results"][0]
+    assert swap_result["name"] == f"{own['name']} swap plan=tool"
 
 
 # -- auto-MAS and workflow runs -------------------------------------------------------------------

@@ -751,3 +751,29 @@ def _preview(previews: str | None, choice: int | None) -> str:
         return str(texts[choice or 0])
     except (json.JSONDecodeError, IndexError, TypeError):
         return ""
+
+
+def swap_results(report: EvalReport, reports: list[EvalReport]) -> list[dict[str, Any]]:
+    """A role-swap eval beside the same policies unswapped (from any report of the same env
+    and tasks, this one included): success with the roles in their own seats and swapped."""
+    data = report.data
+    out = []
+    for result in data.get("results") or []:
+        name = str(result.get("name", ""))
+        base, sep, _ = name.partition(" swap ")
+        if not sep:
+            continue
+        found = None
+        for other in reports:
+            if other.data.get("env") != data.get("env") or other.data.get("tasks") != data.get(
+                "tasks"
+            ):
+                continue
+            found = next(
+                (r for r in other.data.get("results") or [] if r.get("name") == base), None
+            )
+            if found is not None:
+                found = {**found, "report": other.id}
+                break
+        out.append({"name": name, "policy": base, "swapped": result, "own": found})
+    return out

@@ -225,7 +225,8 @@ def create_app(
         if report is None:
             raise NotFound(f"no eval report {request.path_params['eid']!r}")
         view = data.eval_task_view(report, request.query_params.get("task"))
-        return page(request, "eval.html", {"report": report, "view": view})
+        swaps = data.swap_results(report, list(catalog.reports.values()))
+        return page(request, "eval.html", {"report": report, "view": view, "swaps": swaps})
 
     async def not_found(request: Request, exc: Exception) -> Response:
         return templates.TemplateResponse(
