@@ -705,3 +705,42 @@ def test_runs_share_no_pseudo_terminal(sb: Sandbox) -> None:
     require(sb, "allow_list")
     res = run(sb, "import os\nprint(os.listdir('/dev/pts'), os.path.exists('/dev/ptmx'))")
     assert res.ok and res.stdout == "[] False\n", (res.stdout, res.stderr)
+
+
+def test_concurrent_runs_cannot_signal_through_locks_or_inotify(sb: Sandbox) -> None:
+    """A lock on a file every run can read would carry bits from one concurrent run to
+    another: locks are never really taken (programs still think they got them), testing a
+    lock and watching files with inotify are refused."""
+    require(sb, "allow_list")
+    holder = f"""
+        import fcntl, time
+        f = open({sys.executable!r}, "rb")  # every run can read the interpreter
+        fcntl.flock(f, fcntl.LOCK_EX)
+        fcntl.lockf(open("/tmp/own", "w"), fcntl.LOCK_EX)  # own files: locking "works"
+        print("holding")
+        time.sleep(1.5)
+    """
+    prober = f"""
+        import ctypes, fcntl, struct, time
+        time.sleep(0.5)
+        f = open({sys.executable!r}, "rb")
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            print("flock free")
+        except OSError:
+            print("flock busy")
+        try:
+            fcntl.fcntl(f, fcntl.F_GETLK, struct.pack("hhqqi", fcntl.F_RDLCK, 0, 0, 0, 0))
+            print("getlk allowed")
+        except OSError:
+            print("getlk refused")
+        libc = ctypes.CDLL(None, use_errno=True)
+        print("inotify", "refused" if libc.inotify_init1(0) < 0 else "allowed")
+    """
+    lim = dataclasses.replace(FAST, wall_seconds=5)
+    held, probed = sb.run_many(
+        [Job(textwrap.dedent(holder), limits=lim), Job(textwrap.dedent(prober), limits=lim)], 2
+    )
+    assert held.ok and held.stdout == "holding\n", held.stderr
+    assert probed.ok, probed.stderr
+    assert probed.stdout == "flock free\ngetlk refused\ninotify refused\n"
