@@ -200,7 +200,8 @@ def main() -> int:
     ):
         print(
             f"{name}: median {statistics.median(times) * 1000:.0f} ms, "
-            f"worst {max(times) * 1000:.0f} ms over {len(times)}"
+            f"worst {max(times) * 1000:.0f} ms over {len(times)} "
+            f"(in order: {', '.join(f'{t * 1000:.0f}' for t in times)})"
         )
     if args.dir is None:
         shutil.rmtree(root, ignore_errors=True)

@@ -37,6 +37,7 @@ log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
 COOKIE = "masenvs_ui_key"
 POLL_SECONDS = 2  # how often a live page asks whether its run changed
+TASKS_PER_PAGE = 10  # tasks drawn on a step's page at once
 LOOPBACK_HOSTS = ["127.0.0.1", "localhost", "[::1]", "::1"]
 
 
@@ -56,7 +57,8 @@ class Catalog:
         while True:
             for run in list(self.runs.values()):
                 try:
-                    run.open_index().refresh(min_interval=0.0, wait=0.0)
+                    if run.open_index().refresh(min_interval=0.0, wait=0.0):
+                        data.step_stats(run)  # pages then find the per-step stats ready
                 except Exception:  # noqa: BLE001 (a bad file must not stop the indexer)
                     log.exception("indexing %s failed", run.path)
             time.sleep(1.0)
@@ -94,6 +96,7 @@ def create_app(
     catalog = Catalog(paths)
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     templates.env.globals["poll_seconds"] = POLL_SECONDS
+    templates.env.globals["tasks_per_page"] = TASKS_PER_PAGE
     templates.env.globals["v"] = _asset_version()
     templates.env.filters["num"] = _num
     for run in catalog.runs.values():  # token pieces need the tokenizer: load it now
@@ -170,13 +173,26 @@ def create_app(
         run = catalog.run(request.path_params["rid"])
         step = request.path_params["step"]
         view = data.step_view(run, step)
+        # a step of many tasks opens on TASKS_PER_PAGE of them; the index links every one
+        tasks = view["tasks"]
+        wanted = request.query_params.get("task")
+        try:
+            first = max(0, int(request.query_params.get("from", "0")))
+        except ValueError:
+            first = 0
+        view["all_tasks"] = [t["task_id"] for t in tasks]
+        if wanted is not None:
+            view["tasks"] = [t for t in tasks if t["task_id"] == wanted]
+        else:
+            view["tasks"] = tasks[first : first + TASKS_PER_PAGE]
+        view["first"] = first
         steps = run.steps()
         designs = run.index.query(
             "SELECT design_id, task_id, round, reward, error, structure, executions "
             "FROM designs WHERE step = ? ORDER BY rowid",
             (step,),
         )
-        live = run if not view["tasks"] else None  # a step still running fills in by itself
+        live = run if not tasks else None  # a step still running fills in by itself
         return page(
             request,
             "step.html",
