@@ -57,7 +57,7 @@ def main(argv: list[str]) -> int:
 
         try:
             check_factory(cfg.workflow, cfg.env.name, cfg.env.options)
-        except (ValueError, TypeError) as exc:
+        except (ValueError, TypeError, KeyError) as exc:  # KeyError: an undeclared agent
             console.print(f"[red]{escape(str(exc))}[/red]")
             return 2
 

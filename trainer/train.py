@@ -442,8 +442,13 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
         from masenvs.adapters.frameworks.workflow import check_factory
 
         agents = list(cfg.workflow.agents)
+        from masenvs.adapters.frameworks.clients import UnknownAgent
+        from masenvs.trainer.workflow import UnknownAgentError
+
         try:  # a bad env, factory or graph input fails in one line, before models load
             check_factory(cfg.workflow, cfg.env.name, cfg.env.options)
+        except UnknownAgent as exc:
+            raise UnknownAgentError(f"factory {cfg.workflow.factory!r}: {exc}") from exc
         except (ValueError, TypeError) as exc:
             raise ConfigError(str(exc)) from exc
     else:

@@ -74,7 +74,7 @@ def main(
 
     try:  # a bad factory, env or graph input fails in one line, before any model loads
         factory = check_factory(spec, env, env_options, factory)
-    except (ValueError, TypeError) as exc:
+    except (ValueError, TypeError, KeyError) as exc:  # KeyError: an undeclared agent
         console.print(f"[red]{exc}[/red]")
         return 2
     traces = args.traces or Path("runs") / f"{env}-{spec.framework}-{time.strftime('%H%M%S')}"

@@ -34,7 +34,7 @@ from typing import Any, Literal
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from masenvs.adapters.frameworks.clients import Clients, ClientSettings, rollout_url
+from masenvs.adapters.frameworks.clients import Clients, ClientSettings, UnknownAgent, rollout_url
 from masenvs.adapters.frameworks.programs import (
     Isolation,
     Messages,
@@ -302,6 +302,8 @@ def check_factory(
                 program = factory(context)
                 if inspect.isawaitable(program):
                     program = await program
+            except UnknownAgent:
+                raise  # names the agent and the fix already (the trainer's UnknownAgentError)
             except Exception as exc:
                 raise ValueError(
                     f"factory {spec.factory!r} failed to build the program: {failure_reason(exc)}"
