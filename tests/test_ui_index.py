@@ -4,6 +4,7 @@ safely by two viewers, and bad paths refused with one sentence."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -148,3 +149,31 @@ def test_each_sample_says_whether_its_group_trained_and_why_not() -> None:
     assert rows[("narrow", 0)]["advantage"] is None
     assert rows[("wide", 0)]["continued"] and not rows[("wide", 1)]["continued"]
     assert all(r["step"] == 7 for r in rows.values())
+
+
+def test_a_step_of_many_tasks_opens_on_ten_and_links_every_task(tmp_path: Path) -> None:
+    from starlette.testclient import TestClient
+
+    from masenvs.ui.server import create_app
+
+    run = tmp_path / "wide"
+    lines = []
+    with TraceStore(run / "traces") as store:
+        for task in range(12):
+            store.append(call(f"c{task}", f"s1-{task}"))
+            for k in range(2):
+                row = json.loads(sample(1, f"c{task}", k, "a", float(k), k == 1))
+                row["group"] = [f"plan_path:{task}", 0, "tool"]
+                row["task_id"] = f"plan_path:{task}"
+                lines.append(json.dumps(row) + "\n")
+    (run / "samples.jsonl").write_text("".join(lines))
+    client = TestClient(create_app([run]), base_url="http://127.0.0.1")
+
+    def tasks(query: str = "") -> list[str]:
+        html = client.get(f"/run/wide/step/1{query}").text
+        return re.findall(r'<section class="task" data-task="([^"]+)"', html)
+
+    assert tasks() == [f"plan_path:{i}" for i in range(10)]
+    assert tasks("?from=10") == ["plan_path:10", "plan_path:11"]
+    assert tasks("?task=plan_path:7") == ["plan_path:7"]
+    assert 'href="?from=10"' in client.get("/run/wide/step/1").text
