@@ -479,7 +479,7 @@ def test_a_run_still_training_shows_its_next_steps_without_a_reload(
     runs = tmp_path / "runs"
     runs.mkdir()
     (tmp_path / "empty.yaml").write_text("{}\n")
-    overrides = plan_path_run(runs / "live", "model.name=tiny", "steps=3")
+    overrides = plan_path_run(runs / "live", "model.name=tiny", "steps=4")
     training = subprocess.Popen(
         [sys.executable, "-m", "masenvs.cli", "train", str(tmp_path / "empty.yaml")]
         + [f"--set={o}" for o in overrides],
@@ -497,8 +497,8 @@ def test_a_run_still_training_shows_its_next_steps_without_a_reload(
         page.wait_for_selector("#steps")
         seen_at_open = page.locator("#steps tr[data-step]").count()
         page.evaluate("window.sameDocument = true")
-        page.wait_for_selector('#steps tr[data-step="3"]', timeout=120_000)
-        assert seen_at_open < 3
+        page.wait_for_selector('#steps tr[data-step="4"]', timeout=120_000)
+        assert seen_at_open < 4
         assert page.evaluate("window.sameDocument") is True  # no reload: htmx swapped it in
         assert training.wait(timeout=120) == 0
     finally:
