@@ -151,7 +151,9 @@ class RunIndex:
 
     def progress(self) -> float:
         """Share of the run's bytes indexed (1.0 when up to date)."""
-        return 1.0 if self.ready or not self.total_bytes else self.done_bytes / self.total_bytes
+        if self.ready:
+            return 1.0
+        return min(self.done_bytes / self.total_bytes, 0.99) if self.total_bytes else 0.0
 
     def _consumed(self, path: Path) -> int:
         row = self._db.execute("SELECT consumed FROM files WHERE path = ?", (self._key(path),))

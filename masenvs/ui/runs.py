@@ -48,8 +48,9 @@ class Run:
         """The run's index, brought up to date (waiting at most 2 s while the indexer
         thread reads a large run: the page then shows what is indexed so far)."""
         index = self.open_index()
-        # a first build of a large run goes on in the indexer thread: show what it has
-        index.refresh(wait=2.0 if index.ready else 0.0)
+        # While the indexer thread reads, wait for it at most 2 s: a small run is indexed by
+        # then; a large run's page shows what is indexed so far and fills in by itself.
+        index.refresh(wait=2.0)
         return index
 
     def steps(self) -> list[int]:

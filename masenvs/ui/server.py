@@ -67,6 +67,8 @@ class Catalog:
         runs, reports = discover(self.paths)
         for run in runs:  # keep the open indexes of runs seen before
             known = next((r for r in self.runs.values() if r.path == run.path), None)
+            if known is None:
+                Tokens.warm(run.model)  # token pieces need the tokenizer: load it now
             self.runs.setdefault(known.id if known else run.id, known or run)
         self.reports = {r.id: r for r in reports}
         for report in reports:
@@ -94,13 +96,13 @@ def create_app(
     """The app over `paths`; with `api_key`, every request must carry it (header, cookie or
     `?key=` once, which sets the cookie)."""
     catalog = Catalog(paths)
+    # Handlers are plain functions: Starlette runs them in its thread pool, so a slow query
+    # of one page never holds another (sqlite and file reads block).
     templates = Jinja2Templates(directory=str(HERE / "templates"))
     templates.env.globals["poll_seconds"] = POLL_SECONDS
     templates.env.globals["tasks_per_page"] = TASKS_PER_PAGE
     templates.env.globals["v"] = _asset_version()
     templates.env.filters["num"] = _num
-    for run in catalog.runs.values():  # token pieces need the tokenizer: load it now
-        Tokens.warm(run.model)
 
     def page(
         request: Request, name: str, context: dict[str, Any], live: Any = None, poll: bool = False
@@ -124,7 +126,7 @@ def create_app(
         }
         return templates.TemplateResponse(request, name, context)
 
-    async def index(request: Request) -> Response:
+    def index(request: Request) -> Response:
         catalog.rescan()
         runs = catalog.training_runs()
         chosen = request.query_params.getlist("run") or [r.id for r in runs]
@@ -143,7 +145,7 @@ def create_app(
             poll=True,  # a new run directory shows up by itself
         )
 
-    async def run_page(request: Request) -> Response:
+    def run_page(request: Request) -> Response:
         run = catalog.run(request.path_params["rid"])
         metrics = run.metrics()
         index = run.index
@@ -169,7 +171,7 @@ def create_app(
             run,
         )
 
-    async def step_page(request: Request) -> Response:
+    def step_page(request: Request) -> Response:
         run = catalog.run(request.path_params["rid"])
         step = request.path_params["step"]
         view = data.step_view(run, step)
@@ -207,7 +209,7 @@ def create_app(
             live,
         )
 
-    async def call_page(request: Request) -> Response:
+    def call_page(request: Request) -> Response:
         run = catalog.run(request.path_params["rid"])
         try:
             tolerance = float(request.query_params.get("tol", "0.05"))
@@ -220,14 +222,14 @@ def create_app(
             raise NotFound(f"no call {request.path_params['cid']!r} in run {run.id!r}{later}")
         return page(request, "call.html", {"run": run, "view": view})
 
-    async def design_page(request: Request) -> Response:
+    def design_page(request: Request) -> Response:
         run = catalog.run(request.path_params["rid"])
         view = data.design_view(run, request.path_params["did"])
         if view is None:
             raise NotFound(f"no design {request.path_params['did']!r} in run {run.id!r}")
         return page(request, "design.html", {"run": run, "view": view})
 
-    async def rollout_page(request: Request) -> Response:
+    def rollout_page(request: Request) -> Response:
         run = catalog.run(request.path_params["rid"])
         rollout = request.path_params["rollout"]
         view = data.rollout_view(run, rollout)
@@ -235,7 +237,7 @@ def create_app(
             raise NotFound(f"no rollout {rollout!r} in run {run.id!r}")
         return page(request, "rollout.html", {"run": run, "rollout": rollout, "view": view})
 
-    async def eval_page(request: Request) -> Response:
+    def eval_page(request: Request) -> Response:
         catalog.rescan()
         report = catalog.reports.get(request.path_params["eid"])
         if report is None:
