@@ -464,7 +464,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     warning = schedule_warning(cfg)
     if warning is not None:
         _warn(console, warning)
-    with console.status(f"loading {cfg.model.name} for the learner"):
+    with _status(console, f"loading {cfg.model.name} for the learner"):
         learner = make_learner(cfg, agents)  # in this process, or on learner ranks
     state = TrainState(step=0, next_task_seed=cfg.env.seed_start)
     checkpoint = load_latest(run_dir) if cfg.checkpoint.resume else None
@@ -473,7 +473,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
         console.print(f"resumed from {checkpoint.path} (step {state.step})")
     save_config(cfg, run_dir / "config.yaml")
 
-    with console.status(f"starting the {cfg.backend.kind} backend"):
+    with _status(console, f"starting the {cfg.backend.kind} backend"):
         engine = {
             "max_batch_size": cfg.backend.max_batch_size,
             "device": str(learner.device),
@@ -551,7 +551,7 @@ async def _loop(
     every = cfg.validation.every
     try:
         if every and state.step == 0:
-            with console.status("validating before training"):
+            with _status(console, "validating before training"):
                 val = await source.validate(0)
             metrics.log(0, val)
             console.print(f"step 0 validation: success {val['val/success']:.0%}")
@@ -653,6 +653,14 @@ def _progress_line(step: int, total: int, row: dict[str, Any], agents: list[str]
         f"{_update_figures(row)}  {row['throughput/rollout_tokens_per_s']:.0f} tok/s  "
         f"rollout {row['time/rollout_s']:.1f}s  update {row['time/update_s']:.1f}s{val}"
     )
+
+
+def _status(console: Console, text: str) -> Any:
+    """A spinner on a terminal; in a log, the line itself (a log is never silent for the
+    minutes a model takes to load on a CPU)."""
+    if not console.is_terminal:
+        console.print(f"{time.strftime('%H:%M:%S')} {text}")
+    return console.status(text)
 
 
 def _warn(console: Console, text: str) -> None:
