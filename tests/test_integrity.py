@@ -320,6 +320,30 @@ def test_search_serve_refuses_unbounded_bodies_while_they_stream(corpus: Path, l
         assert grown < 16, f"search-serve grew {grown:.0f} MiB"
 
 
+def test_search_serve_bounds_idle_connections(corpus: Path) -> None:
+    from masenvs.search import server
+
+    cap = getattr(server, "MAX_CONNECTIONS", 128)
+
+    def threads(pid: int) -> int:
+        status = Path(f"/proc/{pid}/status").read_text()
+        return int(re.search(r"Threads:\s+(\d+)", status).group(1))
+
+    with search_serve(corpus) as (proc, port):
+        url = f"http://127.0.0.1:{port}/retrieve"
+        idle = [socket.create_connection(("127.0.0.1", port)) for _ in range(cap + 200)]
+        try:
+            time.sleep(1)
+            assert threads(proc.pid) <= cap + 8  # not one per idle socket
+            busy = httpx.post(url, json={"queries": ["mentor"]}, timeout=30)
+            assert busy.status_code == 503
+        finally:
+            for sock in idle:
+                sock.close()
+        time.sleep(1)
+        assert httpx.post(url, json={"queries": ["mentor"]}, timeout=30).status_code == 200
+
+
 def test_search_serve_validates_every_parameter(corpus: Path) -> None:
     with search_serve(corpus) as (_, port):
         url = f"http://127.0.0.1:{port}/retrieve"

@@ -9,6 +9,7 @@ capped. Beyond loopback it needs `--api-key` (or $MASENVS_SEARCH_API_KEY), or `-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
@@ -31,6 +32,7 @@ MAX_BODY = 1 << 20  # bytes of one /retrieve request
 MAX_QUERIES = 256  # queries in one request
 MAX_QUERY_CHARS = 4096  # characters of one query
 MAX_TOPK = 100  # documents per query, unless the server is started with another --max-topk
+MAX_CONNECTIONS = 128  # connections served at once (a thread each); more get 503 at once
 
 
 def make_server(
@@ -96,7 +98,36 @@ def make_server(
         def log_message(self, format: str, *args: Any) -> None:  # quiet by default
             pass
 
-    return ThreadingHTTPServer((host, port), Handler)
+    return _Server((host, port), Handler)
+
+
+class _Server(ThreadingHTTPServer):
+    """A thread per connection, at most MAX_CONNECTIONS at once: idle sockets held open by
+    one client cannot make the server start thousands of threads."""
+
+    request_queue_size = 1024  # socketserver's 5 drops bursts of connects (1-7 s SYN retries)
+
+    def __init__(self, address: tuple[str, int], handler: Any) -> None:
+        super().__init__(address, handler)
+        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            busy = b'{"error": "too many connections; retry shortly"}'
+            with contextlib.suppress(OSError):
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(busy), busy)
+                )
+            self.shutdown_request(request)
+            return
+        super().process_request(request, client_address)
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self._slots.release()
 
 
 def parse_request(request: Any, max_topk: int = MAX_TOPK) -> tuple[list[str], int, bool]:
