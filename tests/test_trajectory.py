@@ -68,6 +68,7 @@ def test_turn_agent_groups_compare_the_same_turn_of_k_episodes() -> None:
     # r_team + r_loc for every agent), shown in meta and in the metrics.
     tool = next(s for s in solved.samples if s.agent == "tool")
     assert tool.meta["team_term"] > 0 and tool.meta["episode"] == 0
+    assert tool.meta["rollout_id"] == "t-e0"
     assert tool.meta["seed"] == 0  # the task seed
     assert tool.reward == pytest.approx(solved.rewards["tool"])
     assert "team_term" not in next(s for s in failed.samples if s.agent == "tool").meta

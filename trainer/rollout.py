@@ -327,6 +327,7 @@ async def trajectory_rollout(
         if reply.token_ids and reply.prompt_token_ids:
             sample = _sample(played, agent, policy_of, task_id, round_, seed)
             sample.meta["episode"] = episode
+            sample.meta["rollout_id"] = rollout_id  # each episode is its own rollout
             result.samples.append(sample)
             this_round.add(agent, sample)
         for name, reward in rewards.items():
