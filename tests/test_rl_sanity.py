@@ -3,7 +3,7 @@
 Every run goes through the real path: tree rollouts of the `say` env, the capture endpoint,
 the embedded engine, traces, group advantages, the learner and the weight sync. The bandit
 (say "Yes"; see tests/rl_sanity.py for the model it runs on) is learned in 8 steps in every
-policy mode; a flipped advantage sign, a weight sync that leaves the backend on stale
+policy mode and both rollout modes (tree, trajectory); a flipped advantage sign, a weight sync that leaves the backend on stale
 weights, and old log-probs scored with stale weights are each injected and caught.
 Slower checks (a rule learned on held-out tasks, with SmolLM2) are in bench/rl_sanity.py.
 """
@@ -29,7 +29,7 @@ MODES = {
     # Whole weights move in place of a rank-4 adapter: a smaller step does the same.
     "per-agent-full": ("policy.mode=per_agent", "policy.finetune=full", "optim.lr=1e-3"),
 }
-# TODO(issue 33): parametrise over rollout.mode (tree, trajectory) once trajectory GRPO lands.
+ROLLOUTS = ["tree", "trajectory"]  # AT-GRPO tree sampling; K independent episodes (GRPO)
 
 
 @pytest.fixture(scope="module")
@@ -65,18 +65,20 @@ def test_the_say_env_pays_for_the_word_only() -> None:
         a.reset(options={"task": {"word": " "}})
 
 
+@pytest.mark.parametrize("rollout", ROLLOUTS)
 @pytest.mark.parametrize("mode", MODES)
 def test_the_say_bandit_is_learned_in_every_policy_mode(
-    mode: str, model_dir: Path, tmp_path: Path
+    mode: str, rollout: str, model_dir: Path, tmp_path: Path
 ) -> None:
-    records = bandit_run(model_dir, tmp_path, *MODES[mode])
+    records = bandit_run(model_dir, tmp_path, *MODES[mode], f"rollout.mode={rollout}")
     assert learned(records), summary(records)
     # the backend sampled every step with the weights the learner scored: same log-probs
     assert max_logprob_mismatch(records) < 1e-3
 
 
+@pytest.mark.parametrize("rollout", ROLLOUTS)
 def test_a_flipped_advantage_sign_is_caught(
-    model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    rollout: str, model_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     real = train_module.group_advantages
 
@@ -85,7 +87,7 @@ def test_a_flipped_advantage_sign_is_caught(
         return [dataclasses.replace(s, advantage=-s.advantage) for s in out], stats
 
     monkeypatch.setattr(train_module, "group_advantages", flipped)
-    records = bandit_run(model_dir, tmp_path, "policy.mode=per_agent")
+    records = bandit_run(model_dir, tmp_path, "policy.mode=per_agent", f"rollout.mode={rollout}")
     assert not learned(records), summary(records)
     # it unlearns: the word is said less than before training, greedy never
     rewards = [r["train/reward/first"] for r in records if "train/reward/first" in r]
