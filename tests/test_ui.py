@@ -367,6 +367,7 @@ def test_an_eval_report_shows_two_policies_answering_the_same_task_side_by_side(
     row = page.locator("#role-swap tbody tr")
     assert row.count() == 1 and own["name"] in row.inner_text()
     assert "eval-tiny" in row.inner_text()  # where the unswapped figure comes from
+    t.shot("role-swap")
     swap_result = json.loads(swapped.read_text())["results"][0]
     assert swap_result["name"] == f"{own['name']} swap plan=tool"
 
