@@ -170,6 +170,31 @@ def test_the_gate_refuses_unbounded_bodies_while_they_stream(gate_process, lengt
         assert post_raw(sock, "/v1/chat/completions", DEEP) == 400  # 200k-deep JSON
 
 
+def test_a_design_cannot_make_its_gate_start_a_thread_per_connection(gate_process) -> None:
+    from masenvs.mas import gate as gate_module
+
+    proc, path = gate_process
+    cap = getattr(gate_module, "MAX_CONNECTIONS", 64)
+    before = threads(proc.pid)
+    idle = [unix(path) for _ in range(cap + 200)]
+    try:
+        time.sleep(1)
+        assert threads(proc.pid) <= before + cap, threads(proc.pid)
+        with unix(path) as sock:
+            assert post_raw(sock, "/v1/chat/completions", b"{}") == 503
+    finally:
+        for sock in idle:
+            sock.close()
+    time.sleep(1)
+    with unix(path) as sock:  # the slots came back
+        assert post_raw(sock, "/v1/chat/completions", b"{}") == 400
+
+
+def threads(pid: int) -> int:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"Threads:\s+(\d+)", status).group(1))
+
+
 # -- masenvs serve ------------------------------------------------------------------------------
 
 
@@ -324,10 +349,6 @@ def test_search_serve_bounds_idle_connections(corpus: Path) -> None:
     from masenvs.search import server
 
     cap = getattr(server, "MAX_CONNECTIONS", 128)
-
-    def threads(pid: int) -> int:
-        status = Path(f"/proc/{pid}/status").read_text()
-        return int(re.search(r"Threads:\s+(\d+)", status).group(1))
 
     with search_serve(corpus) as (proc, port):
         url = f"http://127.0.0.1:{port}/retrieve"

@@ -186,7 +186,7 @@ def test_the_design_is_read_from_code_tags_or_a_python_fence() -> None:
 
 def post(gate: Gate, path: str, body: dict) -> httpx.Response:
     with httpx.Client(transport=httpx.HTTPTransport(uds=gate.path)) as client:
-        return client.post(f"http://gate{path}", json=body)
+        return client.post(f"http://gate{path}", json=body, timeout=60)  # a first call warms up
 
 
 def test_the_gate_forwards_only_its_rollouts_chat_calls_within_budget(served) -> None:
