@@ -77,12 +77,18 @@ def engine_routes(endpoint: Endpoint) -> list[Route]:
         await asyncio.to_thread(backend.reset_prefix_cache)  # type: ignore[attr-defined]
         return Response(status_code=200)
 
+    async def server_info(request: Request) -> Response:
+        # The embedded engine samples a request's seed on any device; the client reads this
+        # before sending seeds (VLLMBackend.seeds_honoured).
+        return JSONResponse({"engine": "masenvs", "honours_seed": True})
+
     guard = endpoint._guard
     return [
         Route("/v1/load_lora_adapter", guard(load_lora_adapter, "POST"), methods=_ANY),
         Route("/v1/unload_lora_adapter", guard(unload_lora_adapter, "POST"), methods=_ANY),
         Route("/collective_rpc", guard(collective_rpc, "POST"), methods=_ANY),
         Route("/reset_prefix_cache", guard(reset_prefix_cache, "POST"), methods=_ANY),
+        Route("/server_info", guard(server_info, "GET"), methods=_ANY),
     ]
 
 

@@ -135,7 +135,10 @@ class VLLMBackend:
         if self.process is not None and self.process.cpu is not None:
             device = "cpu" if self.process.cpu else "cuda"
             return not self.process.cpu, f"started here for {device}"
-        device = self._server_device()
+        info = self._server_info()
+        if isinstance(info.get("honours_seed"), bool):  # a masenvs engine server says so
+            return info["honours_seed"], "its /server_info says so"
+        device = _device_of(info)
         if device is not None:
             return device != "cpu", f"its /server_info names device {device!r}"
         return False, "its device is unknown (no /server_info)"
@@ -480,8 +483,8 @@ class VLLMBackend:
             raise _error(response.status_code, response.text)
         return response.json().get("data", [])
 
-    def _server_device(self) -> str | None:
-        """The device vLLM runs on, from `/server_info` (only in development mode)."""
+    def _server_info(self) -> dict[str, Any]:
+        """`/server_info` (vLLM answers it only in development mode); {} when absent."""
         try:
             response = httpx.get(
                 self.url + "/server_info",
@@ -489,13 +492,10 @@ class VLLMBackend:
                 headers=self._headers,
                 timeout=httpx.Timeout(min(self.timeout, 30.0), connect=10.0),
             )
-            config = response.json().get("vllm_config") if response.status_code == 200 else None
+            info = response.json() if response.status_code == 200 else None
         except (httpx.HTTPError, ValueError):
-            return None
-        device = (config or {}).get("device_config") if isinstance(config, dict) else None
-        if isinstance(device, dict):
-            device = device.get("device_type") or device.get("device")
-        return str(device).lower() if isinstance(device, str) and device else None
+            return {}
+        return info if isinstance(info, dict) else {}
 
     async def _post_json(self, route: str, body: dict[str, Any]) -> dict[str, Any]:
         try:
@@ -616,6 +616,15 @@ def _keep_before(decode: Any, ids: list[int], stop: str) -> int:
             break
         keep -= 1
     return keep
+
+
+def _device_of(info: dict[str, Any]) -> str | None:
+    """The device a vLLM `/server_info` names (`vllm_config.device_config`), if any."""
+    config = info.get("vllm_config")
+    device = config.get("device_config") if isinstance(config, dict) else None
+    if isinstance(device, dict):
+        device = device.get("device_type") or device.get("device")
+    return str(device).lower() if isinstance(device, str) and device else None
 
 
 def _error(status: int, text: str) -> BackendError:
