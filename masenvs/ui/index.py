@@ -24,6 +24,7 @@ from typing import Any
 INDEX_NAME = ".masenvs-ui.sqlite"
 SCHEMA_VERSION = 5
 CHUNK_LINES = 20_000  # a first build commits this often
+BUSY_SECONDS = 5.0  # after a wait for a busy indexer timed out, reads go on without one
 PREVIEW = 160  # characters of each choice's text kept in the index
 try:  # 4x faster on records full of token ids; the stdlib's when it is not installed
     from orjson import dumps as _orjson_dumps
@@ -82,6 +83,7 @@ class RunIndex:
         self._refresh_lock = threading.Lock()  # one writer: a request or the indexer thread
         self._read_lock = threading.Lock()
         self._refreshed = 0.0
+        self._gave_up = -BUSY_SECONDS  # when a wait for the indexer thread last timed out
         self._db = self._open()  # written by refresh() only
         # Reads use their own connection: in WAL mode they see each committed chunk while a
         # long first build goes on, instead of waiting for it.
@@ -122,7 +124,11 @@ class RunIndex:
         At most once per `min_interval` seconds it looks at the files (a few stat calls when
         nothing changed). While another thread refreshes, it waits up to `wait` seconds
         (None: as long as it takes) and then returns; the reader sees what is committed."""
+        if wait is not None and time.monotonic() - self._gave_up < BUSY_SECONDS:
+            return False  # a page's many reads wait for a long first build once, not each
         if not self._refresh_lock.acquire(timeout=-1 if wait is None else wait):
+            if wait:
+                self._gave_up = time.monotonic()
             return False
         try:
             now = time.monotonic()
