@@ -600,14 +600,14 @@ def test_kill_9_after_n_responses_keeps_all_n_in_the_store(tmp_path: Path) -> No
         assert re.fullmatch(r"  engine: \w+, native CPU kernels (avx512|avx2|off .*)\n", banner[1])
         api = client(f"{url}/r/kill/v1")
         ids = [
-            api.chat.completions.create(model="agent", messages=HELLO, max_tokens=4).id
+            api.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4).id
             for _ in range(5)
         ]
         chunks = list(
-            api.chat.completions.create(model="agent", messages=HELLO, max_tokens=4, stream=True)
+            api.chat.completions.create(model="tiny", messages=HELLO, max_tokens=4, stream=True)
         )
         ids.append(chunks[0].id)
-        ids.append(api.completions.create(model="agent", prompt="x", max_tokens=3).id)
+        ids.append(api.completions.create(model="tiny", prompt="x", max_tokens=3).id)
     finally:
         os.kill(server.pid, signal.SIGKILL)
         server.wait()
