@@ -280,11 +280,12 @@ class CodeEnv(MASEnv):
         visible = [*state.tests, *task.public_tests]
         on_visible: SuiteResult | None = None
         if code is not None:
-            suites = [Suite(code, self.hidden_tests(), task.fn_name)]
+            # Visible tests first, hidden after, never at once: a run on hidden inputs could
+            # otherwise signal them (CPU or memory pressure) to a concurrent run whose output
+            # the coder reads next round (docs/sandbox.md, covert channels).
             if visible:
-                suites.append(Suite(code, tuple(visible), task.fn_name))
-            hidden, *shown = self.judge.run_many(suites)
-            on_visible = shown[0] if shown else None
+                on_visible = self.judge.run(code, visible, task.fn_name)
+            hidden = self.judge.run(code, self.hidden_tests(), task.fn_name)
             state.code, state.pass_rate = code, hidden.pass_rate
             if hidden.all_passed:
                 state.verified_code = code
