@@ -10,11 +10,13 @@ reading a byte of it, and JSON nested deeper than any request needs.
 
 from __future__ import annotations
 
+import contextlib
 import hmac
 import ipaddress
 import json
 import secrets
 import sys
+import threading
 from typing import Any, BinaryIO
 
 MAX_JSON_DEPTH = 64  # nesting no request of ours needs; deeper input is an attack
@@ -141,3 +143,34 @@ def json_depth(value: Any) -> int:
             children = item.values() if isinstance(item, dict) else item
             stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
     return deepest
+
+
+class ConnectionCap:
+    """socketserver mixin: a thread per connection, at most `max_connections` at once; a
+    connection past them gets `busy_body` with a 503 at once, so idle sockets held open by
+    one client cannot make the server start thousands of threads."""
+
+    max_connections = 64
+    busy_body = b'{"error": "too many connections; retry shortly"}'
+
+    def server_activate(self) -> None:
+        self._slots = threading.BoundedSemaphore(self.max_connections)
+        super().server_activate()  # type: ignore[misc]
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self._slots.acquire(blocking=False):
+            with contextlib.suppress(OSError):
+                request.sendall(
+                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
+                    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s"
+                    % (len(self.busy_body), self.busy_body)
+                )
+            self.shutdown_request(request)  # type: ignore[attr-defined]
+            return
+        super().process_request(request, client_address)  # type: ignore[misc]
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)  # type: ignore[misc]
+        finally:
+            self._slots.release()

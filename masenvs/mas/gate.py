@@ -30,6 +30,8 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
+from masenvs.listeners import ConnectionCap
+
 GATE_DIR = Path(os.environ.get("MASENVS_GATE_DIR", "/var/tmp/masenvs-gates"))
 MAX_BODY = 4 << 20  # bytes of one request
 MAX_CONNECTIONS = 64  # connections one gate serves at once (a design's parallel calls)
@@ -59,35 +61,15 @@ def _http() -> Any:
         return _client
 
 
-class _Server(socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
+class _Server(ConnectionCap, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     """A thread per connection, at most MAX_CONNECTIONS at once: a design that opens
     thousands of connections must not start thousands of threads in the trainer."""
 
     daemon_threads = True
     request_queue_size = 256
+    max_connections = MAX_CONNECTIONS
+    busy_body = b'{"error": {"message": "too many connections to the gate", "code": 503}}'
     gate: Gate
-
-    def server_activate(self) -> None:
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-        super().server_activate()
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            busy = b'{"error": {"message": "too many connections to the gate", "code": 503}}'
-            with contextlib.suppress(OSError):
-                request.sendall(
-                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(busy), busy)
-                )
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
 
 
 class Gate:

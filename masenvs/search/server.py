@@ -9,7 +9,6 @@ capped. Beyond loopback it needs `--api-key` (or $MASENVS_SEARCH_API_KEY), or `-
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import os
 import sys
@@ -19,6 +18,7 @@ from typing import Any
 
 from masenvs.listeners import (
     BodyError,
+    ConnectionCap,
     ListenerError,
     announce,
     key_matches,
@@ -101,33 +101,12 @@ def make_server(
     return _Server((host, port), Handler)
 
 
-class _Server(ThreadingHTTPServer):
+class _Server(ConnectionCap, ThreadingHTTPServer):
     """A thread per connection, at most MAX_CONNECTIONS at once: idle sockets held open by
     one client cannot make the server start thousands of threads."""
 
     request_queue_size = 1024  # socketserver's 5 drops bursts of connects (1-7 s SYN retries)
-
-    def __init__(self, address: tuple[str, int], handler: Any) -> None:
-        super().__init__(address, handler)
-        self._slots = threading.BoundedSemaphore(MAX_CONNECTIONS)
-
-    def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
-            busy = b'{"error": "too many connections; retry shortly"}'
-            with contextlib.suppress(OSError):
-                request.sendall(
-                    b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
-                    b"Content-Length: %d\r\nConnection: close\r\n\r\n%s" % (len(busy), busy)
-                )
-            self.shutdown_request(request)
-            return
-        super().process_request(request, client_address)
-
-    def process_request_thread(self, request: Any, client_address: Any) -> None:
-        try:
-            super().process_request_thread(request, client_address)
-        finally:
-            self._slots.release()
+    max_connections = MAX_CONNECTIONS
 
 
 def parse_request(request: Any, max_topk: int = MAX_TOPK) -> tuple[list[str], int, bool]:
