@@ -1133,7 +1133,19 @@ def _mount_run_dirs(
     (name -> the file as the server sees it). Returns False if /proc could only be hidden."""
     owner = f"uid={uid},gid={uid}" if srv.uid_per_run else "uid=0,gid=0"
     opts = f"mode=0700,{owner},size={max(4 * file_mb, 8)}m,nr_inodes=4096"
+    # Under the allow-list root, /tmp holds only allow-listed paths (an interpreter or venv
+    # that lives under /tmp): they stay visible, read-only, over the run's private /tmp.
+    kept = _allowed_under_tmp() if srv.allow_list else []
     _mount("tmpfs", "/tmp", "tmpfs", MS_NOSUID | MS_NODEV, opts)
+    for name, fd in kept:
+        target = f"/tmp/{name}"
+        if os.path.isdir(f"/proc/self/fd/{fd}"):
+            os.mkdir(target, 0o755)
+        else:
+            os.close(os.open(target, os.O_CREAT | os.O_WRONLY, 0o644))
+        _mount(f"/proc/self/fd/{fd}", target, None, MS_BIND | MS_REC)
+        _mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | MS_NOSUID | MS_NODEV)
+        os.close(fd)
     if os.path.isdir("/dev/shm"):
         _mount("tmpfs", "/dev/shm", "tmpfs", MS_NOSUID | MS_NODEV, opts)
     if os.path.isdir("/dev/pts"):  # one pseudo-terminal instance would be shared by all runs
@@ -1164,6 +1176,15 @@ def _mount_run_dirs(
     if os.path.isdir(BIND_DIRS_MOUNT):  # every other file of the bind dirs stays unseen
         _mount("tmpfs", BIND_DIRS_MOUNT, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k")
     return fresh_proc
+
+
+def _allowed_under_tmp() -> list[tuple[str, int]]:
+    """The entries of the allow-list root's /tmp (name, O_PATH fd), opened before the run's
+    own tmpfs covers them."""
+    kept = []
+    for name in os.listdir("/tmp"):
+        kept.append((name, os.open(f"/tmp/{name}", os.O_PATH | os.O_NOFOLLOW)))
+    return kept
 
 
 def _supervise(srv: _Server, sock_fd: int, uid: int) -> None:
