@@ -286,6 +286,7 @@ def test_masenvs_serve_fronts_a_running_vllm(fake, tmp_path) -> None:
     command = [
         sys.executable, "-m", "masenvs.adapters.serve", "--backend", "vllm",
         "--vllm-url", fake[1].url, "--port", "0", "--traces", str(tmp_path),
+        "--unknown-agents", "base",  # 'planner' has no adapter: the base model answers
     ]  # fmt: skip
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
