@@ -237,3 +237,14 @@ def design_graph(calls: dict[str, list[str]]) -> dict[str, Any] | None:
     edges = list(dict.fromkeys((a, b) for a, b in zip(_order, _order[1:]) if a != b))
     structure = ", ".join(getattr(w, "describe", lambda: "workflow")() for w in _top)
     return DesignGraph(structure or "workflow (not run)", nodes, edges).to_dict()
+
+
+def callback_failed(what: str) -> None:
+    """A design's routing or condition function raised: the workflow goes on as the
+    published API does (no route, stop the loop), and the traceback reaches the design's
+    stderr so its author sees why."""
+    import sys
+    import traceback
+
+    print(f"workflow: {what} raised; going on without it:", file=sys.stderr)
+    traceback.print_exc()

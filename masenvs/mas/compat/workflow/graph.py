@@ -6,7 +6,15 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from .core import Context, Message, MessageType, WorkflowNode, enter_run, exit_run
+from .core import (
+    Context,
+    Message,
+    MessageType,
+    WorkflowNode,
+    callback_failed,
+    enter_run,
+    exit_run,
+)
 
 
 @dataclass
@@ -75,6 +83,7 @@ class AgentGraph:
             try:
                 target = self._routing[current](context)
             except Exception:
+                callback_failed(f"the routing function of {current!r}")
                 return []
             return [target] if target in self.nodes else []
         out = []
@@ -85,6 +94,7 @@ class AgentGraph:
                 if edge.should_follow(context):
                     out.append(edge.target)
             except Exception:
+                callback_failed(f"the condition of the edge to {edge.target!r}")
                 continue
         return out
 

@@ -5,7 +5,15 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from .core import Context, Message, MessageType, WorkflowNode, enter_run, exit_run
+from .core import (
+    Context,
+    Message,
+    MessageType,
+    WorkflowNode,
+    callback_failed,
+    enter_run,
+    exit_run,
+)
 
 
 class Workflow:
@@ -85,6 +93,7 @@ class ConditionalWorkflow(Workflow):
                     if not condition(context):
                         continue
                 except Exception:
+                    callback_failed("a node's condition")
                     continue
             result = node(context)
             if result.message_type == MessageType.ERROR:
@@ -122,6 +131,7 @@ class LoopWorkflow(Workflow):
                 if not self.loop_condition(context):  # type: ignore[misc]
                     break
             except Exception:
+                callback_failed("the loop condition")
                 break
         return _latest(context)
 

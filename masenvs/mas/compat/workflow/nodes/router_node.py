@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-from ..core import Context, Message, WorkflowNode, as_text
+from ..core import Context, Message, WorkflowNode, as_text, callback_failed
 
 
 class RouterNode(WorkflowNode):
@@ -35,6 +35,7 @@ class RouterNode(WorkflowNode):
         try:
             route = self.routing_func(context)
         except Exception:
+            callback_failed(f"router {self.name!r}'s routing function")
             route = self.default_route
         if route not in self.routes:
             route = self.default_route
