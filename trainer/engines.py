@@ -31,7 +31,7 @@ from masenvs.adapters.models import load_tokenizer
 from masenvs.adapters.stack import StackError
 from masenvs.trainer.config import TrainConfig
 from masenvs.trainer.learner import Learner
-from masenvs.trainer.sync import _Server, vllm_servers
+from masenvs.trainer.sync import PolicyServer, vllm_servers
 
 API_KEY_ENV = "MASENVS_ENGINES_API_KEY"  # the key engines given by URL want, if any
 
@@ -120,7 +120,7 @@ def _launcher(
     cfg: TrainConfig,
     learner: Learner,
     run_dir: Path,
-    server: _Server,
+    server: PolicyServer,
     index: int,
     slot: int,
     tokenizer: Any,

@@ -154,7 +154,7 @@ def _prune(folder: Path) -> None:
 
 
 @dataclass
-class _Server:
+class PolicyServer:
     """One vLLM server of a run: the model it serves and the policies routed to it."""
 
     model: str
@@ -163,15 +163,15 @@ class _Server:
     trained: bool = False  # holds one fully fine-tuned policy's weights, so serves only it
 
 
-def vllm_servers(learner: Learner) -> list[_Server]:
+def vllm_servers(learner: Learner) -> list[PolicyServer]:
     """The servers a run needs: one per base model with LoRA (its policies are adapters on
     it); with full fine-tuning one per trained policy (the server's weights are that policy)
     and one per base model that frozen policies share."""
-    servers: dict[str, _Server] = {}
+    servers: dict[str, PolicyServer] = {}
     for name, policy in learner.policies.items():
         own = learner.full and learner.trains(name)
         key = f"policy:{name}" if own else f"base:{policy.base_name}"
-        servers.setdefault(key, _Server(policy.base_name, trained=own)).policies.append(name)
+        servers.setdefault(key, PolicyServer(policy.base_name, trained=own)).policies.append(name)
     return list(servers.values())
 
 
@@ -200,7 +200,7 @@ def vllm_backend(cfg: TrainConfig, learner: Learner, run_dir: Path) -> Backend:
     return _launch_servers(cfg, servers, run_dir)
 
 
-def _describe(servers: list[_Server]) -> str:
+def _describe(servers: list[PolicyServer]) -> str:
     return "; ".join(f"{'+'.join(s.policies)} on {s.model}" for s in servers)
 
 
@@ -211,10 +211,10 @@ def _connect(url: str, timeout: float) -> VLLMBackend:
         raise StackError(f"backend.vllm_url: {exc}") from exc
 
 
-def _assign_urls(servers: list[_Server], urls: dict[str, str]) -> list[_Server]:
+def _assign_urls(servers: list[PolicyServer], urls: dict[str, str]) -> list[PolicyServer]:
     """Each policy's URL: `urls[policy]`, else `urls[its base model]`; policies that share
     a URL share that server."""
-    by_url: dict[str, _Server] = {}
+    by_url: dict[str, PolicyServer] = {}
     for server in servers:
         for policy in server.policies:
             url = urls.get(policy) or urls.get(server.model)
@@ -223,7 +223,7 @@ def _assign_urls(servers: list[_Server], urls: dict[str, str]) -> list[_Server]:
                     f"backend.vllm_url has no server for policy {policy!r} (base model "
                     f"{server.model}); add `{policy}: <url>` to it"
                 )
-            entry = by_url.setdefault(url, _Server(server.model, url=url))
+            entry = by_url.setdefault(url, PolicyServer(server.model, url=url))
             if entry.model != server.model:
                 raise StackError(
                     f"backend.vllm_url sends {entry.policies} ({entry.model}) and {policy!r} "
@@ -241,14 +241,14 @@ def _assign_urls(servers: list[_Server], urls: dict[str, str]) -> list[_Server]:
     return list(by_url.values())
 
 
-def _connect_servers(servers: list[_Server], timeout: float, learner: Learner) -> Backend:
+def _connect_servers(servers: list[PolicyServer], timeout: float, learner: Learner) -> Backend:
     if len(servers) == 1:
         return _connect(servers[0].url or "", timeout)
     backends = [_connect(s.url or "", timeout) for s in servers]
     return _router(servers, backends, learner.full)
 
 
-def _router(servers: list[_Server], backends: list[VLLMBackend], full: bool) -> RouterBackend:
+def _router(servers: list[PolicyServer], backends: list[VLLMBackend], full: bool) -> RouterBackend:
     # Full fine-tuning: a policy is its server's base model (""); LoRA: its adapter there.
     routes = {
         policy: Route(backend, "" if full else policy)
@@ -258,7 +258,7 @@ def _router(servers: list[_Server], backends: list[VLLMBackend], full: bool) -> 
     return RouterBackend(routes)
 
 
-def _launch_servers(cfg: TrainConfig, servers: list[_Server], run_dir: Path) -> Backend:
+def _launch_servers(cfg: TrainConfig, servers: list[PolicyServer], run_dir: Path) -> Backend:
     """Start every server at once (each waits for its own health check), or none."""
     b = cfg.backend
     full = cfg.policy.finetune == "full"
@@ -267,7 +267,7 @@ def _launch_servers(cfg: TrainConfig, servers: list[_Server], run_dir: Path) -> 
         # vLLM's default (0.9 of the GPU) for each would leave the second one nothing.
         extra_args += ["--gpu-memory-utilization", f"{0.9 / len(servers):.2f}"]
 
-    def error(server: _Server, exc: Exception) -> StackError:
+    def error(server: PolicyServer, exc: Exception) -> StackError:
         policies = ", ".join(server.policies)
         return StackError(f"could not start vLLM for {server.model} (policies {policies}): {exc}")
 
@@ -280,7 +280,7 @@ def _launch_servers(cfg: TrainConfig, servers: list[_Server], run_dir: Path) -> 
         except VLLMLaunchError as exc:
             raise error(server, exc) from exc
 
-    def launch(server: _Server) -> VLLMBackend:
+    def launch(server: PolicyServer) -> VLLMBackend:
         name = "vllm" if len(servers) == 1 else f"vllm-{'+'.join(server.policies)}"
         try:
             return VLLMBackend.launch(

@@ -175,12 +175,12 @@ def _checked_graph(graph: Any, call_ids: list[tuple[str, str]]) -> dict[str, Any
     """The design's graph as its process described it (structure, nodes, edges), each node's
     calls taken from the gate's record of the calls it forwarded for `executor@<node>`, never
     from the design's report, which the design could forge."""
-    from masenvs.mas.llm import _node_tag
+    from masenvs.mas.llm import node_tag
 
     if not isinstance(graph, dict) or not isinstance(graph.get("nodes"), list):
         return None
     nodes = [
-        {**n, "calls": [cid for tag, cid in call_ids if tag == _node_tag(n["name"])]}
+        {**n, "calls": [cid for tag, cid in call_ids if tag == node_tag(n["name"])]}
         for n in graph["nodes"]
         if isinstance(n, dict) and isinstance(n.get("name"), str)
     ]

@@ -60,7 +60,7 @@ class LLM:
         # Count before awaiting, so concurrent nodes cannot overrun the budget together.
         record = NodeCall(node, "")
         self.calls.append(record)
-        model = f"{self.model}@{_node_tag(node)}" if self.per_node else self.model
+        model = f"{self.model}@{node_tag(node)}" if self.per_node else self.model
         response = await self.client.chat.completions.create(
             model=model, messages=messages, **options
         )
@@ -121,7 +121,7 @@ def _observation(reply: Any) -> str:
     return f"Error: the Python tool is not available: {message}"
 
 
-def _node_tag(node: str) -> str:
+def node_tag(node: str) -> str:
     """A node name as the step part of a model name: [A-Za-z0-9_.:-], at most 64 characters."""
     return re.sub(r"[^A-Za-z0-9_.:-]", "_", node)[:64] or "node"
 
