@@ -335,7 +335,7 @@ def rollout_policy_map(args: argparse.Namespace, spec: Any, env_config: dict[str
 
 def main(argv: list[str]) -> int:
     from masenvs.adapters.stack import StackError, engine_options, parse_pairs, start_stack
-    from masenvs.cli import parse_overrides
+    from masenvs.overrides import parse_overrides
 
     args = build_parser().parse_args(argv)
     console = Console()

@@ -8,15 +8,15 @@ import importlib
 import os
 import sys
 from collections.abc import Callable
-from typing import Any, TextIO
+from typing import TextIO
 
-import yaml
 from rich.console import Console
 from rich.markup import escape
 from rich.panel import Panel
 from rich.table import Table
 from rich.text import Text
 
+from masenvs.overrides import parse_overrides
 from masenvs.registry import env_class, list_envs, make
 
 # command -> "module:function" taking argv and returning an exit code.
@@ -44,17 +44,6 @@ COMMANDS: dict[str, tuple[str, str]] = {
 }
 
 END_OF_ACTION = "."
-
-
-def parse_overrides(pairs: list[str]) -> dict[str, Any]:
-    """`key=value` pairs; values are read as YAML, so `size=9` is an int and `x=true` a bool."""
-    config: dict[str, Any] = {}
-    for pair in pairs:
-        key, sep, value = pair.partition("=")
-        if not sep or not key:
-            raise SystemExit(f"--set expects key=value, got {pair!r}")
-        config[key.strip()] = yaml.safe_load(value)
-    return config
 
 
 def cmd_list(args: argparse.Namespace, console: Console) -> int:

@@ -6,10 +6,7 @@ silently ignored setting). `load_config("run.yaml", ["optim.lr=1e-5"])` is the e
 
 from __future__ import annotations
 
-import difflib
 import math
-import types
-import typing
 from pathlib import Path
 from typing import Any, Literal
 
@@ -17,10 +14,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from masenvs.adapters.frameworks.workflow import WorkflowSpec
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot be used; the message names the field and the fix."""
+from masenvs.overrides import ConfigError, apply_override, explain
 
 
 class _Section(BaseModel):
@@ -648,11 +642,11 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
             raise ConfigError(f"config file {path} must hold a mapping of sections")
         data = loaded or {}
     for item in overrides or []:
-        _apply_override(data, item)
+        apply_override(data, item, TrainConfig)
     try:
         config = TrainConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(_explain(exc, source)) from None
+        raise ConfigError(explain(exc, source, TrainConfig)) from None
     check_env(config, source)
     return config
 
@@ -678,81 +672,3 @@ def save_config(config: TrainConfig, path: str | Path) -> None:
 
 def config_yaml(config: TrainConfig) -> str:
     return yaml.safe_dump(config.model_dump(mode="json"), sort_keys=False)
-
-
-def _apply_override(data: dict[str, Any], item: str) -> None:
-    key, sep, raw = item.partition("=")
-    if not sep or not key.strip():
-        raise ConfigError(f"override {item!r} must look like section.field=value")
-    try:
-        value = yaml.safe_load(raw)
-    except yaml.YAMLError:
-        value = raw  # a value YAML cannot parse is taken as a plain string
-    parts = key.strip().split(".")
-    _check_sections(parts, item)
-    node = data
-    for depth, part in enumerate(parts[:-1]):
-        if node.get(part) is None:  # absent, or an optional section left empty (`workflow:`)
-            node[part] = {}
-        child = node[part]
-        if not isinstance(child, dict):
-            where = ".".join(parts[: depth + 1])
-            raise ConfigError(f"override {item!r}: {where} is a value, not a section")
-        node = child
-    node[parts[-1]] = value
-
-
-def _check_sections(parts: list[str], item: str) -> None:
-    """Every dotted prefix of an override must be a section (or a dict-valued field)."""
-    section: type[BaseModel] | None = TrainConfig
-    for depth, part in enumerate(parts[:-1]):
-        if section is None:  # inside a free-form dict such as env.options
-            return
-        field = section.model_fields.get(part)
-        if field is None:
-            return  # unknown name: validation reports it with a suggestion
-        annotation = _section_type(field.annotation)
-        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
-            section = annotation
-        elif getattr(annotation, "__origin__", None) is dict:
-            section = None
-        else:
-            where = ".".join(parts[: depth + 1])
-            raise ConfigError(f"override {item!r}: {where} is a value, not a section")
-
-
-def _section_type(annotation: Any) -> Any:
-    """`X | None` -> X: an optional section (`workflow`) takes overrides like any other."""
-    members = [a for a in typing.get_args(annotation) if a is not type(None)]
-    if isinstance(annotation, types.UnionType) or typing.get_origin(annotation) is typing.Union:
-        return members[0] if len(members) == 1 else annotation
-    return annotation
-
-
-def _explain(exc: ValidationError, source: str) -> str:
-    if len(exc.errors()) == 1:  # the usual case, in one line
-        return _explain_all(exc, source).replace(":\n  ", ": ", 1)
-    return _explain_all(exc, source)
-
-
-def _explain_all(exc: ValidationError, source: str) -> str:
-    lines = [f"invalid config ({source}):"]
-    for err in exc.errors():
-        where = ".".join(str(p) for p in err["loc"]) or "(top level)"
-        message = err["msg"]
-        if err["type"] == "extra_forbidden":
-            message = "unknown field" + _did_you_mean(err["loc"])
-        lines.append(f"  {where}: {message}")
-    return "\n".join(lines)
-
-
-def _did_you_mean(loc: tuple[Any, ...]) -> str:
-    section: type[BaseModel] = TrainConfig
-    for part in loc[:-1]:
-        field = section.model_fields.get(str(part))
-        annotation = _section_type(field.annotation) if field else None
-        if not (isinstance(annotation, type) and issubclass(annotation, BaseModel)):
-            return ""
-        section = annotation
-    close = difflib.get_close_matches(str(loc[-1]), list(section.model_fields), n=1)
-    return f" (did you mean {close[0]!r}?)" if close else ""

@@ -411,7 +411,7 @@ def main(argv: list[str]) -> int:
 
 def _main(args: argparse.Namespace, console: Console) -> int:
     from masenvs.adapters.stack import StackError
-    from masenvs.cli import parse_overrides
+    from masenvs.overrides import parse_overrides
 
     checkpoints = [_checkpoint(p) for p in args.checkpoint]
     first = checkpoints[0].config if checkpoints else None
