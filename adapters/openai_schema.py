@@ -16,7 +16,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
-from masenvs.adapters.backends.base import Completion, GenerateRequest, SamplingParams
+from masenvs.engine.protocol import Completion, GenerateRequest, SamplingParams
 
 MAX_STOPS = 64  # stop sequences in one request (OpenAI allows 4)
 MAX_STOP_CHARS = 1024  # characters of one stop sequence

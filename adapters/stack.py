@@ -8,9 +8,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from masenvs.adapters.backends.base import Backend, BackendError
 from masenvs.adapters.endpoint import Endpoint, EndpointServer, create_app
 from masenvs.adapters.policy_map import PolicyMap
+from masenvs.engine.protocol import Backend, BackendError
 from masenvs.registry import env_class
 from masenvs.traces import TraceStore
 
@@ -126,8 +126,8 @@ def make_backend(
         return VLLMBackend(vllm_url)
     if backend != "embedded":
         raise StackError(f"unknown backend {backend!r}: use 'embedded' or 'vllm'")
-    from masenvs.adapters.backends.embedded import EmbeddedBackend
-    from masenvs.adapters.models import ModelLoadError
+    from masenvs.engine.engine import EmbeddedBackend
+    from masenvs.engine.loading import ModelLoadError
 
     try:
         return EmbeddedBackend.from_spec(model, **engine)

@@ -28,11 +28,11 @@ import openai
 from rich.console import Console
 from rich.table import Table
 
-from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
-from masenvs.adapters.backends.embedded import EmbeddedBackend
 from masenvs.adapters.endpoint import EndpointServer, create_app
 from masenvs.adapters.frameworks import Clients, ClientSettings, rollout_url
 from masenvs.adapters.policy import Sampling
+from masenvs.engine.engine import EmbeddedBackend
+from masenvs.engine.protocol import GenerateRequest, SamplingParams
 from masenvs.traces import TraceStore
 
 QUESTION = [{"role": "user", "content": "What is the capital of France? Answer in one word."}]

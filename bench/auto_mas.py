@@ -34,7 +34,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from endpoint import InstantBackend  # noqa: E402
 
 from masenvs.adapters.endpoint import EndpointServer, create_app  # noqa: E402
-from masenvs.adapters.models import load_tokenizer  # noqa: E402
+from masenvs.engine.loading import load_tokenizer  # noqa: E402
 from masenvs.mas.design import DesignRunner  # noqa: E402
 from masenvs.traces import TraceStore  # noqa: E402
 
@@ -98,7 +98,7 @@ def bench(name: str, args: argparse.Namespace, console: Console) -> list[list[st
         backend = InstantBackend(load_tokenizer("tiny"))
         routes = {"executor": "base"}
     else:
-        from masenvs.adapters.backends.embedded import EmbeddedBackend
+        from masenvs.engine.engine import EmbeddedBackend
 
         backend = EmbeddedBackend.from_spec("tiny", max_batch_size=32)
         routes = {"executor": "base"}

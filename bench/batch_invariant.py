@@ -31,9 +31,9 @@ WAYS = ("all at once", "one at a time", "reversed", "waves of 5")
 def _measure(invariant: bool, model: str, tasks: int, repeats: int, pipe) -> None:
     try:
         import masenvs
-        from masenvs.adapters.backends import cpu_kernels
-        from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
-        from masenvs.adapters.backends.embedded import EmbeddedBackend
+        from masenvs.engine import kernels as cpu_kernels
+        from masenvs.engine.engine import EmbeddedBackend
+        from masenvs.engine.protocol import GenerateRequest, SamplingParams
 
         env = masenvs.make(
             "plan_path", size=4, obstacle_ratio=0.1, tool_task="propose", show_offset=True

@@ -26,7 +26,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from masenvs.adapters.backends import cpu_kernels
+from masenvs.engine import kernels as cpu_kernels
 
 # (name, out_features, in_features) of SmolLM2-135M's matmuls, q/k/v and gate/up fused.
 SHAPES = [

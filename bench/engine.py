@@ -37,10 +37,10 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
-from masenvs.adapters.backends import cpu_kernels
-from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
-from masenvs.adapters.backends.embedded import EmbeddedBackend
-from masenvs.adapters.models import load_model
+from masenvs.engine import kernels as cpu_kernels
+from masenvs.engine.engine import EmbeddedBackend
+from masenvs.engine.loading import load_model
+from masenvs.engine.protocol import GenerateRequest, SamplingParams
 
 # Environment that makes this CPU behave as one with AVX2 and FMA but no AVX-512, for
 # torch as for the engine; it must be set before torch is imported (the workers are

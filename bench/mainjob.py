@@ -89,7 +89,7 @@ def quickstart_batch(step: int, cfg: Any) -> list[Sample]:
 
 def decode_batch(cfg: Any, learner: Learner) -> Any:
     """The engine the run would start, after one validation-sized batch (32 greedy calls)."""
-    from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
+    from masenvs.engine.protocol import GenerateRequest, SamplingParams
     from masenvs.trainer.serving import training_backend
 
     backend = training_backend(

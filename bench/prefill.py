@@ -81,9 +81,9 @@ def _scenarios(tasks: int) -> dict[str, tuple[list, list]]:
 
 def _measure(model: str, tasks: int, repeats: int, pipe) -> None:
     try:
-        from masenvs.adapters.backends import cpu_kernels
-        from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
-        from masenvs.adapters.backends.embedded import EmbeddedBackend
+        from masenvs.engine import kernels as cpu_kernels
+        from masenvs.engine.engine import EmbeddedBackend
+        from masenvs.engine.protocol import GenerateRequest, SamplingParams
 
         engine = EmbeddedBackend.from_spec(model)
         default = engine.forward.prefill_attention

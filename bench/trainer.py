@@ -67,7 +67,7 @@ def matmul_peak(n: int = 2048, repeats: int = 5) -> float:
 
 def load_base(name: str) -> tuple[Any, Any]:
     """(model, tokenizer): via masenvs' model loader, or a same-shaped random SmolLM2."""
-    from masenvs.adapters.models import load_model, load_tokenizer
+    from masenvs.engine.loading import load_model, load_tokenizer
 
     try:
         loaded = load_model(name)

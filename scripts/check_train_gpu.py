@@ -112,7 +112,7 @@ def random_model(name: str, out: Path, device: str) -> Path:
     import torch
     from transformers import AutoModelForCausalLM, Qwen3Config
 
-    from masenvs.adapters.models import load_tokenizer
+    from masenvs.engine.loading import load_tokenizer
 
     tokenizer = load_tokenizer("tiny")
     config = Qwen3Config(
@@ -139,7 +139,7 @@ def resolve_model(spec: str) -> Path:
             raise CheckError(f"{path} has no config.json; pass a Hugging Face model directory.")
         return path
     if spec in ("tiny", "smollm2-135m"):  # masenvs's own models, built into its cache
-        from masenvs.adapters.models import cache_dir, load_tokenizer
+        from masenvs.engine.loading import cache_dir, load_tokenizer
 
         load_tokenizer(spec)
         return cache_dir() / spec

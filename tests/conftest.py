@@ -10,8 +10,8 @@ from typing import Any
 import pytest
 import torch
 
-from masenvs.adapters.backends import cpu_kernels
-from masenvs.adapters.models import load_model
+from masenvs.engine import kernels as cpu_kernels
+from masenvs.engine.loading import load_model
 
 
 @pytest.fixture(scope="module")

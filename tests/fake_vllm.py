@@ -25,14 +25,14 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route, Router
 
-from masenvs.adapters.backends.base import (
+from masenvs.engine.engine import EmbeddedBackend
+from masenvs.engine.protocol import (
     BackendError,
     Completion,
     GenerateRequest,
     Generation,
     SamplingParams,
 )
-from masenvs.adapters.backends.embedded import EmbeddedBackend
 
 
 def _error(status: int, message: str, kind: str = "BadRequestError") -> JSONResponse:
@@ -474,7 +474,7 @@ def main(argv: list[str]) -> int:
     """`fake_vllm.py serve MODEL --host H --port P [--enable-lora ...]`, like `vllm serve`."""
     import uvicorn
 
-    from masenvs.adapters.models import load_model
+    from masenvs.engine.loading import load_model
 
     parser = argparse.ArgumentParser(prog="vllm")
     parser.add_argument("command", choices=["serve"])

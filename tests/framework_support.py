@@ -21,9 +21,9 @@ from typing import Any
 
 import torch
 
-from masenvs.adapters.backends.embedded import EmbeddedBackend
 from masenvs.adapters.endpoint import Endpoint, EndpointServer, create_app
-from masenvs.adapters.models import cache_dir, load_model
+from masenvs.engine.engine import EmbeddedBackend
+from masenvs.engine.loading import cache_dir, load_model
 from masenvs.traces import TraceStore
 
 

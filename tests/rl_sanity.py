@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from masenvs.adapters.models import load_model
+from masenvs.engine.loading import load_model
 from masenvs.trainer.config import load_config
 from masenvs.trainer.metrics import read_metrics
 from masenvs.trainer.train import train

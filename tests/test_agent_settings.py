@@ -12,8 +12,8 @@ import pytest
 import torch
 
 from masenvs.adapters.frameworks.clients import ClientSettings, chat_openai
-from masenvs.adapters.models import load_model
 from masenvs.adapters.policy import Sampling
+from masenvs.engine.loading import load_model
 from masenvs.traces import TraceStore
 from masenvs.trainer.config import ConfigError, TrainConfig, load_config
 from masenvs.trainer.learner import Learner

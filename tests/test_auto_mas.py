@@ -12,7 +12,7 @@ import pytest
 from framework_support import serve
 
 import masenvs
-from masenvs.adapters.backends.embedded import EmbeddedBackend
+from masenvs.engine.engine import EmbeddedBackend
 from masenvs.mas.cli import main as mas_graph
 from masenvs.trainer.captured import captured_samples
 from masenvs.trainer.config import ScheduleConfig, load_config

@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from masenvs.adapters.models import load_model
+from masenvs.engine.loading import load_model
 from masenvs.trainer import checkpoint as ckpt
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.checkpoint import TrainState, list_checkpoints, load_latest, save_checkpoint
@@ -189,7 +189,7 @@ KILLED_WRITER = textwrap.dedent(
     """
     import copy, os, signal, sys
     from safetensors.torch import save_file
-    from masenvs.adapters.models import load_model
+    from masenvs.engine.loading import load_model
     from masenvs.trainer import checkpoint as ckpt
     from masenvs.trainer.config import load_config
     from masenvs.trainer.learner import Learner

@@ -104,7 +104,7 @@ def test_serve_with_a_missing_adapter_exits_cleanly() -> None:
 
 def test_a_script_that_never_shuts_its_engine_down_exits_cleanly() -> None:
     code = (
-        "from masenvs.adapters.backends.embedded import EmbeddedBackend\n"
+        "from masenvs.engine.engine import EmbeddedBackend\n"
         "engine = EmbeddedBackend.from_spec('tiny')\n"
         "print('done')\n"
     )

@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_models import decode_after, on_4bit_grid, small_model
 
-from masenvs.adapters.backends import cpu_kernels
 from masenvs.adapters.backends.llama import LlamaForward
+from masenvs.engine import kernels as cpu_kernels
 
 # Skipped only where the kernels cannot exist; where they can, failing to build them fails.
 needs_kernels = pytest.mark.skipif(
@@ -47,7 +47,7 @@ def test_kernels_build_once_and_share_torchs_openmp_runtime(
     tmp_path: Path, monkeypatch, kernels: str
 ) -> None:
     assert cpu_kernels.enabled()
-    from masenvs.adapters.backends.omp import runtime_path
+    from masenvs.engine.omp import runtime_path
 
     monkeypatch.setenv("MASENVS_CACHE", str(tmp_path))
     kernel_set = cpu_kernels.KERNEL_SETS[kernels]
@@ -402,7 +402,7 @@ def test_cpus_without_a_kernel_set_run_the_torch_paths(monkeypatch, machine, fla
 
 @needs_kernels
 def test_engine_runs_bfloat16_where_any_kernel_set_runs(monkeypatch) -> None:
-    from masenvs.adapters import models
+    from masenvs.engine import loading as models
 
     monkeypatch.setattr(models, "cpu_has_native_bf16", lambda: False)  # an AVX2-only CPU
     monkeypatch.setenv("MASENVS_CPU_KERNELS", "avx2")

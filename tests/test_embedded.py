@@ -10,7 +10,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from masenvs.adapters.backends.base import (
+from masenvs.engine.engine import EmbeddedBackend
+from masenvs.engine.loading import load_model
+from masenvs.engine.protocol import (
     Backend,
     BackendError,
     GenerateRequest,
@@ -18,8 +20,6 @@ from masenvs.adapters.backends.base import (
     SamplingParams,
     StreamDelta,
 )
-from masenvs.adapters.backends.embedded import EmbeddedBackend
-from masenvs.adapters.models import load_model
 
 CHAT = [{"role": "user", "content": "Name three colours."}]
 
@@ -408,7 +408,7 @@ def test_next_turn_reuses_the_cached_conversation(backend: EmbeddedBackend) -> N
     ("temperature", "top_k", "top_p"), [(1.0, 0, 1.0), (0.5, 0, 1.0), (1.0, 3, 1.0), (1.0, 0, 0.6)]
 )
 def test_sampler_draws_from_the_requested_distribution(temperature, top_k, top_p) -> None:
-    from masenvs.adapters.backends.sampling import RowSampling, sample
+    from masenvs.engine.sampling import RowSampling, sample
 
     vocab = 1000  # not a multiple of the sampler's 256-token blocks
     logits = torch.full((vocab,), -float("inf"))
@@ -482,7 +482,7 @@ def test_bfloat16_int8_engine_samples_the_same_policy_closely() -> None:
 
 
 def test_thread_local_thread_count_leaves_other_threads_alone() -> None:
-    from masenvs.adapters.backends.omp import set_thread_local_threads
+    from masenvs.engine.omp import set_thread_local_threads
 
     before = torch.get_num_threads()
     seen: list[tuple[bool, int]] = []
@@ -501,7 +501,7 @@ def test_thread_local_thread_count_leaves_other_threads_alone() -> None:
 
 
 def test_loading_off_thread_returns_or_raises_like_a_call() -> None:
-    from masenvs.adapters.backends.omp import run_off_thread, wakeups_are_costly
+    from masenvs.engine.omp import run_off_thread, wakeups_are_costly
 
     caller = threading.get_ident()
     assert run_off_thread(threading.get_ident) != caller

@@ -18,12 +18,12 @@ import openai
 import pytest
 import torch
 
-from masenvs.adapters.backends.base import GenerateRequest, Generation
-from masenvs.adapters.backends.embedded import EmbeddedBackend
 from masenvs.adapters.endpoint import EndpointServer, create_app
-from masenvs.adapters.models import load_model
 from masenvs.adapters.policy_map import PolicyMap
 from masenvs.adapters.tool_parsers import HermesToolParser, MistralToolParser, tool_parser_for
+from masenvs.engine.engine import EmbeddedBackend
+from masenvs.engine.loading import load_model
+from masenvs.engine.protocol import GenerateRequest, Generation
 from masenvs.traces import CallRecord, TraceStore
 
 HELLO = [{"role": "user", "content": "Say hello."}]
@@ -281,7 +281,7 @@ def test_policy_map_routes_agents_to_their_adapters(serve, backend, adapters) ->
 
 
 def _greedy(max_tokens: int):
-    from masenvs.adapters.backends.base import SamplingParams
+    from masenvs.engine.protocol import SamplingParams
 
     return SamplingParams(max_tokens=max_tokens, temperature=0.0)
 
@@ -479,7 +479,7 @@ class ScriptedToolCall:
         return generation
 
     async def stream(self, request: GenerateRequest):
-        from masenvs.adapters.backends.base import StreamDelta
+        from masenvs.engine.protocol import StreamDelta
 
         generation = await self.generate(request)
         ids = generation.completions[0].token_ids
@@ -568,7 +568,7 @@ def test_tool_parser_registry_follows_the_template() -> None:
 
 
 def load_model_template() -> str:
-    from masenvs.adapters.models import load_tokenizer
+    from masenvs.engine.loading import load_tokenizer
 
     return load_tokenizer("tiny").chat_template
 

@@ -16,12 +16,12 @@ import pytest
 import torch
 from tiny_runs import plan_path_run
 
-from masenvs.adapters.backends.base import BackendError, GenerateRequest, SamplingParams
 from masenvs.adapters.backends.pool import EnginePool
 from masenvs.adapters.backends.vllm import VLLMBackend
 from masenvs.adapters.engine_server import launch_engine_server
-from masenvs.adapters.models import load_model, load_tokenizer
 from masenvs.adapters.stack import Stack, start_stack
+from masenvs.engine.loading import load_model, load_tokenizer
+from masenvs.engine.protocol import BackendError, GenerateRequest, SamplingParams
 from masenvs.traces import TraceStore
 
 ENGINE = {"dtype": "float32", "quantize": "none", "max_batch_size": 8, "threads": 1}

@@ -12,9 +12,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from masenvs.adapters.backends.embedded import EmbeddedBackend
 from masenvs.adapters.endpoint import EndpointServer, create_app
-from masenvs.adapters.models import load_model
+from masenvs.engine.engine import EmbeddedBackend
+from masenvs.engine.loading import load_model
 from masenvs.registry import make
 from masenvs.tasks.loaders import write_jsonl
 from masenvs.tasks.records import MathTask

@@ -15,9 +15,9 @@ from collections.abc import Iterator
 import pytest
 from framework_support import FINAL_ANSWER, serve, tool_model_dir
 
-from masenvs.adapters.backends.embedded import EmbeddedBackend
 from masenvs.adapters.frameworks import Clients, ClientSettings, RunLimits, rollout_url, run_program
 from masenvs.adapters.policy import Sampling
+from masenvs.engine.engine import EmbeddedBackend
 
 QUESTION = [{"role": "user", "content": "What is 2 + 3?"}]
 GREEDY = ClientSettings(sampling=Sampling(temperature=0.0, max_tokens=48))

@@ -21,7 +21,6 @@ from pathlib import Path
 import pytest
 from framework_support import random_lora, serve
 
-from masenvs.adapters.backends.embedded import EmbeddedBackend
 from masenvs.adapters.frameworks import Clients, ClientSettings, WorkflowSpec, load_factory
 from masenvs.adapters.frameworks.calls import read_calls
 from masenvs.adapters.frameworks.clients import rollout_url
@@ -29,6 +28,7 @@ from masenvs.adapters.frameworks.langgraph import answer_text
 from masenvs.adapters.frameworks.workflow import run_tasks, run_workflow
 from masenvs.adapters.policy import Sampling, server_root
 from masenvs.adapters.rollout import main as rollout_main
+from masenvs.engine.engine import EmbeddedBackend
 from masenvs.registry import make
 from masenvs.traces import TraceStore
 from masenvs.trainer.samples import workflow_group

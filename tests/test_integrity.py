@@ -406,7 +406,7 @@ async def solve(messages):
 def test_the_gate_samples_as_the_env_says_whatever_the_design_asks(tmp_path: Path) -> None:
     from framework_support import serve
 
-    from masenvs.adapters.backends.embedded import EmbeddedBackend
+    from masenvs.engine.engine import EmbeddedBackend
     from masenvs.mas.design import DesignRunner
     from masenvs.mas.gate import Gate
 

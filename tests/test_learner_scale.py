@@ -12,7 +12,7 @@ import torch
 from safetensors import safe_open
 from test_learner import VOCAB, config
 
-from masenvs.adapters.models import cache_dir
+from masenvs.engine.loading import cache_dir
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.learner import Learner, prompt_units, unit_length
 from masenvs.trainer.samples import Sample, tree_group

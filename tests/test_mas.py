@@ -14,7 +14,7 @@ import pytest
 from framework_support import serve
 
 from masenvs import mas
-from masenvs.adapters.backends.embedded import EmbeddedBackend
+from masenvs.engine.engine import EmbeddedBackend
 from masenvs.mas.design import DesignRunner, extract_design
 from masenvs.mas.gate import Gate
 

@@ -16,9 +16,9 @@ from framework_support import serve
 
 import masenvs
 from masenvs import mas
-from masenvs.adapters.backends.base import Completion, GenerateRequest, Generation, StreamDelta
-from masenvs.adapters.backends.embedded import EmbeddedBackend
-from masenvs.adapters.models import load_model
+from masenvs.engine.engine import EmbeddedBackend
+from masenvs.engine.loading import load_model
+from masenvs.engine.protocol import Completion, GenerateRequest, Generation, StreamDelta
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH = {"id": "six-times-seven", "question": "What is 6 * 7?", "answer": "42"}

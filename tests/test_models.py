@@ -18,10 +18,10 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from masenvs.adapters.backends import cpu_kernels
-from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
 from masenvs.adapters.backends.llama import LlamaForward, Prefill
-from masenvs.adapters.models import ModelLoadError, cache_dir, load_model
+from masenvs.engine import kernels as cpu_kernels
+from masenvs.engine.loading import ModelLoadError, cache_dir, load_model
+from masenvs.engine.protocol import GenerateRequest, SamplingParams
 
 
 def test_tiny_model_is_cached_deterministic_and_chat_ready() -> None:
@@ -179,7 +179,7 @@ def test_unsupported_architecture_is_named() -> None:
 
 @pytest.mark.slow
 def test_smollm2_answers_coherently() -> None:
-    from masenvs.adapters.backends.embedded import EmbeddedBackend
+    from masenvs.engine.engine import EmbeddedBackend
 
     backend = EmbeddedBackend.from_spec("smollm2-135m", dtype="float32")
     request = GenerateRequest(
@@ -304,7 +304,7 @@ def test_quantize_errors_name_the_fix() -> None:
 
 
 def test_engine_dtype_follows_the_cpu_flags(monkeypatch) -> None:
-    from masenvs.adapters import models
+    from masenvs.engine import loading as models
 
     assert models.cpu_has_native_bf16("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16\n")
     assert models.cpu_has_native_bf16("Features\t: fp asimd bf16 i8mm\n")  # Arm

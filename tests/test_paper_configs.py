@@ -121,7 +121,7 @@ def test_paper_config_trains_two_tiny_steps(path: Path, tmp_path: Path) -> None:
             assert (checkpoint / "adapters" / policy / "adapter_model.safetensors").is_file()
     else:
         # Full fine-tuning saves whole models, one per policy, not adapters.
-        from masenvs.adapters.models import load_model
+        from masenvs.engine.loading import load_model
 
         model_params = sum(p.numel() for p in load_model("tiny").model.parameters())
         stored = 0

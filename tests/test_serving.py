@@ -11,10 +11,10 @@ import pytest
 import torch
 from tiny_runs import plan_path_run
 
-from masenvs.adapters.backends.base import BackendError, GenerateRequest, SamplingParams
-from masenvs.adapters.backends.embedded import EmbeddedBackend
 from masenvs.adapters.backends.router import Route, RouterBackend
-from masenvs.adapters.models import TINY_CONFIG, load_model, load_tokenizer
+from masenvs.engine.engine import EmbeddedBackend
+from masenvs.engine.loading import TINY_CONFIG, load_model, load_tokenizer
+from masenvs.engine.protocol import BackendError, GenerateRequest, SamplingParams
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import TrainConfig, load_config
 from masenvs.trainer.learner import Learner

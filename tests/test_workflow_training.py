@@ -70,7 +70,7 @@ def test_adapters_name_their_real_base_so_peft_loads_them_elsewhere(
 ) -> None:
     from peft import AutoPeftModelForCausalLM
 
-    from masenvs.adapters.models import model_reference
+    from masenvs.engine.loading import model_reference
     from masenvs.trainer.learner import Learner
 
     cfg = load_config(None, ["model.name=tiny", "lora.rank=4", "lora.alpha=8"])
@@ -294,7 +294,7 @@ STEPS = [
 def backend() -> Any:
     from framework_support import random_lora
 
-    from masenvs.adapters.backends.embedded import EmbeddedBackend
+    from masenvs.engine.engine import EmbeddedBackend
 
     engine = EmbeddedBackend.from_spec("tiny", max_batch_size=16, max_model_len=1024)
     for seed, name in enumerate(("lora_a", "lora_b"), start=1):

@@ -9,8 +9,8 @@ from rich.console import Console
 from rich.logging import RichHandler
 from rich.markup import escape
 
-from masenvs.adapters.backends.base import BackendError
 from masenvs.adapters.stack import StackError
+from masenvs.engine.protocol import BackendError
 from masenvs.trainer.checkpoint import list_checkpoints
 from masenvs.trainer.config import ConfigError, load_config
 
@@ -61,7 +61,7 @@ def main(argv: list[str]) -> int:
             console.print(f"[red]{escape(str(exc))}[/red]")
             return 2
 
-    from masenvs.adapters.models import ModelLoadError
+    from masenvs.engine.loading import ModelLoadError
     from masenvs.trainer.train import train  # loads torch; keep --help and config errors fast
     from masenvs.trainer.workflow import TooManyFailures
 

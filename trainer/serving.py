@@ -13,9 +13,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from masenvs.adapters.backends.base import Backend
 from masenvs.adapters.backends.router import Route, RouterBackend
 from masenvs.adapters.stack import make_backend
+from masenvs.engine.protocol import Backend
 from masenvs.trainer.learner import Learner
 
 

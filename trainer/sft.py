@@ -157,7 +157,7 @@ def sft(
     log: Any = print,
 ) -> SFTResult:
     """Fine-tune the run's policies on `data` and write them as checkpoint 0 of `cfg.run_dir`."""
-    from masenvs.adapters.models import load_tokenizer
+    from masenvs.engine.loading import load_tokenizer
     from masenvs.registry import make
     from masenvs.trainer.checkpoint import TrainState, list_checkpoints, save_checkpoint
     from masenvs.trainer.config import save_config

@@ -24,11 +24,11 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from masenvs.adapters.backends.base import honours_seed
 from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.policy_map import PolicyMap
 from masenvs.adapters.rollout import EpisodeResult, episode_record, run_episodes
 from masenvs.adapters.stack import Stack, start_stack, with_endpoint
+from masenvs.engine.protocol import honours_seed
 from masenvs.env import MASEnv
 from masenvs.listeners import API_KEY_ENV, announce, listener_key
 from masenvs.memory import tune_allocator

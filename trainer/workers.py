@@ -23,10 +23,10 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
-from masenvs.adapters.backends.base import honours_seed
 from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.rollout import EpisodeResult, run_episodes
 from masenvs.adapters.stack import with_endpoint
+from masenvs.engine.protocol import honours_seed
 from masenvs.registry import make
 from masenvs.traces import EpisodeRecord
 from masenvs.trainer.config import DistributedConfig, TrainConfig

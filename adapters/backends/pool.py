@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal
 
-from masenvs.adapters.backends.base import (
+from masenvs.engine.protocol import (
     Backend,
     BackendError,
     GenerateRequest,

@@ -18,7 +18,7 @@ from typing import Any
 
 from torch import Tensor
 
-from masenvs.adapters.backends.base import (
+from masenvs.engine.protocol import (
     Backend,
     BackendError,
     GenerateRequest,

@@ -26,16 +26,8 @@ import numpy as np
 import torch
 from torch import Tensor
 
-from masenvs.adapters.backends import cpu_kernels
-from masenvs.adapters.backends.base import (
-    BackendError,
-    Completion,
-    GenerateRequest,
-    Generation,
-    SamplingParams,
-    StreamDelta,
-)
-from masenvs.adapters.backends.llama import (
+from masenvs.engine import kernels
+from masenvs.engine.forward import (
     LlamaForward,
     LoraAdapter,
     LoraRows,
@@ -43,13 +35,21 @@ from masenvs.adapters.backends.llama import (
     lora_from_state_dict,
     lora_scale,
 )
-from masenvs.adapters.backends.omp import (
+from masenvs.engine.loading import LoadedModel, engine_dtype, load_model
+from masenvs.engine.omp import (
     run_off_thread,
     set_thread_local_threads,
     wakeups_are_costly,
 )
-from masenvs.adapters.backends.sampling import RowSampling, sample
-from masenvs.adapters.models import LoadedModel, engine_dtype, load_model
+from masenvs.engine.protocol import (
+    BackendError,
+    Completion,
+    GenerateRequest,
+    Generation,
+    SamplingParams,
+    StreamDelta,
+)
+from masenvs.engine.sampling import RowSampling, sample
 
 BASE_NAMES = ("", "base")
 MAX_TOP_LOGPROBS = 20
@@ -751,7 +751,7 @@ class EmbeddedBackend:
 
     def _accept(self, sequences: list[_Sequence], logits: Tensor) -> None:
         """Record the sampled tokens, stream them, and retire finished sequences."""
-        totals = cpu_kernels.logsumexp(logits) if self.forward.batch_invariant else None
+        totals = kernels.logsumexp(logits) if self.forward.batch_invariant else None
         drawn = sample(logits, [seq.sampling for seq in sequences], totals)
         for row, seq in enumerate(sequences):
             job = seq.request

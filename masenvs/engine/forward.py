@@ -19,13 +19,13 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from masenvs.adapters.backends import cpu_kernels
+from masenvs.engine import kernels
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
 # Weight-only quantization of the decode steps' matmuls (CPU, bfloat16 activations):
 #   "auto": int4 for the matrices whose weights already are 4-bit (a GGUF Q4_1 file such
 #           as SmolLM2's: 16 levels per group of 32); with the native kernels
-#           (cpu_kernels), also int8 for those already 8-bit (Q8_0: SmolLM2's LM head).
+#           (kernels), also int8 for those already 8-bit (Q8_0: SmolLM2's LM head).
 #           Exact up to the rounding of each group's scale; other matrices stay dense,
 #           except with the AVX2 kernels, where they go to 8 bits per group of 32 (as
 #           Q8_0 stores them: bfloat16 matmuls are emulated on those CPUs).
@@ -37,7 +37,7 @@ INT4_GROUP = 32
 # Matmuls over more rows than this (larger decode batches, most prefills) read the dense
 # weights: there the weight-only kernels, which dequantize per block of rows, cost more
 # than the memory they save. torch's cross over at ~16 rows, the native AVX-512 ones
-# (cpu_kernels) at ~128 (bench/cpu_kernels.py); the AVX2 ones serve every size (`_Packed`).
+# (kernels) at ~128 (bench/cpu_kernels.py); the AVX2 ones serve every size (`_Packed`).
 QUANTIZED_MAX_ROWS = {"int8": 16, "int4": 16, "int4-native": 64, "int8-native": 64}
 _LORA_KEY = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
@@ -125,23 +125,23 @@ class _Packed:
     """A weight-only quantized copy of a [out, in] matrix and the kernel that reads it."""
 
     # "int8": torch's, one scale per output row; "int4": torch's, bfloat16 scale and zero
-    # per INT4_GROUP inputs; "int4-native" / "int8-native": cpu_kernels.matmul, a float16
+    # per INT4_GROUP inputs; "int4-native" / "int8-native": kernels.matmul, a float16
     # scale (and minimum) per group.
     kernel: str
-    weight: Tensor | cpu_kernels.LowBitWeights
+    weight: Tensor | kernels.LowBitWeights
     scales: Tensor | None = None
     max_rows: int = 0  # set from the kernel: see QUANTIZED_MAX_ROWS
 
     def __post_init__(self) -> None:
         self.max_rows = QUANTIZED_MAX_ROWS[self.kernel]
-        if self.kernel.endswith("-native") and cpu_kernels.kernel_set() == "avx2":
+        if self.kernel.endswith("-native") and kernels.kernel_set() == "avx2":
             # Without AVX-512 BF16, torch emulates bfloat16 matmuls: ~10x slower than the
             # AVX2 kernels at 128 rows (bench/cpu_kernels.py), so these serve prefills too.
             self.max_rows = sys.maxsize
 
     def __call__(self, x: Tensor) -> Tensor:
         if self.kernel.endswith("-native"):
-            return cpu_kernels.matmul(x, self.weight)
+            return kernels.matmul(x, self.weight)
         if self.kernel == "int8":
             return torch.ops.aten._weight_int8pack_mm(x, self.weight, self.scales)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.weight, INT4_GROUP, self.scales)
@@ -314,7 +314,7 @@ class LlamaForward:
             )
         self.device = self.embed.device
         self.dtype = self.embed.dtype
-        # Where the native kernels run (cpu_kernels), decode steps attend (and write the
+        # Where the native kernels run (kernels), decode steps attend (and write the
         # cache) in one call per layer, 8-14x faster than the batched matmuls below; LoRA
         # deltas, RMSNorm (fused with the residual add before it) and SwiGLU are one call
         # each too.
@@ -323,7 +323,7 @@ class LlamaForward:
             and self.dtype == torch.bfloat16
             and self.head_dim % 16 == 0
             and config.hidden_size % 16 == 0
-            and cpu_kernels.enabled()
+            and kernels.enabled()
         )
         if batch_invariant not in (True, False, "auto"):
             raise ValueError(f"batch_invariant is True, False or 'auto', not {batch_invariant!r}")
@@ -370,7 +370,7 @@ class LlamaForward:
         with it, on how its prompt was split (a cached prefix, a shared prefill) or on the
         thread count: every matmul reads the native low-bit kernels, whose rows are
         independent (the dense matmuls' blocking, and so their rounding, depends on the row
-        count), and every token attends through `cpu_kernels.decode_attention`, prefill
+        count), and every token attends through `kernels.decode_attention`, prefill
         tokens included, in the same order of operations as a decode step.
         """
         if not self.native:
@@ -378,7 +378,7 @@ class LlamaForward:
                 "batch_invariant needs the native CPU kernels (an x86-64 CPU with AVX2, FMA "
                 "and F16C, or AVX-512 BF16, and gcc) and bfloat16 weights on the CPU "
                 f"(this engine: {str(self.dtype).removeprefix('torch.')} on "
-                f"{self.device.type}, kernels {cpu_kernels.kernel_set() or 'off'}); for "
+                f"{self.device.type}, kernels {kernels.kernel_set() or 'off'}); for "
                 "bfloat16 pass dtype 'bfloat16' (--dtype bfloat16)"
             )
         if self.quantize is None:
@@ -488,7 +488,7 @@ class LlamaForward:
             # order of operations), whatever the other prompts or the prefix it reused.
             self._store(qk, v, index, slots, positions)
             k_cache, v_cache = self.k_cache[index], self.v_cache[index]
-            return cpu_kernels.decode_attention(
+            return kernels.decode_attention(
                 qk, v, k_cache, v_cache, positions, self.n_kv, self.scale, slots, write=False
             )
 
@@ -507,7 +507,7 @@ class LlamaForward:
         if self.native:
 
             def attend(qk: Tensor, v: Tensor, index: int) -> Tensor:
-                return cpu_kernels.decode_attention(
+                return kernels.decode_attention(
                     qk,
                     v,
                     self.k_cache[index],
@@ -583,7 +583,7 @@ class LlamaForward:
     def _norm(self, x: Tensor, weight: Tensor, residual: Tensor | None = None) -> Tensor:
         """RMSNorm(x) * weight, after `x += residual` (in place) if one is given."""
         if self.native and x.is_contiguous() and (residual is None or residual.is_contiguous()):
-            return cpu_kernels.add_rms_norm(x, residual, weight, self.eps)
+            return kernels.add_rms_norm(x, residual, weight, self.eps)
         if residual is not None:
             x += residual
         return F.rms_norm(x, (x.shape[-1],), weight, self.eps)
@@ -591,7 +591,7 @@ class LlamaForward:
     def _swiglu(self, gate_up: Tensor) -> Tensor:
         """silu(gate) * up of the fused gate/up projection's output [N, 2I]."""
         if self.native and gate_up.shape[1] % 32 == 0:
-            return cpu_kernels.silu_mul(gate_up.contiguous())
+            return kernels.silu_mul(gate_up.contiguous())
         gate, up = gate_up.chunk(2, dim=-1)
         return F.silu(gate) * up
 
@@ -678,7 +678,7 @@ def _add_lora(
             continue
         a, b_t = ab
         if native:
-            cpu_kernels.lora_add(y, x, rows, a, b_t)
+            kernels.lora_add(y, x, rows, a, b_t)
             continue
         delta = torch.matmul(F.linear(x[rows].float(), a), b_t).to(y.dtype)
         if isinstance(rows, slice):
@@ -721,8 +721,8 @@ def _check_quantize(quantize: str | None, model: Any) -> str | None:
 def _pack(weight: Tensor, quantize: str | None, invariant: bool = False) -> _Packed | None:
     """The quantized copy of `weight` [out, in] that `quantize` asks for, if any; with
     `invariant` (batch-invariant engine), 16-bit weights go to 8 bits as with AVX2."""
-    fits = cpu_kernels.supports(*weight.shape)  # torch's int4 kernel has the same rules
-    native = fits and cpu_kernels.enabled()
+    fits = kernels.supports(*weight.shape)  # torch's int4 kernel has the same rules
+    native = fits and kernels.enabled()
     if quantize == "int8":
         if native:
             return _Packed("int8-native", _quantize_int8_native(*_int8_grid(weight)))
@@ -736,7 +736,7 @@ def _pack(weight: Tensor, quantize: str | None, invariant: bool = False) -> _Pac
         return _Packed("int4", *_quantize_int4(weight, *grid))
     if native:  # "auto": 8-bit weights (a GGUF Q8_0 matrix) have a kernel of their own
         grid8 = _int8_grid(weight)
-        if _is_8bit(*grid8) or invariant or cpu_kernels.kernel_set() == "avx2":
+        if _is_8bit(*grid8) or invariant or kernels.kernel_set() == "avx2":
             # AVX2 CPUs emulate bfloat16 matmuls, so there 16-bit weights go to 8 bits per
             # group of 32 (as a GGUF Q8_0 file stores them) rather than stay dense.
             return _Packed("int8-native", _quantize_int8_native(*grid8))
@@ -808,19 +808,19 @@ def _is_8bit(w: Tensor, step: Tensor) -> bool:
     return bool((error <= w.abs() * 2.0**-7 + step * 2.0**-6).all())
 
 
-def _quantize_int8_native(w: Tensor, step: Tensor) -> cpu_kernels.LowBitWeights:
-    """The levels of `_int8_grid` packed for cpu_kernels.matmul: weight ~ q * step, step
+def _quantize_int8_native(w: Tensor, step: Tensor) -> kernels.LowBitWeights:
+    """The levels of `_int8_grid` packed for kernels.matmul: weight ~ q * step, step
     refit to all 32 weights of its group (see `_refit`) and rounded to float16."""
     q = torch.round(w / step).clamp_(-127, 127)
     step = _refit(w, q, step, None)[0].clamp_min(2.0**-24).half().float()
     q = torch.round(w / step).clamp_(-127, 127)
-    return cpu_kernels.pack_int8(q.view(q.shape[0], -1), step[..., 0])
+    return kernels.pack_int8(q.view(q.shape[0], -1), step[..., 0])
 
 
-def _quantize_int4_native(w: Tensor, low: Tensor, step: Tensor) -> cpu_kernels.LowBitWeights:
-    """The levels of `_int4_grid` packed for cpu_kernels.matmul (see `_int4_levels`)."""
+def _quantize_int4_native(w: Tensor, low: Tensor, step: Tensor) -> kernels.LowBitWeights:
+    """The levels of `_int4_grid` packed for kernels.matmul (see `_int4_levels`)."""
     q, step, low = _int4_levels(w, low, step)
-    return cpu_kernels.pack_int4(q.view(q.shape[0], -1), step[..., 0], low[..., 0])
+    return kernels.pack_int4(q.view(q.shape[0], -1), step[..., 0], low[..., 0])
 
 
 def _int4_levels(w: Tensor, low: Tensor, step: Tensor) -> tuple[Tensor, Tensor, Tensor]:

@@ -22,6 +22,10 @@ from typing import Any
 
 import torch
 
+from masenvs.cache import cache_root
+from masenvs.engine import kernels
+from masenvs.engine.kernels import cpu_has_native_bf16
+
 DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
@@ -75,12 +79,6 @@ class LoadedModel:
         return int(getattr(self.model.config, "max_position_embeddings", 2048))
 
 
-def cache_root() -> Path:
-    """masenvs's cache: `$MASENVS_CACHE`, or ~/.cache/masenvs."""
-    root = os.environ.get("MASENVS_CACHE") or os.path.join("~", ".cache", "masenvs")
-    return Path(root).expanduser()
-
-
 def cache_dir() -> Path:
     """Where converted and generated models live: `cache_root()/models`."""
     return cache_root() / "models"
@@ -98,34 +96,9 @@ def engine_dtype(device: str | torch.device) -> torch.dtype:
     where bf16 matmuls are emulated and slower."""
     if torch.device(device).type == "cuda" or cpu_has_native_bf16():
         return torch.bfloat16
-    from masenvs.adapters.backends import cpu_kernels  # it imports this module
-
-    if torch.device(device).type == "cpu" and cpu_kernels.enabled():
+    if torch.device(device).type == "cpu" and kernels.enabled():
         return torch.bfloat16
     return torch.float32
-
-
-def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
-    """Whether this CPU has bf16 dot-product instructions (x86 AVX512-BF16 or AMX-BF16,
-    Arm BF16), read from `cpuinfo` (see `cpu_flags`)."""
-    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16", "bf16"})
-
-
-def cpu_flags(cpuinfo: str | None = None) -> set[str]:
-    """The CPU's feature flags (x86 `flags`, Arm `Features`) from `cpuinfo`, by default
-    /proc/cpuinfo; empty where it does not exist."""
-    text = cpuinfo
-    if text is None:
-        try:
-            text = Path("/proc/cpuinfo").read_text()
-        except OSError:
-            return set()
-    flags = set()
-    for line in text.splitlines():
-        key, _, value = line.partition(":")
-        if key.strip() in ("flags", "Features"):
-            flags.update(value.split())
-    return flags
 
 
 def load_model(

@@ -502,7 +502,7 @@ class Tokens:
         with cls._lock:
             if model not in cls._cache:
                 try:
-                    from masenvs.adapters.models import load_tokenizer
+                    from masenvs.engine.loading import load_tokenizer
 
                     cls._cache[model] = load_tokenizer(model)
                 except Exception:  # noqa: BLE001 (no tokenizer: ids are shown instead)

@@ -15,8 +15,8 @@
 - `logsumexp`: per row, in a fixed order (the batch-invariant engine's log-probabilities).
 
 Two kernel sets implement the same functions on the same packed weights (`KERNEL_SETS`):
-"avx512" (`cpu_kernels.c`: AVX-512 BF16, e.g. Intel Sapphire Rapids and later, AMD Zen 4
-and later) and "avx2" (`cpu_kernels_avx2.c`: AVX2, FMA and F16C, e.g. Intel Haswell and
+"avx512" (`avx512.c`: AVX-512 BF16, e.g. Intel Sapphire Rapids and later, AMD Zen 4
+and later) and "avx2" (`avx2.c`: AVX2, FMA and F16C, e.g. Intel Haswell and
 later, AMD Zen 1-3). The best one the CPU runs is used; `MASENVS_CPU_KERNELS` forces one
 (`avx512`, `avx2`) or turns them off (`0`). A set is built into `cache_root()/kernels`,
 keyed by its text and flags, and linked against the OpenMP runtime torch already loaded,
@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from masenvs.adapters.backends.omp import runtime_path
-from masenvs.adapters.models import cache_root, cpu_flags
+from masenvs.cache import cache_root
+from masenvs.engine.omp import runtime_path
 
 GROUP = 32  # inputs per scale and minimum
 TILE = 16  # output columns per vector
@@ -64,13 +64,13 @@ class KernelSet:
 KERNEL_SETS = {  # fastest first: the default is the first one the CPU runs
     "avx512": KernelSet(
         "avx512",
-        Path(__file__).with_name("cpu_kernels.c"),
+        Path(__file__).with_name("avx512.c"),
         ("avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c", "fma"),
         ("-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mf16c", "-mfma"),
     ),
     "avx2": KernelSet(
         "avx2",
-        Path(__file__).with_name("cpu_kernels_avx2.c"),
+        Path(__file__).with_name("avx2.c"),
         ("avx2", "fma", "f16c"),
         ("-mavx2", "-mfma", "-mf16c"),  # no AVX-512: runs on any AVX2 CPU
     ),
@@ -79,7 +79,7 @@ KERNEL_SETS = {  # fastest first: the default is the first one the CPU runs
 
 @dataclass(frozen=True)
 class LowBitWeights:
-    """A [out_features, in_features] matrix packed for `matmul` (see cpu_kernels.c)."""
+    """A [out_features, in_features] matrix packed for `matmul` (see avx512.c)."""
 
     # 4: weight = level * scale + minimum, level 0..15; 8: level * scale, |level| <= 127
     bits: int
@@ -215,7 +215,7 @@ def decode_attention(
     slots: Tensor | None = None,
     write: bool = True,
 ) -> Tensor:
-    """One decode step's attention, cache writes included (see cpu_kernels.c).
+    """One decode step's attention, cache writes included (see avx512.c).
 
     `qk` [B, heads + n_kv, D]: each row's queries, then its new keys; `v` [B, n_kv, D]
     (rows may be strided); `k_cache` [slots, n_kv, D, capacity] and `v_cache` [slots, n_kv,
@@ -334,6 +334,29 @@ def logsumexp(x: Tensor) -> Tensor:
     out = torch.empty(x.shape[0], dtype=torch.float32)
     library.logsumexp_rows(x.data_ptr(), out.data_ptr(), *x.shape)
     return out
+
+
+def cpu_has_native_bf16(cpuinfo: str | None = None) -> bool:
+    """Whether this CPU has bf16 dot-product instructions (x86 AVX512-BF16 or AMX-BF16,
+    Arm BF16), read from `cpuinfo` (see `cpu_flags`)."""
+    return bool(cpu_flags(cpuinfo) & {"avx512_bf16", "amx_bf16", "bf16"})
+
+
+def cpu_flags(cpuinfo: str | None = None) -> set[str]:
+    """The CPU's feature flags (x86 `flags`, Arm `Features`) from `cpuinfo`, by default
+    /proc/cpuinfo; empty where it does not exist."""
+    text = cpuinfo
+    if text is None:
+        try:
+            text = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            return set()
+    flags = set()
+    for line in text.splitlines():
+        key, _, value = line.partition(":")
+        if key.strip() in ("flags", "Features"):
+            flags.update(value.split())
+    return flags
 
 
 def cpu_supports(name: str | None = None) -> bool:

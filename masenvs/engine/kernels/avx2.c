@@ -1,6 +1,6 @@
 // The embedded engine's native CPU kernels for x86-64 with AVX2, FMA and F16C (no
-// AVX-512): the same functions, arguments and packed weight layouts as cpu_kernels.c (read
-// its header first), so cpu_kernels.py loads either library and packs weights once.
+// AVX-512): the same functions, arguments and packed weight layouts as avx512.c (read
+// its header first), so __init__.py loads either library and packs weights once.
 //
 // Without vdpbf16ps, the low-bit matmuls multiply in integers: each row's inputs become
 // int16 per group of 32 (a power-of-two scale, exact to 2^-16 of the group's largest) and
@@ -284,7 +284,7 @@ int int8_matmul(const uint16_t *x, const int8_t *q, const uint16_t *s, uint16_t 
     return 0;
 }
 
-// ---- decode attention (arguments and cache layouts: cpu_kernels.c) ---------------------
+// ---- decode attention (arguments and cache layouts: avx512.c) ---------------------
 
 // e^x for x <= 0 (Cephes' expf polynomial on x - n ln2, scaled by 2^n): ~1 ulp.
 static inline __m256 exp_ps(__m256 x) {
@@ -426,7 +426,7 @@ int decode_attention(const uint16_t *qk, int qk_stride, const uint16_t *v, int v
     return failed ? -1 : 0;
 }
 
-// ---- LoRA (arguments: cpu_kernels.c) ---------------------------------------------------
+// ---- LoRA (arguments: avx512.c) ---------------------------------------------------
 
 static inline float dot_bf16_f32(const uint16_t *x, const float *a, int K) {
     __m256 acc = _mm256_setzero_ps();
@@ -467,7 +467,7 @@ int lora_add(uint16_t *y, const uint16_t *x, const int64_t *rows, int start, int
     return 0;
 }
 
-// ---- RMSNorm and SwiGLU (arguments: cpu_kernels.c) -------------------------------------
+// ---- RMSNorm and SwiGLU (arguments: avx512.c) -------------------------------------
 
 int add_rms_norm(uint16_t *x, const uint16_t *delta, const uint16_t *weight, uint16_t *out,
                  int M, int H, float eps) {
@@ -517,7 +517,7 @@ int silu_mul(const uint16_t *gate_up, uint16_t *out, int M, int I) {
     return 0;
 }
 
-// ---- log-sum-exp (see cpu_kernels.c) ---------------------------------------------------
+// ---- log-sum-exp (see avx512.c) ---------------------------------------------------
 
 int logsumexp_rows(const float *x, float *out, int B, int V) {
     if (B <= 0 || V <= 0) return -1;

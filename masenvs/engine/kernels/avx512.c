@@ -1,12 +1,12 @@
 // The embedded engine's native CPU kernels (x86-64 with AVX-512 BF16), called through
-// ctypes by cpu_kernels.py: weight-only 4- and 8-bit matmuls, then decode attention, LoRA,
+// ctypes by __init__.py: weight-only 4- and 8-bit matmuls, then decode attention, LoRA,
 // RMSNorm and SwiGLU further down.
 //
 //   int4_matmul: y[M, N] = x[M, K] @ W^T,  W[n, k] = q[n, k] * s[n, g] + z[n, g],  g = k / 32,
 //                q in 0..15 (a GGUF Q4_1 block stores exactly this)
 //   int8_matmul: the same with q in -127..127 and z = 0 (a GGUF Q8_0 block)
 //
-// x and y bfloat16, s and z float16. Built and loaded at run time by cpu_kernels.py,
+// x and y bfloat16, s and z float16. Built and loaded at run time by __init__.py,
 // which also packs the weights:
 //
 //   int4 q: uint16 [N/16, G, 4, 16, 2]; word (t, g, r, j, e) holds in its nibble c the
