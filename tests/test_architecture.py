@@ -1,0 +1,502 @@
+"""The layer order of docs/architecture.md, held by reading every module's imports (AST).
+
+Layers, lowest first: core (masenvs/) < engine (masenvs/engine/) < adapters (adapters/, imported
+as masenvs.adapters) < trainer (trainer/, masenvs.trainer) < CLI (masenvs.cli, masenvs/ui/ and
+every module that builds an argparse parser for a command). A module imports only its own layer
+and the layers below; the core keeps torch and the upper layers out of its import time (a lazy
+import inside a function is allowed there). Nothing imports another module's private names, and
+no non-test file is over 600 lines unless its docstring says why.
+
+Each failure names file:line and the rule; the fix is to move the code to its layer (or the
+shared piece down a layer), to make the private name public, or to split the file.
+"""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+from dataclasses import dataclass, field
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+# folder -> import path (pyproject's package-dir: the remap a plain file walk cannot see)
+PACKAGE_ROOTS = {"masenvs": "masenvs", "adapters": "masenvs.adapters", "trainer": "masenvs.trainer"}
+LAYERS = ("core", "engine", "adapters", "trainer", "CLI")
+# what the core never imports at import time, beside the engine, adapters and trainer layers
+HEAVY = ("torch", "transformers", "peft", "vllm")
+# Modules that build an ArgumentParser only for a maintainer's `python -m` script, not a
+# `masenvs` command: they stay in their layer. Say why for each.
+NOT_A_COMMAND = {
+    "masenvs.tasks.verilog_problems": "`--write` regenerates data/verilog_problems.json",
+}
+MAX_LINES = 600
+LONG_FILE_REASON = "Longer than 600 lines because"
+
+
+@dataclass
+class Import:
+    """One imported module, or one name imported from a module, where it appears."""
+
+    module: str  # the module imported (for `from m import x`: m, or m.x when that is a module)
+    name: str | None  # the name taken from `module`, None when the module itself is bound
+    line: int
+    at_import_time: bool  # runs when the importing module is imported (not in a function)
+    type_checking: bool  # under `if TYPE_CHECKING:` (never runs)
+
+
+@dataclass
+class Module:
+    name: str
+    path: Path  # relative to the repository root
+    tree: ast.Module
+    imports: list[Import] = field(default_factory=list)
+    bindings: dict[str, str] = field(default_factory=dict)  # local name -> our module it binds
+    private_uses: list[tuple[str, str, int]] = field(default_factory=list)  # (module, attr, line)
+
+    @property
+    def where(self) -> str:
+        return str(self.path)
+
+    @property
+    def package(self) -> str:
+        return self.name if self.path.name == "__init__.py" else self.name.rpartition(".")[0]
+
+
+def module_name(rel: Path) -> str:
+    """`adapters/backends/pool.py` -> `masenvs.adapters.backends.pool`."""
+    parts = list(rel.with_suffix("").parts)
+    parts[0] = PACKAGE_ROOTS[parts[0]]
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def is_private(name: str) -> bool:
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
+def _is_type_checking(test: ast.expr) -> bool:
+    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
+        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
+    )
+
+
+class _ImportVisitor(ast.NodeVisitor):
+    """Collects a module's imports, noting which run at import time."""
+
+    def __init__(self, module: Module, known: set[str]) -> None:
+        self.module, self.known = module, known
+        self.depth = 0  # > 0 inside a function or lambda
+        self.type_checking = 0
+
+    def _visit_function(self, node: ast.AST) -> None:
+        self.depth += 1
+        self.generic_visit(node)
+        self.depth -= 1
+
+    visit_FunctionDef = visit_AsyncFunctionDef = visit_Lambda = _visit_function
+
+    def visit_If(self, node: ast.If) -> None:
+        if not _is_type_checking(node.test):
+            return self.generic_visit(node)
+        self.type_checking += 1
+        for child in node.body:
+            self.visit(child)
+        self.type_checking -= 1
+        for child in node.orelse:
+            self.visit(child)
+
+    def _add(self, module: str, name: str | None, line: int) -> None:
+        self.module.imports.append(
+            Import(module, name, line, self.depth == 0, self.type_checking > 0)
+        )
+
+    def visit_Import(self, node: ast.Import) -> None:
+        for alias in node.names:
+            self._add(alias.name, None, node.lineno)
+            if alias.asname and alias.name in self.known:
+                self.module.bindings[alias.asname] = alias.name
+            elif alias.name.partition(".")[0] in self.known:  # `import a.b` binds `a`
+                top = alias.name.partition(".")[0]
+                self.module.bindings[top] = top
+
+    def visit_ImportFrom(self, node: ast.ImportFrom) -> None:
+        base = node.module or ""
+        if node.level:  # relative: from the importing module's package, up level - 1
+            package = self.module.package.split(".")
+            package = package[: len(package) - (node.level - 1)]
+            base = ".".join([*package, *([base] if base else [])])
+        for alias in node.names:
+            if f"{base}.{alias.name}" in self.known:  # `from pkg import submodule`
+                self._add(f"{base}.{alias.name}", None, node.lineno)
+                self.module.bindings[alias.asname or alias.name] = f"{base}.{alias.name}"
+            else:
+                self._add(base, alias.name, node.lineno)
+
+
+def _dotted(node: ast.expr) -> str | None:
+    parts = []
+    while isinstance(node, ast.Attribute):
+        parts.append(node.attr)
+        node = node.value
+    if not isinstance(node, ast.Name):
+        return None
+    return ".".join([node.id, *reversed(parts)])
+
+
+def _private_attribute_uses(module: Module, known: set[str]) -> None:
+    """`mod._name` where `mod` is one of our modules bound by an import."""
+    for node in ast.walk(module.tree):
+        if not isinstance(node, ast.Attribute) or not is_private(node.attr):
+            continue
+        dotted = _dotted(node.value)
+        head, _, rest = (dotted or "").partition(".")
+        if head not in module.bindings:
+            continue
+        target = ".".join([module.bindings[head], *([rest] if rest else [])])
+        if target in known and f"{target}.{node.attr}" not in known:
+            module.private_uses.append((target, node.attr, node.lineno))
+
+
+def _builds_a_parser(tree: ast.Module) -> bool:
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Call):
+            func = node.func
+            name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+            if name == "ArgumentParser":
+                return True
+    return False
+
+
+def _is_deprecation_shim(module: Module) -> bool:
+    """An old import path kept for one release: it warns DeprecationWarning when imported."""
+    doc = ast.get_docstring(module.tree) or ""
+    if doc.startswith("Deprecated"):
+        return True
+    for node in module.tree.body:
+        if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
+            continue
+        call = ast.unparse(node.value)
+        if "DeprecationWarning" in call and "warn" in ast.unparse(node.value.func):
+            return True
+    return False
+
+
+def source_files(root: Path, folders: tuple[str, ...]) -> list[Path]:
+    """Python files git tracks or would track (new, not ignored) under `folders`."""
+    try:
+        out = subprocess.run(
+            ["git", "ls-files", "--cached", "--others", "--exclude-standard", "--", *folders],
+            cwd=root,
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout.split("\n")
+        files = [Path(f) for f in out if f.endswith(".py")]
+    except (OSError, subprocess.CalledProcessError):  # not a git checkout: walk the folders
+        files = [p.relative_to(root) for d in folders for p in (root / d).rglob("*.py")]
+    return sorted(f for f in files if (root / f).is_file() and "__pycache__" not in f.parts)
+
+
+@dataclass
+class Tree:
+    """Every module of the three package roots under `root`, parsed."""
+
+    root: Path
+    modules: dict[str, Module]
+    cli: set[str]
+    shims: set[str]
+
+    def layer(self, name: str) -> str | None:
+        """The layer of one of our modules (or a name inside one); None for a third party."""
+        while name and name not in self.modules:
+            name = name.rpartition(".")[0]
+        if not name:
+            return None
+        if name in self.cli:
+            return "CLI"
+        for prefix, layer in (
+            ("masenvs.engine", "engine"),
+            ("masenvs.adapters", "adapters"),
+            ("masenvs.trainer", "trainer"),
+        ):
+            if name == prefix or name.startswith(prefix + "."):
+                return layer
+        return "core"
+
+    def owner(self, name: str) -> str | None:
+        while name and name not in self.modules:
+            name = name.rpartition(".")[0]
+        return name or None
+
+
+def load_tree(root: Path) -> Tree:
+    paths = source_files(root, tuple(PACKAGE_ROOTS))
+    names = {module_name(p): p for p in paths}
+    modules = {}
+    for name, path in names.items():
+        tree = ast.parse((root / path).read_text(encoding="utf-8"), filename=str(path))
+        modules[name] = Module(name, path, tree)
+    known = set(modules)
+    for module in modules.values():
+        _ImportVisitor(module, known).visit(module.tree)
+        _private_attribute_uses(module, known)
+    cli = {
+        name
+        for name, m in modules.items()
+        if name in ("masenvs.cli", "masenvs.__main__")
+        or name == "masenvs.ui"
+        or name.startswith("masenvs.ui.")
+        or (_builds_a_parser(m.tree) and name not in NOT_A_COMMAND)
+    }
+    shims = {name for name, m in modules.items() if _is_deprecation_shim(m)}
+    return Tree(root, modules, cli, shims)
+
+
+# --- the rules: each returns "file:line: what is wrong" lines --------------------------------
+
+
+def upward_imports(tree: Tree) -> list[str]:
+    """A module imports only its own layer and those below; the core, lazily, may reach up."""
+    found = []
+    for m in tree.modules.values():
+        if m.name in tree.shims:  # an old path re-exporting its new home, for one release
+            continue
+        mine = tree.layer(m.name)
+        for imp in m.imports:
+            theirs = tree.layer(imp.module)
+            if theirs is None or theirs == "CLI":  # third party; CLI: see cli_imports
+                continue
+            if LAYERS.index(theirs) <= LAYERS.index(mine):
+                continue
+            if mine == "core" and not imp.at_import_time:
+                continue  # a lazy import in a function (e.g. an optional backend)
+            found.append(
+                f"{m.where}:{imp.line}: {m.name} ({mine}) imports {imp.module} ({theirs}), "
+                f"a higher layer"
+            )
+    return list(dict.fromkeys(found))  # one line per import statement
+
+
+def heavy_imports_in_core(tree: Tree) -> list[str]:
+    """The core imports without torch: `import masenvs` works with only the base deps."""
+    found = []
+    for m in tree.modules.values():
+        if tree.layer(m.name) != "core":
+            continue
+        for imp in m.imports:
+            top = imp.module.partition(".")[0]
+            if top in HEAVY and imp.at_import_time and not imp.type_checking:
+                found.append(
+                    f"{m.where}:{imp.line}: {m.name} (core) imports {imp.module} at import "
+                    f"time; import it inside the function that needs it, or move the code to "
+                    f"masenvs/engine/"
+                )
+    return found
+
+
+def cli_imports(tree: Tree) -> list[str]:
+    """Nothing below the CLI imports a CLI module, and nothing imports the `masenvs` dispatcher
+    (masenvs.cli runs the commands: a command that imports it closes a cycle)."""
+    found = []
+    for m in tree.modules.values():
+        if m.name in tree.shims:
+            continue
+        mine = tree.layer(m.name)
+        for imp in m.imports:
+            owner = tree.owner(imp.module)
+            if owner is None or tree.layer(owner) != "CLI" or owner == m.name:
+                continue
+            if mine != "CLI":
+                found.append(
+                    f"{m.where}:{imp.line}: {m.name} ({mine}) imports the CLI module {owner}; "
+                    f"move what it needs out of the CLI module, down to the layer that uses it"
+                )
+            elif owner == "masenvs.cli" and m.name != "masenvs.__main__":
+                found.append(
+                    f"{m.where}:{imp.line}: {m.name} imports masenvs.cli, which dispatches to "
+                    f"the commands (a cycle); move the shared code below the CLI"
+                )
+    return list(dict.fromkeys(found))  # one line per import statement
+
+
+def private_imports(tree: Tree) -> list[str]:
+    """No module takes another module's private (_name) names; a private module is shared
+    only inside its own package."""
+    found = []
+    for m in tree.modules.values():
+        if m.name in tree.shims:  # keeps old private names working, for one release
+            continue
+        uses = [(i.module, i.name, i.line) for i in m.imports]
+        uses += [(mod, attr, line) for mod, attr, line in m.private_uses]
+        for module, name, line in uses:
+            if tree.owner(module) is None:
+                continue
+            if name is not None and is_private(name) and module != m.name:
+                found.append(
+                    f"{m.where}:{line}: {m.name} uses the private name {name} of {module}; "
+                    f"make it public (and documented) or keep the code that needs it there"
+                )
+            parts = module.split(".")
+            private = [i for i, part in enumerate(parts) if is_private(part)]
+            if private:
+                package = ".".join(parts[: private[0]])
+                if not m.name.startswith(package + "."):
+                    found.append(
+                        f"{m.where}:{line}: {m.name} imports the private module {module} from "
+                        f"outside its package {package}"
+                    )
+    return found
+
+
+def shim_imports(tree: Tree) -> list[str]:
+    """Our own code uses the new import paths; the deprecated ones are for users only."""
+    found = []
+    for m in tree.modules.values():
+        if m.name in tree.shims:
+            continue
+        for imp in m.imports:
+            owner = tree.owner(imp.module)
+            if owner in tree.shims:
+                found.append(
+                    f"{m.where}:{imp.line}: {m.name} imports the deprecated path {owner}; "
+                    f"import from its new home"
+                )
+    return found
+
+
+def long_files(root: Path) -> list[str]:
+    """Non-test Python files over 600 lines, unless the module docstring says why."""
+    found = []
+    for rel in source_files(root, (".",)):
+        if rel.parts[0] == "tests" or any(
+            p.startswith(".") or p == "site-packages" for p in rel.parts
+        ):
+            continue
+        text = (root / rel).read_text(encoding="utf-8")
+        lines = text.count("\n") + (not text.endswith("\n") and bool(text))
+        if lines <= MAX_LINES:
+            continue
+        doc = ast.get_docstring(ast.parse(text)) or ""
+        if LONG_FILE_REASON not in doc:
+            found.append(
+                f"{rel}:1: {lines} lines (max {MAX_LINES}); split it by responsibility or say "
+                f'why in its docstring ("{LONG_FILE_REASON} ...")'
+            )
+    return found
+
+
+# --- the tests --------------------------------------------------------------------------------
+
+
+@cache
+def repo() -> Tree:
+    return load_tree(ROOT)
+
+
+RULES = {
+    "upward imports": upward_imports,
+    "torch in the core": heavy_imports_in_core,
+    "CLI imports": cli_imports,
+    "private names": private_imports,
+    "deprecated paths": shim_imports,
+}
+
+
+def _report(rule: str, found: list[str]) -> str:
+    return f"{len(found)} violation(s) of '{rule}':\n  " + "\n  ".join(found)
+
+
+@pytest.mark.parametrize("rule", list(RULES))
+def test_layer_rule_holds_over_the_tree(rule: str) -> None:
+    found = RULES[rule](repo())
+    assert not found, _report(rule, found)
+
+
+def test_no_non_test_file_is_over_600_lines_without_a_reason() -> None:
+    found = long_files(ROOT)
+    assert not found, _report("file size", found)
+
+
+def test_the_tree_has_every_layer_the_rules_speak_of() -> None:
+    """The rules see the remapped packages (a walk that missed adapters/ would pass vacuously)."""
+    tree = repo()
+    layers = {tree.layer(name) for name in tree.modules}
+    assert {"core", "adapters", "trainer", "CLI"} <= layers, layers
+    assert "masenvs.adapters.endpoint" in tree.modules or any(
+        n.startswith("masenvs.adapters.endpoint.") for n in tree.modules
+    )
+    assert {"masenvs.cli", "masenvs.trainer.cli", "masenvs.ui.server"} <= tree.cli
+
+
+# --- the checker catches what it should, on a small tree written here ------------------------
+
+BAD_TREE = {
+    "masenvs/__init__.py": "",
+    "masenvs/cli.py": "import argparse\n\ndef main():\n    argparse.ArgumentParser()\n",
+    "masenvs/env.py": (
+        '"""Core."""\nimport torch\nfrom masenvs.adapters import stack\n\n'
+        "def lazy():\n    import torch\n    from masenvs.trainer import learner\n"
+    ),
+    "masenvs/uses_cli.py": "from masenvs.cli import main\n",
+    "masenvs/engine/__init__.py": "",
+    "masenvs/engine/forward.py": "def f():\n    from masenvs.adapters.stack import x\n",
+    "masenvs/tasks/__init__.py": "",
+    "masenvs/tasks/_harness.py": "",
+    "masenvs/tasks/judge.py": "from masenvs.tasks import _harness\n",
+    "adapters/__init__.py": "",
+    "adapters/stack.py": (
+        "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from masenvs.trainer.learner import L\n"
+        "from masenvs.tasks import _harness\nfrom masenvs.env import _secret\n"
+        "import masenvs.env as env\n\nx = env._hidden\n"
+    ),
+    "adapters/old.py": (
+        '"""Deprecated: moved to masenvs.engine.forward."""\nimport warnings\n'
+        'warnings.warn("moved", DeprecationWarning, stacklevel=2)\nfrom masenvs.env import _secret\n'
+    ),
+    "adapters/serve.py": "from masenvs.adapters import old\n",
+    "trainer/__init__.py": "",
+    "trainer/learner.py": "from .. import adapters\nfrom masenvs.trainer.cli import main\n",
+    "trainer/cli.py": "import argparse\nfrom masenvs.cli import main\nargparse.ArgumentParser()\n",
+    "examples/big.py": '"""Big."""\n' + "x = 1\n" * 601,
+    "examples/big_ok.py": '"""Big. Longer than 600 lines because it must be."""\n'
+    + "x = 1\n" * 601,
+}
+
+
+@pytest.fixture(scope="module")
+def bad_tree(tmp_path_factory: pytest.TempPathFactory) -> Tree:
+    root = tmp_path_factory.mktemp("bad")
+    for rel, text in BAD_TREE.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+    return load_tree(root)
+
+
+def test_the_checker_flags_each_kind_of_violation(bad_tree: Tree) -> None:
+    def lines(found: list[str]) -> list[str]:
+        return sorted(f.split(": ", 1)[0] for f in found)
+
+    assert lines(upward_imports(bad_tree)) == [
+        "adapters/stack.py:3",  # adapters -> trainer, even only for type checking
+        "masenvs/engine/forward.py:2",  # engine -> adapters, even lazily
+        "masenvs/env.py:3",  # core -> adapters at import time (the lazy one on line 7 is fine)
+    ]
+    assert lines(heavy_imports_in_core(bad_tree)) == ["masenvs/env.py:2"]
+    assert lines(cli_imports(bad_tree)) == [
+        "masenvs/uses_cli.py:1",
+        "trainer/cli.py:2",  # a command importing the dispatcher
+        "trainer/learner.py:2",
+    ]
+    assert lines(private_imports(bad_tree)) == [
+        "adapters/stack.py:4",  # a private module from outside its package
+        "adapters/stack.py:5",  # from m import _name
+        "adapters/stack.py:8",  # m._name through an imported module
+    ]
+    assert lines(shim_imports(bad_tree)) == ["adapters/serve.py:1"]
+    assert lines(long_files(bad_tree.root)) == ["examples/big.py:1"]
+    assert bad_tree.layer("masenvs.adapters.old") == "adapters"
+    assert bad_tree.layer("masenvs.trainer.cli.main") == "CLI"
