@@ -73,9 +73,9 @@ def measure(tree: Path, runs: int, mode: str) -> dict:
 
 def bwrap_per_run(runs: int) -> float:
     """Runs/s of a fresh bubblewrap root (the same allow-list) and interpreter per program."""
-    from masenvs.sandbox import _bwrap_command
+    from masenvs.sandbox.client import bwrap_command
 
-    command, _ = _bwrap_command((), (), (), [])
+    command, _ = bwrap_command((), (), (), [])
     bwrap_args = command[: command.index("--") + 1]
     start = time.perf_counter()
     for _ in range(runs):

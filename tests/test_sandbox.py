@@ -582,9 +582,9 @@ def test_binds_give_a_run_one_file_of_a_bind_dir(tmp_path: Path) -> None:
 
 
 def test_without_bubblewrap_there_is_no_allow_list_and_judges_refuse(monkeypatch) -> None:
-    from masenvs import sandbox_layout
+    from masenvs.sandbox import layout
 
-    monkeypatch.setattr(sandbox_layout, "bwrap_path", lambda: None)
+    monkeypatch.setattr(layout, "bwrap_path", lambda: None)
     monkeypatch.delenv("MASENVS_ALLOW_WEAK_SANDBOX", raising=False)
     with Sandbox(FAST) as weak:
         iso = weak.isolation
@@ -596,16 +596,12 @@ def test_without_bubblewrap_there_is_no_allow_list_and_judges_refuse(monkeypatch
 
 
 USERNS_SCRIPT = r"""
-import importlib.util, json, sys, types
+import importlib, json, sys, types
 root = sys.argv[1]
 package = types.ModuleType("masenvs")
 package.__path__ = [root + "/masenvs"]
 sys.modules["masenvs"] = package
-for name in ("sandbox_layout", "sandbox"):  # both are standard library only
-    spec = importlib.util.spec_from_file_location(f"masenvs.{name}", f"{root}/masenvs/{name}.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module
-    spec.loader.exec_module(module)
+module = importlib.import_module("masenvs.sandbox")  # standard library only
 probe = '''
 import ctypes, json, os, socket
 libc = ctypes.CDLL(None, use_errno=True)
@@ -635,7 +631,7 @@ def test_the_user_namespace_mode_gets_the_same_allow_list() -> None:
     usable = subprocess.run(
         [
             *check,
-            f"import sys; open({str(REPO / 'masenvs/sandbox.py')!r}); assert sys.version_info >= (3, 10)",
+            f"import sys; open({str(REPO / 'masenvs/sandbox/client.py')!r}); assert sys.version_info >= (3, 10)",
         ],
         capture_output=True,
     )
@@ -744,3 +740,44 @@ def test_concurrent_runs_cannot_signal_through_locks_or_inotify(sb: Sandbox) -> 
     assert held.ok and held.stdout == "holding\n", held.stderr
     assert probed.ok, probed.stderr
     assert probed.stdout == "flock free\ngetlk refused\ninotify refused\n"
+
+
+def test_the_old_sandbox_layout_path_warns_and_gives_the_same_module() -> None:
+    import importlib
+
+    from masenvs.sandbox import layout
+
+    sys.modules.pop("masenvs.sandbox_layout", None)
+    with pytest.warns(DeprecationWarning, match=r"masenvs\.sandbox\.layout"):
+        old = importlib.import_module("masenvs.sandbox_layout")
+    assert old is layout
+    from masenvs.sandbox_layout import Layout, build_layout, bwrap_path, stage
+
+    assert (Layout, build_layout, bwrap_path, stage) == (
+        layout.Layout,
+        layout.build_layout,
+        layout.bwrap_path,
+        layout.stage,
+    )
+
+
+def test_the_server_is_staged_with_every_module_of_the_package(tmp_path: Path, monkeypatch) -> None:
+    """The server runs from a staged copy of masenvs/sandbox/ (standard library only), and a
+    preload that imports masenvs.sandbox stages all of its modules too."""
+    from masenvs.sandbox import client, layout
+
+    package = sorted(p.name for p in (REPO / "masenvs" / "sandbox").glob("*.py"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    staged = Path(layout.stage(client.server_sources(), {}))
+    assert sorted(p.name for p in (staged / "server").iterdir()) == package
+    modules = layout.masenvs_modules(("masenvs.sandbox",))
+    names = {Path(f).name for n, f in modules.items() if n.startswith("masenvs.sandbox")}
+    assert names >= set(package), set(package) - names
+    server = [
+        p.stem
+        for p in (REPO / "masenvs" / "sandbox").glob("*.py")
+        if p.stem not in ("__init__", "client", "layout")
+    ]
+    assert (
+        layout.third_party_imports([str(REPO / f"masenvs/sandbox/{n}.py") for n in server]) == set()
+    )

@@ -1,7 +1,7 @@
 """The Python tool of tool-using agent nodes: a program an agent wrote, run in the sandbox.
 
 Every run is a fresh sandbox process (no network, its own uid, time, memory and output
-limits; see masenvs/sandbox.py), so nothing carries from one run to the next. What comes
+limits; see masenvs/sandbox/), so nothing carries from one run to the next. What comes
 back is text for the model to read: the program's output, or why it failed.
 
 Inside a design's sandbox the code cannot start a sandbox of its own: `LLM.execute_python`
