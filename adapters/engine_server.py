@@ -23,7 +23,8 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response
 from starlette.routing import Route
 
-from masenvs.adapters.backends.vllm import UPDATE_METHOD, VLLMProcess, _free_port, launch_server
+from masenvs.adapters.backends.launch import VLLMProcess, free_port, launch_server
+from masenvs.adapters.backends.vllm import UPDATE_METHOD
 from masenvs.adapters.openai_schema import APIError
 from masenvs.listeners import API_KEY_ENV, listener_key
 
@@ -127,7 +128,7 @@ def launch_engine_server(
     Beyond loopback it needs `api_key` (clients send it as a Bearer token); the key reaches
     the server in its environment, never on its command line."""
     key = listener_key(host, api_key, what="an engine server", key_flag="api_key=")
-    port = port or _free_port(host)
+    port = port or free_port(host)
     args = [
         sys.executable,
         "-m",

@@ -159,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
 def _make_backend(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[Any, Any]:
     """The backend with `adapters` loaded, and the vLLM process if masenvs launched one."""
     if args.backend == "vllm":
-        from masenvs.adapters.backends.vllm import VLLMBackend, launch_vllm
+        from masenvs.adapters.backends.launch import launch_vllm
+        from masenvs.adapters.backends.vllm import VLLMBackend
 
         launched = None
         url = args.vllm_url

@@ -11,7 +11,8 @@ import pytest
 from fake_vllm import FakeVLLM
 
 from masenvs.adapters.backends.embedded import EmbeddedBackend
-from masenvs.adapters.backends.vllm import VLLMBackend, model_dir
+from masenvs.adapters.backends.launch import model_dir
+from masenvs.adapters.backends.vllm import VLLMBackend
 from masenvs.adapters.endpoint import EndpointServer, create_app
 from masenvs.adapters.policy_map import PolicyMap
 from masenvs.traces import TraceStore

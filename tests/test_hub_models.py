@@ -14,7 +14,7 @@ import torch
 
 from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
 from masenvs.adapters.backends.embedded import EmbeddedBackend
-from masenvs.adapters.backends.vllm import VLLMLaunchError, model_dir
+from masenvs.adapters.backends.launch import VLLMLaunchError, model_dir
 from masenvs.adapters.models import ModelLoadError, cache_dir, load_model, load_tokenizer
 
 REPO = "masenvs-test/Tiny-Llama"

@@ -12,8 +12,9 @@ from fake_vllm import FakeVLLM
 
 from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
 from masenvs.adapters.backends.embedded import EmbeddedBackend
+from masenvs.adapters.backends.launch import model_dir
 from masenvs.adapters.backends.sampling import RowSampling, sample
-from masenvs.adapters.backends.vllm import VLLMBackend, model_dir
+from masenvs.adapters.backends.vllm import VLLMBackend
 from masenvs.adapters.endpoint import EndpointServer
 from masenvs.traces import TraceStore
 from masenvs.trainer.config import load_config

@@ -24,16 +24,16 @@ from fake_vllm import FakeVLLM
 
 from masenvs.adapters.backends.base import Backend, BackendError, GenerateRequest, SamplingParams
 from masenvs.adapters.backends.embedded import EmbeddedBackend
-from masenvs.adapters.backends.vllm import (
-    VLLMBackend,
+from masenvs.adapters.backends.launch import (
     VLLMLaunchError,
-    _Choice,
     check_cpu_model,
     find_vllm,
     launch_server,
     launch_vllm,
     model_dir,
 )
+from masenvs.adapters.backends.vllm import VLLMBackend
+from masenvs.adapters.backends.vllm_protocol import ChoiceState as _Choice
 from masenvs.adapters.endpoint import EndpointServer, create_app
 from masenvs.adapters.models import load_model
 from masenvs.traces import TraceStore

@@ -24,14 +24,14 @@ import pytest
 import torch
 
 from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
-from masenvs.adapters.backends.vllm import (
-    VLLMBackend,
+from masenvs.adapters.backends.launch import (
     VLLMInstall,
     VLLMLaunchError,
     VLLMProcess,
     find_vllm,
     launch_vllm,
 )
+from masenvs.adapters.backends.vllm import VLLMBackend
 from masenvs.env import EpisodeState, MASEnv, RewardParts
 from masenvs.registry import register
 from masenvs.traces import TraceStore

@@ -17,16 +17,16 @@ from pathlib import Path
 from typing import Any
 
 from masenvs.adapters.backends.base import Backend, BackendError
-from masenvs.adapters.backends.pool import EnginePool
-from masenvs.adapters.backends.router import Route, RouterBackend
-from masenvs.adapters.backends.vllm import (
-    VLLMBackend,
+from masenvs.adapters.backends.launch import (
     VLLMLaunchError,
     check_cpu_model,
     cpu_only,
     lora_rank_for,
     model_dir,
 )
+from masenvs.adapters.backends.pool import EnginePool
+from masenvs.adapters.backends.router import Route, RouterBackend
+from masenvs.adapters.backends.vllm import VLLMBackend
 from masenvs.adapters.models import load_tokenizer
 from masenvs.adapters.stack import StackError
 from masenvs.trainer.config import TrainConfig

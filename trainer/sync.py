@@ -20,15 +20,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from masenvs.adapters.backends.base import Backend, BackendError
-from masenvs.adapters.backends.router import Route, RouterBackend
-from masenvs.adapters.backends.vllm import (
-    VLLMBackend,
+from masenvs.adapters.backends.launch import (
     VLLMLaunchError,
     check_cpu_model,
     cpu_only,
     lora_rank_for,
     model_dir,
 )
+from masenvs.adapters.backends.router import Route, RouterBackend
+from masenvs.adapters.backends.vllm import VLLMBackend
 from masenvs.adapters.stack import StackError
 from masenvs.trainer.config import TrainConfig
 from masenvs.trainer.learner import Learner
