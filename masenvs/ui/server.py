@@ -30,8 +30,10 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
-from masenvs.ui import runs as data
-from masenvs.ui.runs import EvalReport, Run, RunError, Tokens, discover
+from masenvs.ui import charts, evals, workflows
+from masenvs.ui.calls import Tokens, conversation
+from masenvs.ui.runs import EvalReport, Run, RunError, discover, step_stats, step_summary
+from masenvs.ui.steps import step_view
 
 log = logging.getLogger(__name__)
 HERE = Path(__file__).parent
@@ -58,7 +60,7 @@ class Catalog:
             for run in list(self.runs.values()):
                 try:
                     if run.open_index().refresh(min_interval=0.0, wait=0.0):
-                        data.step_stats(run)  # pages then find the per-step stats ready
+                        step_stats(run)  # pages then find the per-step stats ready
                 except Exception:  # noqa: BLE001 (a bad file must not stop the indexer)
                     log.exception("indexing %s failed", run.path)
             time.sleep(1.0)
@@ -139,7 +141,7 @@ def create_app(
                 "runs": runs,
                 "chosen": chosen,
                 "reports": list(catalog.reports.values()),
-                "charts": data.curves(shown, several=len(shown) > 1),
+                "charts": charts.curves(shown, several=len(shown) > 1),
             },
             live,
             poll=True,  # a new run directory shows up by itself
@@ -151,7 +153,7 @@ def create_app(
         index = run.index
         steps = run.steps()
         by_step = {r["step"]: r for r in metrics}
-        summary = data.step_summary(run)
+        summary = step_summary(run)
         designs = index.query("SELECT COUNT(*) AS n FROM designs")[0]["n"]
         return page(
             request,
@@ -162,10 +164,10 @@ def create_app(
                 "steps": steps,
                 "by_step": by_step,
                 "summary": summary,
-                "charts": data.curves([run], several=False),
-                "behaviour": data.behaviour(run),
+                "charts": charts.curves([run], several=False),
+                "behaviour": charts.behaviour(run),
                 "designs": designs,
-                "workflow_runs": data.workflow_runs(run) if run.workflow else [],
+                "workflow_runs": workflows.workflow_runs(run) if run.workflow else [],
                 "counts": index.counts(),
             },
             run,
@@ -174,7 +176,7 @@ def create_app(
     def step_page(request: Request) -> Response:
         run = catalog.run(request.path_params["rid"])
         step = request.path_params["step"]
-        view = data.step_view(run, step)
+        view = step_view(run, step)
         # a step of many tasks opens on TASKS_PER_PAGE of them; the index links every one
         tasks = view["tasks"]
         wanted = request.query_params.get("task")
@@ -204,7 +206,7 @@ def create_app(
                 "view": view,
                 "steps": steps,
                 "designs": designs,
-                "workflow_runs": data.workflow_runs(run, step) if run.workflow else [],
+                "workflow_runs": workflows.workflow_runs(run, step) if run.workflow else [],
             },
             live,
         )
@@ -215,7 +217,7 @@ def create_app(
             tolerance = float(request.query_params.get("tol", "0.05"))
         except ValueError:
             tolerance = 0.05
-        view = data.conversation(run, request.path_params["cid"], tolerance)
+        view = conversation(run, request.path_params["cid"], tolerance)
         if view is None:
             progress = run.open_index().progress()
             later = f" yet (indexing: {progress:.0%})" if progress < 1 else ""
@@ -224,7 +226,7 @@ def create_app(
 
     def design_page(request: Request) -> Response:
         run = catalog.run(request.path_params["rid"])
-        view = data.design_view(run, request.path_params["did"])
+        view = workflows.design_view(run, request.path_params["did"])
         if view is None:
             raise NotFound(f"no design {request.path_params['did']!r} in run {run.id!r}")
         return page(request, "design.html", {"run": run, "view": view})
@@ -232,7 +234,7 @@ def create_app(
     def rollout_page(request: Request) -> Response:
         run = catalog.run(request.path_params["rid"])
         rollout = request.path_params["rollout"]
-        view = data.rollout_view(run, rollout)
+        view = workflows.rollout_view(run, rollout)
         if not view["calls"] and view["episode"] is None:
             raise NotFound(f"no rollout {rollout!r} in run {run.id!r}")
         return page(request, "rollout.html", {"run": run, "rollout": rollout, "view": view})
@@ -242,8 +244,8 @@ def create_app(
         report = catalog.reports.get(request.path_params["eid"])
         if report is None:
             raise NotFound(f"no eval report {request.path_params['eid']!r}")
-        view = data.eval_task_view(report, request.query_params.get("task"))
-        swaps = data.swap_results(report, list(catalog.reports.values()))
+        view = evals.eval_task_view(report, request.query_params.get("task"))
+        swaps = evals.swap_results(report, list(catalog.reports.values()))
         return page(request, "eval.html", {"report": report, "view": view, "swaps": swaps})
 
     async def not_found(request: Request, exc: Exception) -> Response:
