@@ -11,9 +11,10 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
 
 from masenvs.adapters.frameworks.workflow import WorkflowSpec
+from masenvs.engine.args import EngineArgs
 from masenvs.overrides import ConfigError, apply_override, explain
 
 
@@ -128,7 +129,7 @@ class RolloutConfig(_Section):
     )
 
 
-class BackendConfig(_Section):
+class _BackendClients(_Section):
     """Which inference backend samples the rollouts (behind the capture endpoint)."""
 
     kind: Literal["embedded", "vllm"] = Field(
@@ -157,32 +158,21 @@ class BackendConfig(_Section):
     request_timeout: float = Field(
         600.0, gt=0.0, description="Seconds any one request to a vLLM server may take."
     )
-    max_batch_size: int = Field(
-        32, ge=1, description="Embedded engine: sequences decoded together at most."
-    )
-    dtype: Literal["auto", "float32", "bfloat16"] = Field(
-        "auto",
-        description="Embedded engine weights (the learner keeps model.dtype); 'auto' is "
-        "bfloat16 on GPUs and on CPUs with native bf16, float32 elsewhere. The learner "
-        "recomputes old log-probs itself, so the engine's precision only shifts the samples.",
-    )
-    quantize: Literal["auto", "int4", "int8", "none"] = Field(
-        "auto",
-        description="Embedded engine on CPU in bfloat16: decode steps and short prefills "
-        "read weight-only copies. 'auto' packs weights that already are 4- or 8-bit "
-        "(SmolLM2's GGUF: Q4_1 layers, Q8_0 head; the 8-bit kind needs the native CPU "
-        "kernels) as they are, up to the float16 rounding of each group's scale; "
-        "'int4'/'int8' pack every matrix (the samples come from a slightly rounded policy); "
-        "'none' stays dense.",
-    )
-    batch_invariant: bool | Literal["auto"] = Field(
-        False,
-        description="Embedded engine: every answer (tokens and log-probs) bit-identical "
-        "however requests are batched, so greedy validation of the same weights always gives "
-        "the same numbers. true needs the native CPU kernels (AVX2 or AVX-512 BF16) and "
-        "quantize other than 'none'; 'auto' turns it on where that changes no weight "
-        "(SmolLM2 on those kernels) and leaves it off elsewhere (docs/embedded-engine.md).",
-    )
+
+    def engine_args(self, **run: Any) -> EngineArgs:
+        """The embedded engine's options from this section, with `run` (device, threads)."""
+        return EngineArgs.from_config(self, **run)
+
+
+# The embedded engine's fields (max_batch_size, dtype, quantize, batch_invariant) are
+# EngineArgs' own: declared once there, with their defaults, checks and descriptions.
+BackendConfig = create_model(
+    "BackendConfig",
+    __base__=_BackendClients,
+    __module__=__name__,
+    __doc__=_BackendClients.__doc__,
+    **EngineArgs.config_fields(),
+)
 
 
 class AlgorithmConfig(_Section):
