@@ -20,6 +20,8 @@ from pydantic import Field
 from masenvs.env import EnvConfig, EpisodeState, MASEnv, Message, RewardParts
 from masenvs.envs import grid
 from masenvs.envs.grid import Cell
+from masenvs.envs.sokoban_solver import SearchResult as SearchResult  # (defined here before)
+from masenvs.envs.sokoban_solver import reverse_play, solve
 from masenvs.envs.tooling import ToolRun, round_context, run_tool
 from masenvs.parsing import parse_moves
 
@@ -205,48 +207,6 @@ class SokobanTask:
         }
 
 
-@dataclass
-class SearchResult:
-    moves: str | None  # a shortest solution, or None
-    exhausted: bool  # True: the whole state space was searched (None then means unsolvable)
-
-
-def solve(task: SokobanTask, max_states: int = 100_000) -> SearchResult:
-    """Breadth-first search over (player, boxes) for a shortest move sequence."""
-    start = (task.player, frozenset(task.boxes))
-    if task.solved(start[1]):
-        return SearchResult("", True)
-    parent: dict[tuple[Cell, frozenset[Cell]], tuple[Any, str]] = {start: (None, "")}
-    queue = deque([start])
-    while queue:
-        state = queue.popleft()
-        player, boxes = state
-        for move in "UDLR":
-            nxt = grid.step_cell(player, move)
-            if not task.is_floor(nxt):
-                continue
-            new_boxes = boxes
-            if nxt in boxes:
-                beyond = grid.step_cell(nxt, move)
-                if not task.is_floor(beyond) or beyond in boxes or beyond in task.dead:
-                    continue
-                new_boxes = (boxes - {nxt}) | {beyond}
-            child = (nxt, new_boxes)
-            if child in parent:
-                continue
-            parent[child] = (state, move)
-            if task.solved(new_boxes):
-                path = []
-                while parent[child][0] is not None:
-                    child, step = parent[child]
-                    path.append(step)
-                return SearchResult("".join(reversed(path)), True)
-            if len(parent) > max_states:
-                return SearchResult(None, False)
-            queue.append(child)
-    return SearchResult(None, True)
-
-
 def generate_task(rng: np.random.Generator, cfg: SokobanConfig, attempts: int = 500) -> SokobanTask:
     """Carve a room, put the boxes on goals, then play in reverse (moves and pulls, never
     pushes) and start from a state the reverse play reaches last: solvable by construction."""
@@ -264,7 +224,7 @@ def generate_task(rng: np.random.Generator, cfg: SokobanConfig, attempts: int = 
             for r in range(cfg.height)
         )
         room = SokobanTask(layout, tuple(sorted(goals)), cells[0])  # solved; player unused
-        depth = _reverse_play(room, cfg.solver_states)
+        depth = reverse_play(room, cfg.solver_states)
         # The farthest states (capped by max_solution_moves) whose boxes need min_pushes pushes.
         layers: dict[int, list[tuple[Cell, frozenset[Cell]]]] = {}
         cap = cfg.max_solution_moves
@@ -302,35 +262,6 @@ def _carve_room(rng: np.random.Generator, width: int, height: int) -> set[Cell]:
             cell = (r, c)
             floor.add(cell)
     return floor
-
-
-def _reverse_play(room: SokobanTask, max_states: int) -> dict[tuple[Cell, frozenset[Cell]], int]:
-    """Every state reachable backwards from the solved room, with its distance to a solution.
-
-    Breadth-first from all solved states (boxes on goals, player anywhere): a reverse step is a
-    player move that may pull the box behind it. Undoing it is a legal forward move, so each
-    distance is the exact length of a shortest solution, also when `max_states` stops early.
-    """
-    boxes = frozenset(room.goals)
-    floor = [(r, c) for r, row in enumerate(room.layout) for c, ch in enumerate(row) if ch != "#"]
-    depth = {(p, boxes): 0 for p in floor if p not in boxes}
-    queue = deque(depth)
-    while queue and len(depth) < max_states:
-        state = queue.popleft()
-        player, boxes = state
-        for move in "UDLR":
-            nxt = grid.step_cell(player, move)
-            if not room.is_floor(nxt) or nxt in boxes:
-                continue
-            behind = (2 * player[0] - nxt[0], 2 * player[1] - nxt[1])
-            children = [(nxt, boxes)]
-            if behind in boxes:
-                children.append((nxt, (boxes - {behind}) | {player}))
-            for child in children:
-                if child not in depth:
-                    depth[child] = depth[state] + 1
-                    queue.append(child)
-    return depth
 
 
 _FLOOR_CHARS = {
