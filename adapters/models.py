@@ -1,13 +1,30 @@
-"""Deprecated: moved to masenvs.engine.loading (this path goes away in the next release)."""
+"""Deprecated: masenvs.adapters.models was split into masenvs.engine.loading, masenvs.engine.kernels, masenvs.cache.
 
-import sys
+This path goes away in the next release. Every name the old module had, public or private,
+resolves to the same object in its new module (a few private ones under a public name).
+"""
+
+import importlib
 import warnings
+from typing import Any
 
-from masenvs.engine import loading as _new
+_MODULES = ("masenvs.engine.loading", "masenvs.engine.kernels", "masenvs.cache")
+_RENAMED = {}  # old private name -> its public name now
 
 warnings.warn(
-    "masenvs.adapters.models moved to masenvs.engine.loading; import it from there",
+    "masenvs.adapters.models moved to masenvs.engine.loading, masenvs.engine.kernels, masenvs.cache; import from there",
     DeprecationWarning,
     stacklevel=2,
 )
-sys.modules[__name__] = _new
+
+
+def __getattr__(name: str) -> Any:
+    wanted = _RENAMED.get(name, name)
+    for module in _MODULES:
+        value = getattr(importlib.import_module(module), wanted, _MISSING)
+        if value is not _MISSING:
+            return value
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+_MISSING = object()

@@ -1,7 +1,7 @@
 """Low-bit matmul kernels side by side: microseconds per call at the decode batch sizes.
 
 For SmolLM2-135M's matrix shapes, in one process on the same inputs: the native kernels
-(`masenvs.adapters.backends.cpu_kernels`, 4-bit with a float16 scale and minimum per
+(`masenvs.engine.kernels`, 4-bit with a float16 scale and minimum per
 group of 32, 8-bit with a float16 scale per group), torch's `_weight_int4pack_mm_for_cpu`
 (what the engine uses without them) and a dense bfloat16 matmul. Medians of interleaved
 rounds; weights are re-read from memory each call only as far as the caches allow, so

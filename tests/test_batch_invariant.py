@@ -13,10 +13,10 @@ import torch
 from test_embedded import adapter_dirs  # noqa: F401 (a fixture)
 from test_models import small_model
 
-from masenvs.adapters.backends.llama import LlamaForward, Prefill
 from masenvs.adapters.stack import add_engine_arguments, engine_options
 from masenvs.engine import kernels as cpu_kernels
 from masenvs.engine.engine import EmbeddedBackend
+from masenvs.engine.forward import LlamaForward, Prefill
 from masenvs.engine.protocol import BackendError, GenerateRequest, SamplingParams
 
 SYSTEM = (

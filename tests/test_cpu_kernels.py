@@ -13,8 +13,8 @@ import pytest
 import torch
 from test_models import decode_after, on_4bit_grid, small_model
 
-from masenvs.adapters.backends.llama import LlamaForward
 from masenvs.engine import kernels as cpu_kernels
+from masenvs.engine.forward import LlamaForward
 
 # Skipped only where the kernels cannot exist; where they can, failing to build them fails.
 needs_kernels = pytest.mark.skipif(
@@ -171,7 +171,7 @@ def test_auto_reads_4bit_and_8bit_weights_natively_and_stays_faithful(kernels: s
 
 
 def test_refit_recovers_a_q4_1_grid_from_bfloat16_weights() -> None:
-    from masenvs.adapters.backends.llama import _int4_grid, _int4_levels
+    from masenvs.engine.quant import _int4_grid, _int4_levels
 
     exact = on_4bit_grid(small_model("llama")).model.layers[0].mlp.up_proj.weight.detach()
     held = exact.bfloat16()  # what the engine holds
@@ -284,7 +284,7 @@ def test_lora_add_matches_float32(rows, kernels: str) -> None:
 
 
 def random_adapter(model: torch.nn.Module, name: str, seed: int):
-    from masenvs.adapters.backends.llama import lora_from_state_dict
+    from masenvs.engine.lora import lora_from_state_dict
 
     generator = torch.Generator().manual_seed(seed)
     state = {}
@@ -300,7 +300,8 @@ def random_adapter(model: torch.nn.Module, name: str, seed: int):
 
 @needs_kernels
 def test_native_lora_rows_match_the_torch_path(monkeypatch, kernels: str) -> None:
-    from masenvs.adapters.backends.llama import LoraRows, Prefill
+    from masenvs.engine.forward import Prefill
+    from masenvs.engine.lora import LoraRows
 
     model = small_model("llama").to(torch.bfloat16)
     first, second = random_adapter(model, "a", 1), random_adapter(model, "b", 2)

@@ -307,7 +307,7 @@ def test_set_adapter_weights_replaces_in_place(backend: EmbeddedBackend, adapter
 
 
 def test_long_prompts_prefill_in_chunks(backend: EmbeddedBackend, monkeypatch) -> None:
-    import masenvs.adapters.backends.embedded as embedded
+    import masenvs.engine.scheduler as embedded
 
     request = GenerateRequest(
         model="", params=SamplingParams(max_tokens=8, seed=2, top_logprobs=2), prompt="word " * 60

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 from test_models import small_model
 
-from masenvs.adapters.backends.llama import LlamaForward, Prefill
+from masenvs.engine.forward import LlamaForward, Prefill
 
 _PROBE = r"""
 import ctypes, sys

@@ -18,8 +18,8 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
-from masenvs.adapters.backends.llama import LlamaForward, Prefill
 from masenvs.engine import kernels as cpu_kernels
+from masenvs.engine.forward import LlamaForward, Prefill
 from masenvs.engine.loading import ModelLoadError, cache_dir, load_model
 from masenvs.engine.protocol import GenerateRequest, SamplingParams
 
@@ -223,7 +223,7 @@ def test_int8_decode_stays_within_rounding_of_the_dense_weights() -> None:
 
 
 def test_int8_weights_round_to_half_a_step_and_follow_in_place_updates() -> None:
-    from masenvs.adapters.backends.llama import _quantize_int8
+    from masenvs.engine.quant import _quantize_int8
 
     weight = torch.randn(96, 64).to(torch.bfloat16)
     q, scale = _quantize_int8(weight)
