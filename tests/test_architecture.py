@@ -14,6 +14,7 @@ shared piece down a layer), to make the private name public, or to split the fil
 from __future__ import annotations
 
 import ast
+import re
 import subprocess
 from dataclasses import dataclass, field
 from functools import cache
@@ -500,3 +501,18 @@ def test_the_checker_flags_each_kind_of_violation(bad_tree: Tree) -> None:
     assert lines(long_files(bad_tree.root)) == ["examples/big.py:1"]
     assert bad_tree.layer("masenvs.adapters.old") == "adapters"
     assert bad_tree.layer("masenvs.trainer.cli.main") == "CLI"
+
+
+def test_docs_architecture_names_only_files_that_exist() -> None:
+    """docs/architecture.md follows the tree: every path it names is there (a bare file name
+    is somewhere under the three package roots)."""
+    text = (ROOT / "docs" / "architecture.md").read_text(encoding="utf-8")
+    names = set(re.findall(r"`([\w./<>-]+\.(?:py|md|toml))`", text))
+    assert len(names) > 40, names  # the step trace names the modules it passes through
+    everywhere = {p.name for d in PACKAGE_ROOTS for p in (ROOT / d).rglob("*.py")}
+    missing = []
+    for name in sorted(n for n in names if "<" not in n):  # <name>.py: a file to write
+        found = (ROOT / name).exists() if "/" in name else name in everywhere
+        if not found and not (ROOT / name).exists():
+            missing.append(name)
+    assert not missing, f"docs/architecture.md names files that are not in the tree: {missing}"
