@@ -72,3 +72,53 @@ def test_an_unknown_name_is_still_an_attribute_error() -> None:
     module = importlib.import_module("masenvs.adapters.backends.vllm")
     with pytest.raises(AttributeError, match="no_such_name"):
         module.no_such_name  # noqa: B018
+
+
+def test_engine_routes_from_the_engine_server_warns_and_still_builds_the_routes() -> None:
+    from masenvs.adapters.endpoint import create_app
+    from masenvs.adapters.endpoint.vllm_routes import engine_routes
+
+    engine_server = importlib.import_module("masenvs.adapters.engine_server")
+    with pytest.warns(DeprecationWarning, match="endpoint.vllm_routes.engine_routes"):
+        old = engine_server.engine_routes
+
+    class Backend:  # just enough for the endpoint to build its routes
+        name = "stand-in"
+
+        def tokenizer_id(self) -> str:
+            return "sha256:0"
+
+        def decode(self, ids: list[int]) -> str:
+            return ""
+
+        def model_names(self) -> list[str]:
+            return ["base"]
+
+    endpoint = create_app(Backend(), tool_parser=None)
+    paths = [route.path for route in old(endpoint)]
+    assert paths == [route.path for route in engine_routes(endpoint.backend, endpoint.guard)]
+    assert "/collective_rpc" in paths and "/v1/load_lora_adapter" in paths
+
+
+def test_the_endpoint_package_keeps_the_old_modules_public_names() -> None:
+    import masenvs.adapters.endpoint as endpoint
+    from masenvs.adapters.endpoint import routes, server, wire
+
+    assert endpoint.Endpoint is routes.Endpoint and endpoint.create_app is routes.create_app
+    assert endpoint.EndpointServer is server.EndpointServer
+    assert endpoint.read_body is wire.read_body and endpoint.json_body is wire.json_body
+    assert endpoint.STEP_HEADER == "X-Masenvs-Step" and endpoint.MAX_BODY_BYTES == 32 << 20
+    assert endpoint.agent_and_step("critic@verdict") == ("critic", "verdict")
+
+
+def test_the_endpoint_no_longer_imports_the_engine_server() -> None:
+    # The engine server depends on the endpoint, never the other way round.
+    import ast
+    from pathlib import Path
+
+    import masenvs.adapters.endpoint as endpoint
+
+    for path in Path(endpoint.__file__).parent.glob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom):
+                assert "engine_server" not in (node.module or ""), path
