@@ -11,6 +11,7 @@ drives a vLLM server, and a pool of engines (`backends/pool.py`) holds either ki
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 import tempfile
@@ -20,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from masenvs.adapters.backends.launch import VLLMProcess, free_port, launch_server
+from masenvs.engine.args import EngineArgs
 from masenvs.listeners import API_KEY_ENV, listener_key
 
 
@@ -49,21 +51,19 @@ def launch_engine_server(
     *,
     host: str = "127.0.0.1",
     port: int = 0,
-    dtype: str = "auto",
-    quantize: str = "auto",
-    batch_invariant: bool | str = False,
-    max_batch_size: int = 32,
-    threads: int | None = None,
-    device: str = "cpu",
+    engine: EngineArgs | None = None,
     env: Mapping[str, str] | None = None,
     log_path: str | os.PathLike[str] | None = None,
     timeout: float = 300.0,
     api_key: str | None = None,
+    **options: Any,
 ) -> VLLMProcess:
     """Start `masenvs serve --engine` on `model` and wait until `/health` answers.
 
-    Beyond loopback it needs `api_key` (clients send it as a Bearer token); the key reaches
-    the server in its environment, never on its command line."""
+    The engine runs as `engine` says, with `options` (EngineArgs fields: dtype="float32",
+    threads=1, ...) on top. Beyond loopback it needs `api_key` (clients send it as a Bearer
+    token); the key reaches the server in its environment, never on its command line."""
+    engine = dataclasses.replace(engine or EngineArgs(), **options)
     key = listener_key(host, api_key, what="an engine server", key_flag="api_key=")
     port = port or free_port(host)
     args = [
@@ -78,19 +78,8 @@ def launch_engine_server(
         host,
         "--port",
         str(port),
-        "--device",
-        device,
-        "--dtype",
-        dtype,
-        "--quantize",
-        quantize,
-        "--max-batch-size",
-        str(max_batch_size),
+        *engine.to_cli_args(),
     ]
-    if threads:
-        args += ["--threads", str(threads)]
-    if batch_invariant:
-        args += ["--batch-invariant", "auto" if batch_invariant == "auto" else "on"]
     log_file = (
         Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="engine-", suffix=".log")[1])
     )

@@ -14,7 +14,8 @@ import socket
 import sys
 from typing import Any
 
-from masenvs.adapters.stack import StackError, add_engine_arguments, engine_options, make_backend
+from masenvs.adapters.stack import StackError, make_backend
+from masenvs.engine.args import EngineArgs
 from masenvs.listeners import ListenerError, announce, listener_key
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -77,7 +78,6 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="fsync each trace record (survives power loss, not only a killed process)",
     )
-    parser.add_argument("--device", default="cpu", help="embedded backend: cpu or cuda")
     parser.add_argument(
         "--engine",
         action="store_true",
@@ -85,11 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
         "(/v1/load_lora_adapter, /collective_rpc weight updates) on, unknown model names "
         "rejected; a pool of engines (distributed.engines) drives it like a vLLM server",
     )
-    parser.add_argument(
-        "--max-batch-size", type=int, default=32, help="embedded engine: sequences decoded together"
-    )
-    parser.add_argument("--threads", type=int, help="embedded engine: torch threads")
-    add_engine_arguments(parser)
+    EngineArgs.add_cli_args(parser)  # --device, --threads, --max-batch-size, --dtype, ...
     parser.add_argument("--log-level", default="warning")
     return parser
 
@@ -140,7 +136,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"masenvs serve: {exc}", file=sys.stderr)
         return 2
 
-    from masenvs.adapters.backends.base import BackendError
+    from masenvs.engine.protocol import BackendError
 
     launched = None
     try:
@@ -177,13 +173,8 @@ def _make_backend(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[A
         return backend, launched
 
     try:
-        backend = make_backend(
-            args.model,
-            device=args.device,
-            max_batch_size=args.max_batch_size,
-            num_threads=args.threads,
-            **engine_options(args),
-        )
+        engine = EngineArgs.from_cli_args(args)
+        backend = make_backend(args.model, **engine.engine_kwargs())
     except StackError as exc:
         raise ValueError(str(exc)) from exc
     try:
@@ -200,7 +191,7 @@ def _engine_line(backend: Any) -> str:
     forward = getattr(backend, "forward", None)
     if forward is None:  # not the embedded engine
         return ""
-    from masenvs.adapters.backends import cpu_kernels
+    from masenvs.engine import kernels as cpu_kernels
 
     kernels = cpu_kernels.kernel_set() if forward.native else None
     dtype = str(forward.dtype).removeprefix("torch.")

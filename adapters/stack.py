@@ -10,6 +10,7 @@ from typing import Any
 
 from masenvs.adapters.endpoint import Endpoint, EndpointServer, create_app
 from masenvs.adapters.policy_map import PolicyMap
+from masenvs.engine.args import EngineArgs
 from masenvs.engine.protocol import Backend, BackendError
 from masenvs.registry import env_class
 from masenvs.traces import TraceStore
@@ -73,43 +74,19 @@ def parse_pairs(pairs: list[str], flag: str) -> dict[str, str]:
     return result
 
 
+# The engine flags `masenvs rollout` and `masenvs eval` take (serve takes every EngineArgs flag).
+ENGINE_FLAGS = ["dtype", "quantize", "batch_invariant"]
+
+
 def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
-    """--dtype, --quantize and --batch-invariant: how the embedded engine runs."""
-    parser.add_argument(
-        "--dtype",
-        choices=["auto", "float32", "bfloat16"],
-        default="auto",
-        help="embedded engine weights; auto: bfloat16 on GPUs and on CPUs with native bf16 "
-        "(AVX512-BF16, AMX, Arm BF16) or with the AVX2 kernels, float32 elsewhere",
-    )
-    parser.add_argument(
-        "--quantize",
-        choices=["auto", "int4", "int8", "none"],
-        default="auto",
-        help="embedded engine on CPU in bfloat16: decode steps and short prefills read "
-        "weight-only copies; auto: 4 or 8 bits for weights that already are (SmolLM2's GGUF "
-        "Q4_1 layers and Q8_0 head, up to the float16 rounding of the file's scales), "
-        "int4/int8: every matrix (lossy), none: dense",
-    )
-    parser.add_argument(
-        "--batch-invariant",
-        nargs="?",
-        const="on",
-        choices=["on", "off", "auto"],
-        help="embedded engine: every answer bit-identical however requests are batched "
-        "(greedy results reproduce exactly); on needs the native CPU kernels (AVX2 or "
-        "AVX-512 BF16) and a quantize mode other than none; auto: on where that changes no "
-        "weight, else off (default: off; masenvs eval: the first checkpoint's setting)",
-    )
+    """--dtype, --quantize and --batch-invariant, as `EngineArgs` declares them."""
+    EngineArgs.add_cli_args(parser, ENGINE_FLAGS)
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """Keyword arguments for the embedded engine from the flags of `add_engine_arguments`."""
-    return {
-        "dtype": args.dtype,
-        "quantize": args.quantize,
-        "batch_invariant": {"on": True, "auto": "auto"}.get(args.batch_invariant, False),
-    }
+    kwargs = EngineArgs.from_cli_args(args).engine_kwargs()
+    return {name: kwargs[name] for name in ENGINE_FLAGS}
 
 
 def make_backend(

@@ -16,7 +16,6 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
-from masenvs.adapters.backends.base import Backend, BackendError
 from masenvs.adapters.backends.launch import (
     VLLMLaunchError,
     check_cpu_model,
@@ -27,8 +26,9 @@ from masenvs.adapters.backends.launch import (
 from masenvs.adapters.backends.pool import EnginePool
 from masenvs.adapters.backends.router import Route, RouterBackend
 from masenvs.adapters.backends.vllm import VLLMBackend
-from masenvs.adapters.models import load_tokenizer
 from masenvs.adapters.stack import StackError
+from masenvs.engine.loading import load_tokenizer
+from masenvs.engine.protocol import Backend, BackendError
 from masenvs.trainer.config import TrainConfig
 from masenvs.trainer.learner import Learner
 from masenvs.trainer.sync import PolicyServer, vllm_servers
@@ -141,12 +141,7 @@ def _launcher(
         def start() -> Backend:
             handle = launch_engine_server(
                 server.model,
-                dtype=b.dtype,
-                quantize=b.quantize,
-                batch_invariant=b.batch_invariant,
-                max_batch_size=b.max_batch_size,
-                device=device,
-                threads=threads,
+                engine=b.engine_args(device=device, threads=threads),
                 log_path=log_path,
                 timeout=b.request_timeout,
             )

@@ -39,7 +39,8 @@ from masenvs.trainer.checkpoint import TrainState, load_latest, save_checkpoint
 from masenvs.trainer.config import ConfigError, TrainConfig, save_config
 from masenvs.trainer.dist_learner import make_learner
 from masenvs.trainer.engines import engine_pools, several_engines
-from masenvs.trainer.learner import Learner, mfu_metrics
+from masenvs.trainer.flops import mfu_metrics
+from masenvs.trainer.learner import Learner
 from masenvs.trainer.metrics import (
     MetricsLogger,
     group_metrics,
@@ -474,13 +475,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     save_config(cfg, run_dir / "config.yaml")
 
     with _status(console, f"starting the {cfg.backend.kind} backend"):
-        engine = {
-            "max_batch_size": cfg.backend.max_batch_size,
-            "device": str(learner.device),
-            "dtype": cfg.backend.dtype,
-            "quantize": cfg.backend.quantize,
-            "batch_invariant": cfg.backend.batch_invariant,
-        }
+        engine = cfg.backend.engine_args(device=str(learner.device)).engine_kwargs()
         if several_engines(cfg):  # distributed.engines: replicas behind pools
             backend = engine_pools(cfg, learner, run_dir)
         elif cfg.backend.kind == "embedded":  # one engine per base (or per trained model)
