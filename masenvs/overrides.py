@@ -16,11 +16,18 @@ import typing
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ValidationError
+from pydantic import BaseModel, ConfigDict, ValidationError
 
 
 class ConfigError(ValueError):
     """A configuration that cannot be used; the message names the field and the fix."""
+
+
+class Section(BaseModel):
+    """A config section: an unknown key is an error (with a did-you-mean), and so is
+    assigning a value of the wrong type later."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
 
 def parse_value(raw: str) -> Any:

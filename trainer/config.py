@@ -11,18 +11,17 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, model_validator
+from pydantic import Field, ValidationError, create_model, model_validator
 
 from masenvs.adapters.frameworks.workflow import WorkflowSpec
 from masenvs.engine.args import EngineArgs
-from masenvs.overrides import ConfigError, apply_override, explain
+from masenvs.overrides import ConfigError, Section, apply_override, explain
+from masenvs.trainer.distributed_config import DistributedConfig
+from masenvs.trainer.distributed_config import EnginesConfig as EnginesConfig  # its old home
+from masenvs.trainer.distributed_config import LearnerDistConfig as LearnerDistConfig
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
-
-
-class ModelConfig(_Section):
+class ModelConfig(Section):
     """The base model every adapter is trained on."""
 
     name: str = Field(
@@ -42,7 +41,7 @@ class ModelConfig(_Section):
     )
 
 
-class EnvSpec(_Section):
+class EnvSpec(Section):
     """Which environment to train in and which task seeds training draws."""
 
     name: str = Field("plan_path", description="A registered env (`masenvs list`).")
@@ -58,7 +57,7 @@ class EnvSpec(_Section):
     )
 
 
-class RolloutConfig(_Section):
+class RolloutConfig(Section):
     """How training episodes are sampled (AT-GRPO tree sampling, or independent trajectories)."""
 
     mode: Literal["tree", "trajectory"] = Field(
@@ -129,7 +128,7 @@ class RolloutConfig(_Section):
     )
 
 
-class _BackendClients(_Section):
+class _BackendClients(Section):
     """Which inference backend samples the rollouts (behind the capture endpoint)."""
 
     kind: Literal["embedded", "vllm"] = Field(
@@ -175,7 +174,7 @@ BackendConfig = create_model(
 )
 
 
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(Section):
     """AT-GRPO: group-relative advantages and the token-level PPO-clip loss."""
 
     adv_eps: float = Field(
@@ -256,7 +255,7 @@ class AlgorithmConfig(_Section):
         return self
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     """AdamW with linear warmup then cosine decay, gradient clipping, token-budget micro-batches."""
 
     lr: float = Field(1e-5, gt=0.0, description="Peak learning rate (after warmup).")
@@ -296,7 +295,7 @@ class OptimConfig(_Section):
     )
 
 
-class PolicyConfig(_Section):
+class PolicyConfig(Section):
     """Which adapter or model each agent trains."""
 
     mode: Literal["shared", "per_agent", "separate"] = Field(
@@ -325,7 +324,7 @@ class PolicyConfig(_Section):
         return list(dict.fromkeys(self.policy_of(a) for a in agents))
 
 
-class LoRAParams(_Section):
+class LoRAParams(Section):
     """LoRA adapter shape (kept within what vLLM serves: bias 'none', no DoRA)."""
 
     rank: int = Field(16, ge=1, description="LoRA rank r (vLLM serves up to --max-lora-rank).")
@@ -338,7 +337,7 @@ class LoRAParams(_Section):
     )
 
 
-class AgentConfig(_Section):
+class AgentConfig(Section):
     """Per-agent settings under `agents.<name>`; unset fields fall back to the run's."""
 
     temperature: float | None = Field(
@@ -365,7 +364,7 @@ class AgentConfig(_Section):
     )
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     """Atomic checkpoints under `<run_dir>/checkpoints`."""
 
     every: int = Field(10, ge=1, description="Save every N training steps (and at the end).")
@@ -373,7 +372,7 @@ class CheckpointConfig(_Section):
     resume: bool = Field(True, description="Resume from the latest checkpoint in run_dir if any.")
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     """Where metrics go; `metrics.jsonl` in run_dir is always written."""
 
     tensorboard: bool = Field(True, description="Also write TensorBoard events to run_dir/tb.")
@@ -393,7 +392,7 @@ class LoggingConfig(_Section):
     )
 
 
-class ValidationConfig(_Section):
+class ValidationConfig(Section):
     """Held-out episodes with independent chains (no branching)."""
 
     every: int = Field(10, ge=0, description="Validate every N training steps; 0 turns it off.")
@@ -407,7 +406,7 @@ class ValidationConfig(_Section):
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 is greedy).")
 
 
-class ScheduleConfig(_Section):
+class ScheduleConfig(Section):
     """Which roles train when: MetaAgent-X alternates the designer and the executor."""
 
     alternate: list[str] = Field(
@@ -441,101 +440,7 @@ class ScheduleConfig(_Section):
         return 0.0 if self.mode == "phase" else self.off_lr_scale
 
 
-class EnginesConfig(_Section):
-    """Inference engines behind the capture endpoint: several copies of the served model."""
-
-    count: int = Field(
-        1,
-        ge=1,
-        description="Engines serving the same model(s), each its own process (an embedded "
-        "engine server for backend.kind 'embedded', a vLLM server for 'vllm'); 1 keeps "
-        "today's single backend. A router spreads requests over them.",
-    )
-    urls: list[str] = Field(
-        default_factory=list,
-        description="Root URLs of engine servers already running (vLLM, or `masenvs serve "
-        "--engine`), used instead of starting `count` of them.",
-    )
-    affinity: Literal["rollout", "least_loaded"] = Field(
-        "rollout",
-        description="'rollout': every call of one rollout goes to the engine its first call "
-        "went to (its prefix stays cached there); 'least_loaded': each call to the engine "
-        "with the fewest requests in flight.",
-    )
-    allow_mixed_versions: bool = Field(
-        False,
-        description="Let a rollout that started before a weight update go on under the new "
-        "weights; False: updates wait until running rollouts end (each call's policy version "
-        "is recorded either way).",
-    )
-    restart: bool = Field(
-        True,
-        description="Restart an engine the trainer started when it dies; False (or an engine "
-        "given by URL): the run stops with an error naming the engine.",
-    )
-    max_restarts: int = Field(3, ge=0, description="Restarts per engine before the run stops.")
-
-
-class LearnerDistConfig(_Section):
-    """The learner on torch.distributed: one process per rank."""
-
-    world_size: int = Field(
-        1, ge=1, description="Learner ranks; 1 trains in the trainer process as today."
-    )
-    sharding: Literal["fsdp", "ddp"] = Field(
-        "fsdp",
-        description="'fsdp': parameters, gradients and optimizer state sharded over ranks "
-        "(FSDP2); 'ddp': each rank holds a full copy, gradients are all-reduced.",
-    )
-    backend: Literal["auto", "gloo", "nccl"] = Field(
-        "auto", description="Process-group backend; 'auto' is nccl on GPUs, gloo on CPUs."
-    )
-    timeout: float = Field(
-        600.0, gt=0.0, description="Seconds any collective or rank call may take."
-    )
-
-
-class DistributedConfig(_Section):
-    """Scale out: rollout workers on Ray, several engines, a sharded learner."""
-
-    ray_address: str | None = Field(
-        None,
-        description="Ray cluster to join ('auto', 'ray://host:10001'); None starts a local "
-        "Ray instance when rollout workers are asked for.",
-    )
-    rollout_workers: int = Field(
-        0,
-        ge=0,
-        description="Ray actors that run the env episodes and agent programs; 0 runs them in "
-        "the trainer process.",
-    )
-    worker_timeout: float = Field(
-        900.0, gt=0.0, description="Seconds one worker's share of a step may take."
-    )
-    on_worker_failure: Literal["retry", "drop"] = Field(
-        "retry",
-        description="A worker that dies mid-step: 'retry' re-runs its episodes on a new "
-        "worker; 'drop' records them as dropped. Training goes on either way.",
-    )
-    max_worker_restarts: int = Field(
-        3, ge=0, description="Worker restarts in one run before the run stops."
-    )
-    endpoint_host: str | None = Field(
-        None,
-        description="Address the capture endpoint binds; None: 0.0.0.0 when rollout workers "
-        "join a Ray cluster (ray_address), else 127.0.0.1. Beyond loopback it needs a key: "
-        "$MASENVS_API_KEY, else one generated for the run and handed to the workers via Ray.",
-    )
-    endpoint_no_auth: bool = Field(
-        False,
-        description="Serve the endpoint beyond loopback with no key (a warning is printed): "
-        "anyone who reaches the port can sample the policy and write training data.",
-    )
-    engines: EnginesConfig = Field(default_factory=EnginesConfig)
-    learner: LearnerDistConfig = Field(default_factory=LearnerDistConfig)
-
-
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """Everything one AT-GRPO run needs; YAML sections map to the fields below."""
 
     run_dir: str = Field("runs/default", description="Checkpoints, metrics and plots go here.")
