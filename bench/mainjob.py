@@ -38,7 +38,8 @@ import torch  # noqa: E402
 
 from masenvs.trainer.atgrpo import group_advantages  # noqa: E402
 from masenvs.trainer.config import load_config  # noqa: E402
-from masenvs.trainer.learner import Learner, mfu_metrics  # noqa: E402
+from masenvs.trainer.flops import mfu_metrics  # noqa: E402
+from masenvs.trainer.learner import Learner  # noqa: E402
 from masenvs.trainer.samples import Sample, tree_group  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "examples" / "quickstart.yaml"

@@ -10,14 +10,9 @@ import torch
 from test_learner import branches, config, make_samples, with_advantages
 
 from masenvs.trainer import learner as learner_module
-from masenvs.trainer.learner import (
-    Learner,
-    build_microbatch,
-    forward_flops,
-    linear_params,
-    mfu_metrics,
-    prompt_units,
-)
+from masenvs.trainer.flops import forward_flops, linear_params, mfu_metrics
+from masenvs.trainer.learner import Learner
+from masenvs.trainer.packing import build_microbatch, prompt_units
 
 
 def _brute_force_pairs(mb: Any) -> tuple[int, int]:
@@ -85,7 +80,7 @@ def test_single_step_update_equals_a_separate_old_logprob_pass(
     results = []
     for separate in (False, True):
         if separate:  # what the learner does when it cannot trust the update's forward
-            monkeypatch.setattr(learner_module, "_has_dropout", lambda model: True)
+            monkeypatch.setattr(learner_module, "has_dropout", lambda model: True)
         cfg = config()
         learner = Learner(cfg, ["coder"], loader)
         metrics = learner.step(with_advantages(samples, cfg))

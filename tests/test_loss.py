@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 import torch
 
-from masenvs.trainer import learner as learner_module
+from masenvs.trainer import scoring as scoring_module
 from masenvs.trainer.atgrpo import LossSums, group_advantages, policy_loss
 from masenvs.trainer.config import AlgorithmConfig, load_config
 from masenvs.trainer.learner import Learner
@@ -221,7 +221,7 @@ def test_a_flipped_sign_in_the_loss_is_caught(loader: Any, monkeypatch: pytest.M
     def flipped(logprobs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, *a: Any, **k: Any):
         return policy_loss(logprobs, old, -adv, *a, **k)
 
-    monkeypatch.setattr(learner_module, "policy_loss", flipped)
+    monkeypatch.setattr(scoring_module, "policy_loss", flipped)
     samples, _ = hand_batch()
     problems = update_problems(hand_learner(loader), samples)
     assert any("pg_loss" in p for p in problems) and any("lowered" in p for p in problems)

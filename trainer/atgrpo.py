@@ -110,7 +110,7 @@ def group_advantages(
 
 
 # LossSums fields that add across micro-batches (ratio_max takes the max instead).
-_SUMMED = (
+SUMMED = (
     "pg_loss",
     "kl_ref",
     "ratio",
@@ -138,7 +138,7 @@ class LossSums:
 
     def add(self, other: LossSums) -> None:
         self.tokens += other.tokens
-        for name in _SUMMED:
+        for name in SUMMED:
             setattr(self, name, getattr(self, name) + getattr(other, name))
         self.ratio_max = max(self.ratio_max, other.ratio_max)
         for k, v in other.extra.items():
@@ -221,6 +221,6 @@ def policy_loss(
             ]
         ).tolist()
     sums = LossSums(tokens=int(logprobs.numel()), ratio_max=values.pop())
-    for name, value in zip(_SUMMED, values, strict=True):
+    for name, value in zip(SUMMED, values, strict=True):
         setattr(sums, name, value)
     return loss, sums

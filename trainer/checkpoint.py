@@ -82,7 +82,7 @@ class Checkpoint:
             if getattr(learner, "sharded", False):
                 learner.load_sharded(self.path / SHARDED)  # type: ignore[attr-defined]
             else:
-                from masenvs.trainer.dist_learner import load_sharded_optimizers
+                from masenvs.trainer.rank_learner import load_sharded_optimizers
 
                 load_sharded_optimizers(learner, self.path / SHARDED)
         else:

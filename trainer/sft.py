@@ -271,9 +271,9 @@ def _step(
     optimizer.zero_grad(set_to_none=True)
     n = sum(len(s.completion_token_ids) for s in batch)
     total = 0.0
-    for mb in learner._microbatches(batch, policy.share_prompts):
+    for mb in learner.microbatches(batch, policy.share_prompts):
         mb.temperature = 1.0  # the data's distribution, not the sampling temperature's
-        scored = learner._forward(model, mb, with_entropy=False)
+        scored = learner.forward(model, mb, with_entropy=False)
         loss = -scored.logprobs.sum() / n
         loss.backward()
         total += float(loss.detach())
