@@ -86,6 +86,24 @@ def test_non_optimal_path_gets_no_optimal_bonus() -> None:
     assert infos["plan"]["success"] and infos["plan"]["reward_parts"]["team"] == pytest.approx(1.0)
 
 
+def test_without_stop_at_goal_an_answer_must_end_on_the_goal() -> None:
+    # Issue 33: with the default, moves after G are ignored, so a fixed sweep that passes
+    # through G is a success; stop_at_goal=False walks every move, and only the end counts.
+    env = masenvs.make("plan_path", single_agent=True)
+    env.reset(seed=0, options={"task": TASK})
+    _, _, _, _, infos = env.step({"plan": "#### [R, R, R, D]"})
+    assert infos["plan"]["success"]
+    env = masenvs.make("plan_path", single_agent=True, stop_at_goal=False, max_rounds=1)
+    env.reset(seed=0, options={"task": TASK})
+    _, _, terms, truncs, infos = env.step({"plan": "#### [R, R, R, D]"})
+    assert not infos["plan"]["success"] and env.state.pos == (1, 3)
+    assert infos["plan"]["reward_parts"]["team"] == 0.0
+    env.reset(seed=0, options={"task": TASK})
+    _, _, _, _, infos = env.step({"plan": "#### [R, R, R, D, U]"})
+    assert infos["plan"]["success"] and env.state.pos == (0, 3)
+    assert infos["plan"]["reward_parts"]["team"] == pytest.approx(1.0)  # 5 moves: not optimal
+
+
 def test_unparsable_answer_is_a_format_penalty() -> None:
     env = masenvs.make("plan_path", single_agent=True)
     env.reset(seed=0, options={"task": TASK})
