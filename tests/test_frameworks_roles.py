@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import pytest
 from framework_support import random_lora, serve
 
+from masenvs.adapters.episodes import run_episode
 from masenvs.adapters.frameworks import ClientSettings, FrameworkRole, RolePolicy, RunLimits
 from masenvs.adapters.policy import Sampling
-from masenvs.adapters.rollout import run_episode
 from masenvs.engine.engine import EmbeddedBackend
 from masenvs.registry import make
 

@@ -16,14 +16,15 @@ import pytest
 import ray
 from rich.console import Console
 
+from masenvs.adapters.episodes import EpisodeResult, run_episodes
 from masenvs.adapters.policy import ChatPolicy, Sampling
-from masenvs.adapters.rollout import EpisodeResult, run_episodes
 from masenvs.adapters.stack import Stack, start_stack
 from masenvs.traces import TraceStore
 from masenvs.trainer.config import DistributedConfig, TrainConfig, load_config
 from masenvs.trainer.metrics import read_metrics
 from masenvs.trainer.rollout import TaskRollout, collect_trajectory_batch, collect_tree_batch
-from masenvs.trainer.train import env_factory, env_options, train
+from masenvs.trainer.sources import env_factory, env_options
+from masenvs.trainer.train import train
 from masenvs.trainer.workers import (
     RolloutPool,
     WorkerError,

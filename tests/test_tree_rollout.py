@@ -13,13 +13,13 @@ from typing import Any
 import pytest
 
 import masenvs
+from masenvs.adapters.episodes import run_episode
 from masenvs.adapters.policy import Reply
-from masenvs.adapters.rollout import run_episode
 from masenvs.env import MASEnv
 from masenvs.sandbox import Sandbox
 from masenvs.trainer.config import TrainConfig
 from masenvs.trainer.rollout import TaskRollout, tree_rollout
-from masenvs.trainer.train import env_options
+from masenvs.trainer.sources import env_options
 
 # 4x4, start (0, 0), goal (0, 3): "R, R, R" is the one shortest path.
 TASK = {"rows": ["....", ".##.", "....", "...."], "start": [0, 0], "goal": [0, 3]}

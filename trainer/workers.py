@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 from urllib.parse import urlsplit, urlunsplit
 
+from masenvs.adapters.episodes import EpisodeResult, run_episodes
 from masenvs.adapters.policy import ChatPolicy, Sampling
-from masenvs.adapters.rollout import EpisodeResult, run_episodes
 from masenvs.adapters.stack import with_endpoint
 from masenvs.engine.protocol import honours_seed
 from masenvs.registry import make
