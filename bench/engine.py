@@ -202,7 +202,7 @@ MODES = {
 
 class Worker:
     """One mode in its own process, so that no two modes share OpenMP thread pools (see
-    adapters/backends/omp.py) or allocator state; the parent only sends work and reads."""
+    masenvs/engine/omp.py) or allocator state; the parent only sends work and reads."""
 
     def __init__(self, name: str, args: argparse.Namespace) -> None:
         context = multiprocessing.get_context("spawn")

@@ -1,4 +1,4 @@
-"""The native CPU kernels (adapters/backends/cpu_kernels*.c) against float32 math: every
+"""The native CPU kernels (masenvs/engine/kernels/*.c) against float32 math: every
 test that takes `kernels` (conftest.py) runs once per kernel set this CPU can run (AVX-512
 BF16, AVX2), so an AVX-512 machine checks the AVX2 set too."""
 
