@@ -32,7 +32,7 @@ from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.stack import Stack, start_stack
 from masenvs.trainer.config import DistributedConfig, TrainConfig, load_config
 from masenvs.trainer.rollout import TaskRollout, collect_tree_batch
-from masenvs.trainer.train import env_factory, env_options
+from masenvs.trainer.sources import env_factory, env_options
 from masenvs.trainer.workers import RolloutPool, worker_spec
 
 

@@ -32,7 +32,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "supervised fine-tuning on chat traces (JSONL) as checkpoint 0 of a run (cold start)",
     ),
     "eval": (
-        "masenvs.trainer.evaluate:main",
+        "masenvs.trainer.eval_cli:main",
         "avg@k and pass@k of base models, checkpoints and OpenAI URLs, side by side",
     ),
     "mas-graph": ("masenvs.mas.cli:main", "draw or export an auto-MAS design (designs.jsonl)"),

@@ -18,7 +18,8 @@ from masenvs.traces import TraceStore
 from masenvs.trainer.config import ConfigError, TrainConfig, load_config
 from masenvs.trainer.learner import Learner
 from masenvs.trainer.samples import Sample, tree_group
-from masenvs.trainer.train import agent_sampling, train
+from masenvs.trainer.sources import agent_sampling
+from masenvs.trainer.train import train
 
 
 def config(*overrides: str) -> TrainConfig:

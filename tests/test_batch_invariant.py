@@ -222,7 +222,7 @@ def test_training_with_it_validates_the_same_weights_to_the_same_answers(
     assert validations[0] == validations[1]
 
     # `masenvs eval` of the checkpoint validates as the run did, unless told otherwise.
-    from masenvs.trainer.evaluate import main as evaluate
+    from masenvs.trainer.eval_cli import main as evaluate
 
     for flags, expected in (([], True), (["--batch-invariant", "off"], False)):
         argv = ["--checkpoint", str(tmp_path / "a"), "--episodes", "2", "--temperature", "0"]

@@ -21,7 +21,8 @@ from masenvs.tasks.records import MathTask
 from masenvs.traces import TraceStore
 from masenvs.trainer.checkpoint import TrainState, save_checkpoint
 from masenvs.trainer.config import load_config
-from masenvs.trainer.evaluate import main, pass_at_k
+from masenvs.trainer.eval_cli import main
+from masenvs.trainer.evaluate import pass_at_k
 from masenvs.trainer.learner import Learner
 
 

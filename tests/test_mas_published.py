@@ -398,7 +398,7 @@ def test_a_mixed_source_draws_math_and_code_at_its_ratios(tmp_path) -> None:
 def test_mixed_sources_are_checked_and_selectable_from_a_train_config(tmp_path) -> None:
     from masenvs.tasks.mixed import MixedSource, mixed_math_code
     from masenvs.trainer.config import load_config
-    from masenvs.trainer.train import env_factory
+    from masenvs.trainer.sources import env_factory
 
     with pytest.raises(ValueError, match="not source"):
         masenvs.make("auto_mas", task="mixed", source="generated")

@@ -28,6 +28,16 @@ MOVED = [
     ("masenvs.trainer.learner", "MODEL_WEIGHTS", "masenvs.trainer.weights"),
     ("masenvs.trainer.dist_learner", "RankLearner", "masenvs.trainer.rank_learner"),
     ("masenvs.trainer.dist_learner", "load_sharded_optimizers", "masenvs.trainer.rank_learner"),
+    ("masenvs.trainer.train", "env_options", "masenvs.trainer.sources"),
+    ("masenvs.trainer.train", "env_factory", "masenvs.trainer.sources"),
+    ("masenvs.trainer.train", "agent_sampling", "masenvs.trainer.sources"),
+    ("masenvs.trainer.train", "rollout_metrics", "masenvs.trainer.sources"),
+    ("masenvs.trainer.train", "rollout_sample_seed", "masenvs.trainer.sources"),
+    ("masenvs.trainer.train", "TreeSource", "masenvs.trainer.sources"),
+    ("masenvs.trainer.train", "validation_metrics", "masenvs.trainer.sources"),
+    ("masenvs.trainer.train", "WorkflowSource", "masenvs.trainer.sources"),
+    ("masenvs.trainer.evaluate", "main", "masenvs.trainer.eval_cli"),
+    ("masenvs.trainer.evaluate", "build_parser", "masenvs.trainer.eval_cli"),
 ]
 
 
@@ -55,10 +65,24 @@ def test_names_that_stay_import_without_a_warning() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("error", DeprecationWarning)
         from masenvs.trainer.dist_learner import DistributedLearner, make_learner  # noqa: F401
+        from masenvs.trainer.evaluate import DirectPolicy, evaluate, pass_at_k  # noqa: F401
         from masenvs.trainer.learner import Learner, lr_at  # noqa: F401
+        from masenvs.trainer.train import endpoint_binding, seed_everything, train  # noqa: F401
 
 
 def test_an_unknown_name_is_still_an_attribute_error() -> None:
     learner = importlib.import_module("masenvs.trainer.learner")
     with pytest.raises(AttributeError, match="no_such_name"):
         learner.no_such_name  # noqa: B018
+
+
+def test_the_eval_library_does_not_load_the_command_line() -> None:
+    # The library sits below the CLI layer: importing it must not import masenvs eval's parser.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, masenvs.trainer.evaluate\n"
+        "assert 'masenvs.trainer.eval_cli' not in sys.modules, 'the CLI module was loaded'"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)

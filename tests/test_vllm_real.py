@@ -23,7 +23,6 @@ import httpx
 import pytest
 import torch
 
-from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
 from masenvs.adapters.backends.launch import (
     VLLMInstall,
     VLLMLaunchError,
@@ -32,6 +31,7 @@ from masenvs.adapters.backends.launch import (
     launch_vllm,
 )
 from masenvs.adapters.backends.vllm import VLLMBackend
+from masenvs.engine.protocol import GenerateRequest, SamplingParams
 from masenvs.env import EpisodeState, MASEnv, RewardParts
 from masenvs.registry import register
 from masenvs.traces import TraceStore
@@ -57,7 +57,7 @@ def tiny_llama(out: Path, seed: int) -> Path:
     """A tiny random Llama with SmolLM2's tokenizer that vLLM's CPU build can serve."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from masenvs.adapters.models import TINY_CONFIG, load_tokenizer
+    from masenvs.engine.loading import TINY_CONFIG, load_tokenizer
 
     tokenizer = load_tokenizer("tiny")
     shape = {"num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 32}
@@ -287,7 +287,7 @@ def test_full_weights_reach_the_running_server(backend, model, tmp_path) -> None
 
 
 def test_update_weights_explains_a_missing_or_empty_source(backend, tmp_path) -> None:
-    from masenvs.adapters.backends.base import BackendError
+    from masenvs.engine.protocol import BackendError
 
     with pytest.raises(BackendError, match="no safetensors|No weights"):
         run(backend.update_weights(tmp_path / "missing"))
@@ -446,15 +446,16 @@ def test_the_trainer_starts_vllm_and_stops_it_even_when_interrupted(
 ) -> None:
     from masenvs.trainer import train as train_module
     from masenvs.trainer.metrics import read_metrics
+    from masenvs.trainer.sources import TreeSource
 
-    collect = train_module.TreeSource.collect
+    collect = TreeSource.collect
 
     async def interrupted(self, step: int, seeds: list[int]):
         if step == 2:
             raise KeyboardInterrupt  # Ctrl-C in the middle of the run
         return await collect(self, step, seeds)
 
-    monkeypatch.setattr(train_module.TreeSource, "collect", interrupted)
+    monkeypatch.setattr(TreeSource, "collect", interrupted)
     python = install.prefix[0] if install.model_flag else None
     cfg = toy_config(tmp_path, model, 2, vllm_python=python)
     with pytest.raises(KeyboardInterrupt):

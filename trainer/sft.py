@@ -163,7 +163,8 @@ def sft(
     from masenvs.trainer.config import save_config
     from masenvs.trainer.learner import Learner
     from masenvs.trainer.samples import Sample
-    from masenvs.trainer.train import env_factory, seed_everything
+    from masenvs.trainer.sources import env_factory
+    from masenvs.trainer.train import seed_everything
 
     run_dir = Path(cfg.run_dir)
     if cfg.distributed.learner.world_size > 1:

@@ -13,8 +13,9 @@ import os
 import random
 import threading
 import time
+import warnings
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,17 +25,12 @@ import torch
 from rich.console import Console
 from rich.markup import escape
 
-from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.policy_map import PolicyMap
-from masenvs.adapters.rollout import EpisodeResult, episode_record, run_episodes
-from masenvs.adapters.stack import Stack, start_stack, with_endpoint
-from masenvs.engine.protocol import honours_seed
-from masenvs.env import MASEnv
+from masenvs.adapters.stack import Stack, start_stack
 from masenvs.listeners import API_KEY_ENV, announce, listener_key
 from masenvs.memory import tune_allocator
-from masenvs.registry import make
+from masenvs.trainer import sources
 from masenvs.trainer.atgrpo import group_advantages
-from masenvs.trainer.captured import captured_samples, write_designs
 from masenvs.trainer.checkpoint import TrainState, load_latest, save_checkpoint
 from masenvs.trainer.config import ConfigError, TrainConfig, save_config
 from masenvs.trainer.dist_learner import make_learner
@@ -53,12 +49,6 @@ from masenvs.trainer.metrics import (
     weight_snapshot,
 )
 from masenvs.trainer.plots import plot_curves
-from masenvs.trainer.rollout import (
-    TaskRollout,
-    collect_trajectory_batch,
-    collect_tree_batch,
-    team_term_metrics,
-)
 from masenvs.trainer.samples import Sample
 from masenvs.trainer.serving import training_backend
 from masenvs.trainer.steplog import SAMPLES_FILE, write_step_samples
@@ -121,315 +111,6 @@ def listening_lines(stack: Stack) -> list[str]:
     return lines
 
 
-def env_options(cfg: TrainConfig, stack: Stack | None = None) -> dict[str, Any]:
-    """The env's config: `env.options`, the rollout's turn order and rounds, and for envs
-    that call the endpoint themselves (auto-MAS) its URL and key, unless set."""
-    options = dict(cfg.env.options)
-    if stack is not None:
-        options = with_endpoint(cfg.env.name, options, stack.root_url, stack.api_key)
-    if options.get("turn_order", cfg.rollout.turn_order) != cfg.rollout.turn_order:
-        raise ValueError(
-            f"env.options.turn_order={options['turn_order']!r} contradicts rollout.turn_order="
-            f"{cfg.rollout.turn_order!r}: set rollout.turn_order only"
-        )
-    options["turn_order"] = cfg.rollout.turn_order
-    if cfg.rollout.max_rounds is not None:
-        options["max_rounds"] = cfg.rollout.max_rounds
-    return options
-
-
-def env_factory(cfg: TrainConfig, stack: Stack | None = None) -> Callable[[], MASEnv]:
-    options = env_options(cfg, stack)
-    make(cfg.env.name, **options)  # a bad env name or option fails here, before any model loads
-    return lambda: make(cfg.env.name, **options)
-
-
-def agent_sampling(
-    cfg: TrainConfig, agents: list[str], *, validation: bool = False
-) -> dict[str, Sampling]:
-    """Each agent's sampling settings: `agents.<name>` over `rollout.*`.
-
-    Validation keeps `validation.temperature` (greedy by default) for every agent and the
-    run's seed; top_p and max_tokens stay the agent's own.
-    """
-    unknown = sorted(set(cfg.agents) - set(agents))
-    if unknown:
-        raise ConfigError(
-            f"agents.{unknown[0]} in the config is not an agent of this run ({', '.join(agents)}); "
-            "fix the name or remove the section"
-        )
-    out = {}
-    for name in agents:
-        a = cfg.agent(name)
-        if validation:  # the ref validates without top-k and repetition penalty
-            out[name] = Sampling(cfg.validation.temperature, a.top_p, 0, a.max_tokens, cfg.seed)
-        else:
-            out[name] = Sampling(
-                a.temperature, a.top_p, a.top_k, a.max_tokens, None, a.repetition_penalty
-            )
-    return out
-
-
-def rollout_metrics(results: list[TaskRollout]) -> dict[str, float]:
-    ok = [r for r in results if r.error is None]
-    out: dict[str, float] = {
-        "train/success": sum(r.success for r in ok) / max(len(ok), 1),
-        "train/rounds": sum(r.rounds for r in ok) / max(len(ok), 1),
-        "train/failed_tasks": float(len(results) - len(ok)),
-    }
-    path_rewards: dict[str, list[float]] = defaultdict(list)
-    for r in ok:
-        for agent, reward in r.rewards.items():
-            path_rewards[agent].append(reward)
-    for agent, values in path_rewards.items():
-        out[f"train/episode_reward/{agent}"] = sum(values) / len(values)
-    return out
-
-
-def rollout_sample_seed(cfg: TrainConfig, backend: Any) -> int | None:
-    """The seed training calls derive theirs from (`rollout.seeded`), where the backend
-    samples seeds as asked; None elsewhere (vLLM's CPU build: docs/vllm.md), said once."""
-    if cfg.sample_seed is None or honours_seed(backend):
-        return cfg.sample_seed
-    log.warning(
-        "rollout.seeded is on, but the %s backend does not honour per-call seeds "
-        "(docs/vllm.md): training calls go unseeded, so a rerun samples other candidates",
-        getattr(backend, "name", type(backend).__name__),
-    )
-    return None
-
-
-class TreeSource:
-    """Env roles sampled with AT-GRPO tree sampling; validation runs independent episodes."""
-
-    def __init__(self, cfg: TrainConfig, stack: Stack, learner: Learner) -> None:
-        self.cfg, self.stack, self.learner = cfg, stack, learner
-        self.make_env = env_factory(cfg, stack)
-        self.policy = ChatPolicy(
-            stack.root_url,
-            sampling=Sampling(
-                cfg.rollout.temperature,
-                cfg.rollout.top_p,
-                cfg.rollout.top_k,
-                cfg.rollout.max_tokens,
-                None,
-                cfg.rollout.repetition_penalty,
-            ),
-            agent_sampling=agent_sampling(cfg, learner.agents),
-            api_key=stack.api_key or "masenvs",
-        )
-        self.last_errors: list[str] = []  # the last step's failed tasks, for an empty step
-        self.sample_seed = rollout_sample_seed(cfg, stack.backend)
-        self.pool = None
-        if cfg.distributed.rollout_workers:  # episodes run in Ray actors (trainer/workers.py)
-            from masenvs.trainer.workers import RolloutPool, worker_spec
-
-            policies = {agent: learner.policy_of(agent) for agent in learner.agents}
-            spec = worker_spec(cfg, stack, self.policy, policies, env_options(cfg))
-            self.pool = RolloutPool(spec, cfg.distributed)
-
-    async def collect(self, step: int, seeds: list[int]) -> tuple[list[Sample], dict[str, float]]:
-        cfg = self.cfg
-        started = time.time()
-        if self.pool is not None:  # the workers play cfg.rollout.mode too (worker_spec)
-            results = await asyncio.to_thread(self.pool.tree, f"s{step}", seeds)
-        elif cfg.rollout.mode == "trajectory":
-            results = await collect_trajectory_batch(
-                self.make_env,
-                seeds,
-                self.policy,
-                episodes=cfg.rollout.branches,
-                policy_of=self.learner.policy_of,
-                group_by=cfg.rollout.group_by,
-                rollout_prefix=f"s{step}",
-                concurrency=cfg.rollout.concurrency,
-                sample_seed=self.sample_seed,
-            )
-        else:
-            results = await collect_tree_batch(
-                self.make_env,
-                seeds,
-                self.policy,
-                branches=cfg.rollout.branches,
-                policy_of=self.learner.policy_of,
-                select_by=cfg.rollout.select_by,
-                rollout_prefix=f"s{step}",
-                concurrency=cfg.rollout.concurrency,
-                sample_seed=self.sample_seed,
-                group_by=cfg.rollout.group_by,
-            )
-        for r in results:
-            if r.error:
-                log.warning("task %s dropped from step %d: %s", r.task_id, step, r.error)
-        self.last_errors = [r.error for r in results if r.error]
-        samples = [s for r in results for s in r.samples]
-        metrics = rollout_metrics(results) | team_term_metrics(samples)
-        if self.pool is not None:
-            metrics.update(self.pool.metrics())
-        captured = [(r.task_id, c) for r in results for c in r.captured]
-        if captured and self.stack.store is not None:
-            samples += captured_samples(
-                self.stack.store,
-                [c for _, c in captured],
-                task_of={c["rollout_id"]: task for task, c in captured},
-                policy_of=self.learner.policy_of,
-                group_by=cfg.algorithm.caller_group,
-                since=started,
-            )
-            metrics["train/captured_runs"] = float(len(captured))
-        designs = [d for r in results for d in r.designs]
-        if designs:
-            write_designs(Path(cfg.run_dir) / "designs.jsonl", step, designs)
-            failed = [d for d in designs if d["error"]]
-            metrics["train/design_failure_rate"] = len(failed) / len(designs)
-        return samples, metrics
-
-    def why_no_samples(self) -> str:
-        errors = self.last_errors
-        return f"every task failed ({errors[0]})" if errors else "the tasks gave no sample"
-
-    async def validate(self, step: int) -> dict[str, float]:
-        cfg = self.cfg
-        sampling = Sampling(cfg.validation.temperature, 1.0, 0, cfg.rollout.max_tokens, cfg.seed)
-        if self.pool is not None:
-            agents = agent_sampling(cfg, self.learner.agents, validation=True)
-            seeds = list(cfg.validation_seeds())
-            results = await asyncio.to_thread(
-                self.pool.episodes, f"val{step}", seeds, sampling, agents
-            )
-            for r in results:  # workers have no store: the episodes are recorded here
-                if self.stack.store is not None:
-                    self.stack.store.append(episode_record(r))
-            return validation_metrics(results) | self.pool.metrics("val")
-        policy = ChatPolicy(
-            self.stack.root_url,
-            sampling=sampling,
-            agent_sampling=agent_sampling(cfg, self.learner.agents, validation=True),
-            api_key=self.policy.api_key,
-        )
-        try:
-            results = await run_episodes(
-                cfg.env.name,
-                policy,
-                list(cfg.validation_seeds()),
-                env_config=env_options(cfg, self.stack),
-                store=self.stack.store,
-                concurrency=cfg.rollout.concurrency,
-                rollout_prefix=f"val{step}",
-            )
-        finally:
-            await policy.aclose()
-        return validation_metrics(results)
-
-    async def aclose(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-        await self.policy.aclose()
-
-
-def validation_metrics(results: list[EpisodeResult]) -> dict[str, float]:
-    out = {"val/success": sum(r.success for r in results) / len(results)}
-    for agent in sorted({a for r in results for a in r.rewards}):
-        rewards = [r.rewards.get(agent, 0.0) for r in results]
-        out[f"val/reward/{agent}"] = sum(rewards) / len(rewards)
-    return out
-
-
-class WorkflowSource:
-    """A framework program run K times per task; every call it made is a sample."""
-
-    def __init__(self, cfg: TrainConfig, stack: Stack, learner: Learner) -> None:
-        from masenvs.adapters.frameworks.clients import ClientSettings
-
-        self.cfg, self.stack, self.learner = cfg, stack, learner
-        self.spec = cfg.workflow
-        r = cfg.rollout
-        self.settings = ClientSettings(
-            sampling=Sampling(
-                r.temperature, r.top_p, r.top_k, r.max_tokens, None, r.repetition_penalty
-            ),
-            agents=agent_sampling(cfg, learner.agents),
-            api_key=stack.api_key or "masenvs",
-        )
-        self.val_settings = ClientSettings(
-            sampling=Sampling(cfg.validation.temperature, 1.0, 0, r.max_tokens, cfg.seed),
-            agents=agent_sampling(cfg, learner.agents, validation=True),
-            api_key=stack.api_key or "masenvs",
-        )
-        from masenvs.trainer.workflow import FailureWindow
-
-        self.failures = FailureWindow(self.spec.failure_window, self.spec.max_failure_rate)
-        self.last_runs: list[Any] = []
-        for name, agent in self.spec.agent_map.items():  # a mapped name samples as its agent
-            self.settings.agents[name] = self.settings.agents[agent]
-            self.val_settings.agents[name] = self.val_settings.agents[agent]
-        self.pool = None
-        if cfg.distributed.rollout_workers:  # the program runs in Ray actors (trainer/workers.py)
-            from masenvs.trainer.workers import RolloutPool, workflow_worker_spec
-
-            self.pool = RolloutPool(workflow_worker_spec(cfg, stack), cfg.distributed)
-
-    async def _runs(self, step, seeds, runs_per_task, settings):
-        from masenvs.trainer.workflow import collect_workflow_samples
-
-        if self.pool is not None:
-            from masenvs.trainer.workers import collect_workflow
-
-            policy_of = self.learner.policy_of
-            return await collect_workflow(
-                self.pool,
-                self.stack,
-                step=step,
-                seeds=seeds,
-                runs_per_task=runs_per_task,
-                settings=settings,
-                policy_of=policy_of,
-            )
-
-        return await collect_workflow_samples(
-            self.spec,
-            root_url=self.stack.root_url,
-            store=self.stack.store,
-            env_name=self.cfg.env.name,
-            seeds=seeds,
-            runs_per_task=runs_per_task,
-            env_options=self.cfg.env.options,
-            settings=settings,
-            policy_of=self.learner.policy_of,
-            endpoint=self.stack.endpoint,
-            step=step,
-            concurrency=self.cfg.rollout.concurrency,
-        )
-
-    async def collect(self, step: int, seeds: list[int]) -> tuple[list[Sample], dict[str, float]]:
-        from masenvs.trainer.workflow import check_unknown_agents, workflow_metrics
-
-        # Each failed run is logged once, by run_workflow; the detail is in its episode record.
-        samples, runs = await self._runs(step, seeds, self.cfg.rollout.branches, self.settings)
-        check_unknown_agents(self.stack.endpoint.policy_map, runs)  # before any update
-        self.last_runs = runs
-        self.failures.check(runs)  # too many failed runs: stop before training on them
-        metrics = workflow_metrics(runs, samples)
-        return samples, metrics | (self.pool.metrics() if self.pool is not None else {})
-
-    def why_no_samples(self) -> str:
-        from masenvs.trainer.workflow import why_no_samples
-
-        return why_no_samples(self.last_runs)
-
-    async def validate(self, step: int) -> dict[str, float]:
-        seeds = list(self.cfg.validation_seeds())
-        _, runs = await self._runs(-step - 1, seeds, 1, self.val_settings)
-        return {
-            "val/success": sum(r.success for r in runs) / len(runs),
-            "val/reward": sum(r.reward for r in runs) / len(runs),
-        }
-
-    async def aclose(self) -> None:
-        if self.pool is not None:
-            self.pool.close()
-
-
 def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     """Run (or resume, with `cfg.checkpoint.resume`) the training described by `cfg`."""
     console = console or Console()
@@ -453,9 +134,9 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
         except (ValueError, TypeError) as exc:
             raise ConfigError(str(exc)) from exc
     else:
-        env = env_factory(cfg)()
+        env = sources.env_factory(cfg)()
         agents = list(dict.fromkeys([*env.possible_agents, *env.callers]))
-    agent_sampling(cfg, agents)
+    sources.agent_sampling(cfg, agents)
     off = sorted(set(cfg.schedule.alternate) - set(agents))
     if off:
         raise ConfigError(
@@ -514,7 +195,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     metrics = MetricsLogger(
         run_dir, cfg.logging, cfg, resume_step=state.step if checkpoint is not None else -1
     )
-    source_class = WorkflowSource if cfg.workflow is not None else TreeSource
+    source_class = sources.WorkflowSource if cfg.workflow is not None else sources.TreeSource
     start = weight_snapshot(learner)
     try:
         asyncio.run(_loop(cfg, learner, stack, sync, metrics, source_class, state, console))
@@ -538,7 +219,7 @@ async def _loop(
     stack: Stack,
     sync: WeightSync,
     metrics: MetricsLogger,
-    source_class: type[TreeSource] | type[WorkflowSource],
+    source_class: type[sources.TreeSource] | type[sources.WorkflowSource],
     state: TrainState,
     console: Console,
 ) -> None:
@@ -720,3 +401,28 @@ def _rollout_progress(console: Console, stack: Stack, step: int, total: int) -> 
         finally:
             stop.set()
             thread.join()
+
+
+# Names that moved to masenvs.trainer.sources: the old path works, with a warning.
+_MOVED = (
+    "env_options",
+    "env_factory",
+    "agent_sampling",
+    "rollout_metrics",
+    "rollout_sample_seed",
+    "TreeSource",
+    "validation_metrics",
+    "WorkflowSource",
+)
+
+
+def __getattr__(name: str) -> Any:
+    if name in _MOVED:
+        warnings.warn(
+            f"masenvs.trainer.train.{name} moved to masenvs.trainer.sources.{name}; "
+            "import it from there (the old path goes away in the next release)",
+            DeprecationWarning,
+            stacklevel=2,
+        )
+        return getattr(sources, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
