@@ -3,7 +3,7 @@
 
     masenvs rollout --env math --model tiny --episodes 8
     masenvs rollout --env math --url http://127.0.0.1:8000/v1 --workflow my_graph:build \
-        --framework langgraph --agents solver,checker --runs 2
+        --framework langgraph --agents solver,checker --branches 2
 
 `--url` uses a running `masenvs serve` (its printed `/v1` URL or its root; it records the
 traces) instead of loading a model; `--workflow` runs your own program's factory instead of
@@ -36,6 +36,7 @@ from rich.text import Text
 from masenvs.adapters import episodes
 from masenvs.adapters.policy import ChatPolicy, Sampling, server_root
 from masenvs.adapters.stack import add_engine_arguments, with_endpoint
+from masenvs.overrides import RenamedFlag
 from masenvs.registry import env_class, make
 
 # The episode library moved to masenvs.adapters.episodes; these old names still resolve here
@@ -129,7 +130,17 @@ def build_parser() -> argparse.ArgumentParser:
     workflow.add_argument("--framework", choices=["langgraph", "autogen", "llamaindex"])
     workflow.add_argument("--agents", help="comma-separated model names the program's clients use")
     workflow.add_argument("--answer-from", help="LangGraph state key / AutoGen agent")
-    workflow.add_argument("--runs", type=int, default=1, help="runs of each task (K)")
+    workflow.add_argument(
+        "--branches", type=int, default=1, help="K: runs of each task (one advantage group)"
+    )
+    workflow.add_argument(
+        "--runs",
+        type=int,
+        dest="branches",
+        action=RenamedFlag,
+        new_flag="--branches",
+        help="the old name of --branches (deprecated)",
+    )
     workflow.add_argument("--timeout-s", type=float, default=600.0, help="per run")
     return parser
 
@@ -324,7 +335,7 @@ def _workflows(
                 root_url=url,
                 env_name=args.env,
                 seeds=seeds,
-                runs_per_task=args.runs,
+                branches=args.branches,
                 env_options=env_config,
                 settings=settings,
                 store=stack.store if stack is not None else None,

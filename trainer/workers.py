@@ -124,7 +124,7 @@ class RolloutWorker:
         )
 
     async def workflow(
-        self, prefix: str, seeds: list[int], runs_per_task: int, settings: ClientSettings
+        self, prefix: str, seeds: list[int], branches: int, settings: ClientSettings
     ) -> list[tuple[WorkflowRun, EpisodeRecord | None]]:
         """K runs of the workflow program per seed, with the episode record of each run (the
         trainer writes it; its calls are in the endpoint's store already)."""
@@ -138,7 +138,7 @@ class RolloutWorker:
             root_url=s.root_url,
             env_name=s.env_name,
             seeds=seeds,
-            runs_per_task=runs_per_task,
+            branches=branches,
             env_options=s.env_options,
             settings=settings,
             store=records,  # type: ignore[arg-type]  # only .append is used
@@ -216,7 +216,7 @@ async def collect_workflow(
     *,
     step: int,
     seeds: list[int],
-    runs_per_task: int,
+    branches: int,
     settings: ClientSettings,
     policy_of: Callable[[str], str],
 ) -> tuple[list[Sample], list[WorkflowRun]]:
@@ -231,11 +231,11 @@ async def collect_workflow(
     env = make(pool.spec.env_name, **task_env_options(pool.spec.env_options)).name
     prefix = f"s{step}"
     for seed in seeds:
-        for k in range(runs_per_task):
+        for k in range(branches):
             meta = {"task_id": f"{env}:{seed}", "seed": seed, "run_index": k}
             endpoint.set_rollout_metadata(f"{prefix}-{seed}-{k}", meta)
     started = time.time()
-    pairs = await asyncio.to_thread(pool.workflow, prefix, seeds, runs_per_task, settings)
+    pairs = await asyncio.to_thread(pool.workflow, prefix, seeds, branches, settings)
     runs = [run for run, _ in pairs]
     for run, record in pairs:
         endpoint.end_rollout(run.rollout_id, refuse_late_calls=True)
@@ -349,9 +349,9 @@ class RolloutPool:
         )
 
     def workflow(
-        self, prefix: str, seeds: list[int], runs_per_task: int, settings: ClientSettings
+        self, prefix: str, seeds: list[int], branches: int, settings: ClientSettings
     ) -> list[tuple[WorkflowRun, EpisodeRecord | None]]:
-        """`runs_per_task` workflow runs per seed over the workers, ordered by (seed, run)."""
+        """K = `branches` workflow runs per seed over the workers, ordered by (seed, run)."""
         from masenvs.adapters.frameworks.workflow import WorkflowRun
 
         env, reward = self.spec.env_name, self.spec.workflow.failure_reward  # type: ignore[union-attr]
@@ -375,10 +375,10 @@ class RolloutPool:
                     ),
                     None,
                 )
-                for k in range(runs_per_task)
+                for k in range(branches)
             ]
 
-        return self._dispatch("workflow", prefix, seeds, (runs_per_task, settings), dropped)
+        return self._dispatch("workflow", prefix, seeds, (branches, settings), dropped)
 
     def _dispatch(
         self,

@@ -2,7 +2,7 @@
 
 The example scripts (`examples/langgraph_math.py`, ...) call `main(spec, env, argv)`:
 
-    python examples/langgraph_math.py --model tiny --episodes 2 --runs 2 --train-steps 1
+    python examples/langgraph_math.py --model tiny --episodes 2 --branches 2 --train-steps 1
 
 prints every run's reward, the trace summary (calls per agent, the adapter that served
 them, call indices) and, per training step, the update's metrics. `--train-steps 0` only
@@ -28,6 +28,7 @@ from masenvs.adapters.frameworks.calls import read_calls
 from masenvs.adapters.frameworks.clients import ClientSettings
 from masenvs.adapters.frameworks.workflow import Factory, WorkflowRun, WorkflowSpec, check_factory
 from masenvs.adapters.policy import Sampling
+from masenvs.overrides import RenamedFlag
 from masenvs.traces import CallRecord
 from masenvs.trainer.samples import Sample
 from masenvs.trainer.workflow import (
@@ -41,7 +42,17 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny or a path")
     parser.add_argument("--episodes", type=int, default=2, help="tasks (env seeds) per step")
-    parser.add_argument("--runs", type=int, default=2, help="K: runs of each task (one group)")
+    parser.add_argument(
+        "--branches", type=int, default=2, help="K: runs of each task (one advantage group)"
+    )
+    parser.add_argument(
+        "--runs",
+        type=int,
+        dest="branches",
+        action=RenamedFlag,
+        new_flag="--branches",
+        help="the old name of --branches (deprecated)",
+    )
     parser.add_argument("--seed", type=int, default=0, help="first task seed")
     parser.add_argument("--train-steps", type=int, default=1, help="0: rollouts only")
     parser.add_argument("--policy", choices=["per_agent", "shared"], default="per_agent")
@@ -85,7 +96,7 @@ def main(
         policy={"mode": args.policy},
         lora={"rank": 8, "alpha": 16},
         optim={"lr": args.lr, "warmup_steps": 0},
-        rollout={"branches": args.runs, "tasks_per_step": args.episodes},
+        rollout={"branches": args.branches, "tasks_per_step": args.episodes},
         validation={"every": 0},
         logging={"tensorboard": False, "entropy": False},
     )
@@ -122,7 +133,7 @@ def main(
                     env_name=env,
                     env_options=env_options,
                     seeds=seeds,
-                    runs_per_task=args.runs,
+                    branches=args.branches,
                     settings=settings,
                     policy_of=learner.policy_of if learner else None,
                     endpoint=stack.endpoint,

@@ -48,6 +48,7 @@ from masenvs.adapters.frameworks.programs import (
 )
 from masenvs.adapters.policy import server_root
 from masenvs.env import messages_to_text
+from masenvs.overrides import renamed
 from masenvs.registry import make
 from masenvs.traces import EpisodeRecord, TraceStore
 
@@ -475,7 +476,7 @@ async def run_tasks(
     root_url: str,
     env_name: str,
     seeds: list[int],
-    runs_per_task: int,
+    branches: int | None = None,
     env_options: dict[str, Any] | None = None,
     settings: ClientSettings | None = None,
     store: TraceStore | None = None,
@@ -484,16 +485,18 @@ async def run_tasks(
     concurrency: int = 8,
     on_run: Callable[[WorkflowRun], None] | None = None,
     factory: Factory | None = None,
+    runs_per_task: int | None = None,
 ) -> list[WorkflowRun]:
-    """K = `runs_per_task` independent runs of every task, `concurrency` at a time.
+    """K = `branches` independent runs of every task, `concurrency` at a time.
 
     `root_url` is the masenvs server, as its root or its `/v1` URL (what `masenvs serve`
     prints); it is checked once, up front. Rollout ids are `{prefix}-{seed}-{k}`; runs come
     back ordered by (seed, k). `factory` overrides `spec.factory` (a function instead of
-    its import path).
+    its import path). `runs_per_task` is the old name of `branches` (deprecated).
     """
-    if runs_per_task < 1:
-        raise ValueError(f"runs_per_task must be at least 1, got {runs_per_task}")
+    branches = renamed("run_tasks", "branches", branches, "runs_per_task", runs_per_task)
+    if branches < 1:
+        raise ValueError(f"branches (K, runs of each task) must be at least 1, got {branches}")
     factory = factory or load_factory(spec.factory)  # a bad factory fails once, up front
     make(env_name, **task_env_options(env_options or {}))  # and so does a bad env config
     root_url = await check_server(root_url, (settings or ClientSettings()).api_key)
@@ -518,6 +521,4 @@ async def run_tasks(
             on_run(run)
         return run
 
-    return list(
-        await asyncio.gather(*(one(seed, k) for seed in seeds for k in range(runs_per_task)))
-    )
+    return list(await asyncio.gather(*(one(seed, k) for seed in seeds for k in range(branches))))
