@@ -27,7 +27,12 @@ import yaml
 
 import masenvs
 import masenvs.envs.plan_path as plan_path
-from masenvs.parsing import _MOVE, _MOVE_WORDS, answer_segment, parse_moves
+from masenvs.parsing import answer_segment, parse_moves
+
+# The move pattern as it was before issue 33, kept here: the old parser must not follow changes
+# to masenvs.parsing's own.
+OLD_MOVE = re.compile(r"(?i)\b(up|down|left|right)\b|\b([UDLRudlr]+)\b")
+MOVE_WORDS = {"up": "U", "down": "D", "left": "L", "right": "R"}
 
 
 def old_parse_moves(text: str, max_moves: int = 10_000, marker: str = "####") -> list[str] | None:
@@ -36,8 +41,8 @@ def old_parse_moves(text: str, max_moves: int = 10_000, marker: str = "####") ->
     if segment is None:
         return None
     moves: list[str] = []
-    for word, letters in _MOVE.findall(segment):
-        moves.extend([_MOVE_WORDS[word.lower()]] if word else letters.upper())
+    for word, letters in OLD_MOVE.findall(segment):
+        moves.extend([MOVE_WORDS[word.lower()]] if word else letters.upper())
     return moves or None
 
 

@@ -26,6 +26,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # folder -> import path (pyproject's package-dir: the remap a plain file walk cannot see)
 PACKAGE_ROOTS = {"masenvs": "masenvs", "adapters": "masenvs.adapters", "trainer": "masenvs.trainer"}
 LAYERS = ("core", "engine", "adapters", "trainer", "CLI")
+# Code that uses the package from outside it: held to the private-name and new-path rules.
+USERS = ("bench", "scripts", "examples")
 # what the core never imports at import time, beside the engine, adapters and trainer layers
 HEAVY = ("torch", "transformers", "peft", "vllm")
 # Modules that build an ArgumentParser only for a maintainer's `python -m` script, not a
@@ -210,6 +212,7 @@ class Tree:
     modules: dict[str, Module]
     cli: set[str]
     shims: set[str]
+    users: list[Module] = field(default_factory=list)  # bench/, scripts/, examples/
 
     def layer(self, name: str) -> str | None:
         """The layer of one of our modules (or a name inside one); None for a third party."""
@@ -242,7 +245,11 @@ def load_tree(root: Path) -> Tree:
         tree = ast.parse((root / path).read_text(encoding="utf-8"), filename=str(path))
         modules[name] = Module(name, path, tree)
     known = set(modules)
-    for module in modules.values():
+    users = []
+    for path in source_files(root, USERS):
+        tree = ast.parse((root / path).read_text(encoding="utf-8"), filename=str(path))
+        users.append(Module(".".join(path.with_suffix("").parts), path, tree))
+    for module in [*modules.values(), *users]:
         _ImportVisitor(module, known).visit(module.tree)
         _private_attribute_uses(module, known)
     cli = {
@@ -254,7 +261,7 @@ def load_tree(root: Path) -> Tree:
         or (_builds_a_parser(m.tree) and name not in NOT_A_COMMAND)
     }
     shims = {name for name, m in modules.items() if _is_deprecation_shim(m)}
-    return Tree(root, modules, cli, shims)
+    return Tree(root, modules, cli, shims, users)
 
 
 # --- the rules: each returns "file:line: what is wrong" lines --------------------------------
@@ -328,7 +335,7 @@ def private_imports(tree: Tree) -> list[str]:
     """No module takes another module's private (_name) names; a private module is shared
     only inside its own package."""
     found = []
-    for m in tree.modules.values():
+    for m in [*tree.modules.values(), *tree.users]:
         if m.name in tree.shims:  # keeps old private names working, for one release
             continue
         uses = [(i.module, i.name, i.line) for i in m.imports]
@@ -356,7 +363,7 @@ def private_imports(tree: Tree) -> list[str]:
 def shim_imports(tree: Tree) -> list[str]:
     """Our own code uses the new import paths; the deprecated ones are for users only."""
     found = []
-    for m in tree.modules.values():
+    for m in [*tree.modules.values(), *tree.users]:
         if m.name in tree.shims:
             continue
         for imp in m.imports:
@@ -462,6 +469,7 @@ BAD_TREE = {
     "trainer/__init__.py": "",
     "trainer/learner.py": "from .. import adapters\nfrom masenvs.trainer.cli import main\n",
     "trainer/cli.py": "import argparse\nfrom masenvs.cli import main\nargparse.ArgumentParser()\n",
+    "bench/speed.py": "from masenvs.env import _secret\nfrom masenvs.adapters.old import x\n",
     "examples/big.py": '"""Big."""\n' + "x = 1\n" * 601,
     "examples/big_ok.py": '"""Big. Longer than 600 lines because it must be."""\n'
     + "x = 1\n" * 601,
@@ -496,8 +504,9 @@ def test_the_checker_flags_each_kind_of_violation(bad_tree: Tree) -> None:
         "adapters/stack.py:4",  # a private module from outside its package
         "adapters/stack.py:5",  # from m import _name
         "adapters/stack.py:8",  # m._name through an imported module
+        "bench/speed.py:1",  # scripts that use the package are held to it too
     ]
-    assert lines(shim_imports(bad_tree)) == ["adapters/serve.py:1"]
+    assert lines(shim_imports(bad_tree)) == ["adapters/serve.py:1", "bench/speed.py:2"]
     assert lines(long_files(bad_tree.root)) == ["examples/big.py:1"]
     assert bad_tree.layer("masenvs.adapters.old") == "adapters"
     assert bad_tree.layer("masenvs.trainer.cli.main") == "CLI"
