@@ -5,7 +5,8 @@ gate/up are concatenated into one matmul each (copies rebuilt when the model's w
 change in place), the other weights are read as they are. It avoids the per-step work of
 `model.generate` (growing the KV cache by concatenation, padding masks, logits
 processors). Each sequence owns a slot (a row) of the cache; rows sit at different
-positions.
+positions. The projections and their low-bit copies are `quant`'s, the per-row LoRA
+deltas `lora`'s, the native attention, norm and SwiGLU calls `kernels`'.
 """
 
 from __future__ import annotations

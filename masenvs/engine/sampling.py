@@ -38,7 +38,7 @@ class Sampled:
 def sample(logits: Tensor, rows: list[RowSampling], log_total: Tensor | None = None) -> Sampled:
     """Sample one token per row of `logits` [B, V] (float32); `log_total` [B], if given, is
     each row's log(sum(exp(logits))) (the batch-invariant engine sums each row in a fixed
-    order: see cpu_kernels.logsumexp)."""
+    order: see kernels.logsumexp)."""
     batch = logits.shape[0]
     # log p(token) = logit - log(sum exp(logits)); the exp weights double as the T=1
     # sampling weights (the inverse CDF needs no normalisation).
