@@ -1,0 +1,211 @@
+"""Options declared once: one `key=value` parser (masenvs.overrides) for every `--set` and
+for `load_config`, one `EngineArgs` behind every engine flag, YAML field and engine-server
+command line, and one name for K (`branches`), the old spellings still working with a warning."""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import asyncio
+import dataclasses
+from pathlib import Path
+
+import pytest
+
+import masenvs.cli
+from masenvs import overrides
+from masenvs.adapters import episodes, rollout
+from masenvs.adapters.backends.launch import launch_engine_server
+from masenvs.adapters.frameworks.workflow import WorkflowSpec, run_tasks
+from masenvs.adapters.serve import build_parser as serve_parser
+from masenvs.adapters.stack import add_engine_arguments, engine_options
+from masenvs.engine.args import EngineArgs
+from masenvs.trainer import workflow_cli
+from masenvs.trainer.config import BackendConfig, ConfigError, TrainConfig, load_config
+
+ROOT = Path(__file__).resolve().parents[1]
+SOURCES = [p for d in ("masenvs", "adapters", "trainer") for p in (ROOT / d).rglob("*.py")]
+
+
+# ---- one override parser -------------------------------------------------------------------
+
+
+def test_every_set_flag_reads_values_the_same_way() -> None:
+    assert masenvs.cli.parse_overrides is overrides.parse_overrides
+    assert overrides.parse_overrides(["size=9", "x=true", "name=a b", "l=[1, 2]", "v=[oops"]) == {
+        "size": 9,
+        "x": True,
+        "name": "a b",
+        "l": [1, 2],
+        "v": "[oops",  # what YAML cannot read stays text (it used to crash the CLI)
+    }
+    with pytest.raises(SystemExit, match="--set expects key=value, got 'size'"):
+        overrides.parse_overrides(["size"])
+
+
+def test_load_config_overrides_keep_their_messages() -> None:
+    cfg = load_config(None, ["optim.lr=2e-5", "backend.batch_invariant=auto", "env.options.size=5"])
+    assert cfg.optim.lr == 2e-5 and cfg.backend.batch_invariant == "auto"
+    assert cfg.env.options == {"size": 5}
+    with pytest.raises(ConfigError, match=r"optim.lrr: unknown field \(did you mean 'lr'\?\)"):
+        load_config(None, ["optim.lrr=1"])
+    with pytest.raises(ConfigError, match="'seed.x=1': seed is a value, not a section"):
+        load_config(None, ["seed.x=1"])
+    with pytest.raises(ConfigError, match="must look like section.field=value"):
+        load_config(None, ["=1"])
+
+
+def test_no_library_module_imports_the_cli() -> None:
+    """The CLI dispatches to rollout, eval and train; none of them may import it back."""
+    offenders = []
+    for path in SOURCES:
+        if path in (ROOT / "masenvs" / "cli.py", ROOT / "masenvs" / "__main__.py"):
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.ImportFrom) and node.module:
+                names = [node.module]
+            elif isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            if "masenvs.cli" in names:
+                offenders.append(f"{path.relative_to(ROOT)}:{node.lineno}")
+    assert offenders == []
+
+
+# ---- one EngineArgs --------------------------------------------------------------------------
+
+
+def test_the_backend_section_takes_its_engine_fields_from_engine_args() -> None:
+    declared = EngineArgs.config_fields()
+    assert set(declared) == {"max_batch_size", "dtype", "quantize", "batch_invariant"}
+    defaults = {f.name: f.default for f in dataclasses.fields(EngineArgs)}
+    for name, (_, field) in declared.items():
+        model_field = BackendConfig.model_fields[name]
+        assert model_field.description == field.description
+        assert model_field.default == defaults[name] == getattr(TrainConfig().backend, name)
+    # The YAML section keeps its order, names and checks.
+    assert list(BackendConfig.model_fields)[-4:] == [
+        "max_batch_size",
+        "dtype",
+        "quantize",
+        "batch_invariant",
+    ]
+    with pytest.raises(ConfigError, match="backend.max_batch_size: Input should be greater"):
+        load_config(None, ["backend.max_batch_size=0"])
+    with pytest.raises(ConfigError, match=r"did you mean 'batch_invariant'"):
+        load_config(None, ["backend.batch_invarant=true"])
+    with pytest.raises(ConfigError, match="backend.dtype: Input should be 'auto', 'float32'"):
+        load_config(None, ["backend.dtype=fp16"])
+    run = TrainConfig().backend.engine_args(device="cpu").engine_kwargs()
+    assert run == {
+        "device": "cpu",
+        "num_threads": None,
+        "max_batch_size": 32,
+        "dtype": "auto",
+        "quantize": "auto",
+        "batch_invariant": False,
+    }
+
+
+def test_serve_help_and_the_yaml_description_are_one_text() -> None:
+    actions = {a.dest: a for a in serve_parser()._actions}
+    for name in ("batch_invariant", "dtype", "quantize", "max_batch_size"):
+        description = BackendConfig.model_fields[name].description
+        assert actions[name].help[1:] == description[1:]  # the flag's starts lower-case
+    assert actions["dtype"].choices == ["auto", "float32", "bfloat16"]
+
+
+def test_batch_invariant_is_declared_only_in_engine_args() -> None:
+    """No other module declares the option: no class field, no argparse flag of its own."""
+    declared = []
+    for path in SOURCES:
+        tree = ast.parse(path.read_text())
+        for node in ast.walk(tree):
+            is_field = (
+                isinstance(node, ast.AnnAssign)
+                and isinstance(node.target, ast.Name)
+                and node.target.id == "batch_invariant"
+                and isinstance(node.value, ast.Call)
+            )
+            is_flag = (
+                isinstance(node, ast.Call)
+                and getattr(node.func, "attr", "") == "add_argument"
+                and any(
+                    isinstance(a, ast.Constant) and a.value == "--batch-invariant"
+                    for a in node.args
+                )
+            )
+            if is_field or is_flag:
+                declared.append(str(path.relative_to(ROOT)))
+    assert declared == ["masenvs/engine/args.py"]
+
+
+@pytest.mark.parametrize(
+    "engine",
+    [
+        EngineArgs(),
+        EngineArgs(device="cuda", threads=3, max_batch_size=8, dtype="float32", quantize="none"),
+        EngineArgs(dtype="bfloat16", quantize="int8", batch_invariant=True),
+        EngineArgs(batch_invariant="auto", threads=1),
+    ],
+)
+def test_an_engine_server_child_parses_back_the_options_it_was_given(engine) -> None:
+    """`launch_engine_server` hands EngineArgs to `masenvs serve --engine` as flags."""
+    args = serve_parser().parse_args(["--engine", *engine.to_cli_args()])
+    assert EngineArgs.from_cli_args(args) == engine
+
+
+def test_rollout_and_eval_flags_keep_their_defaults() -> None:
+    parser = argparse.ArgumentParser()
+    add_engine_arguments(parser)
+    args = parser.parse_args([])
+    assert args.batch_invariant is None  # eval: the checkpoint's setting
+    assert engine_options(args) == {"dtype": "auto", "quantize": "auto", "batch_invariant": False}
+    assert not hasattr(args, "device") and not hasattr(args, "threads")
+
+
+def test_bad_engine_options_fail_in_one_sentence_before_anything_starts() -> None:
+    with pytest.raises(ValueError, match="engine option dtype='fp16': use one of 'auto'"):
+        EngineArgs(dtype="fp16")
+    with pytest.raises(ValueError, match="max_batch_size=0 must be at least 1"):
+        EngineArgs(max_batch_size=0)
+    with pytest.raises(ValueError, match="batch_invariant='yes'"):
+        EngineArgs(batch_invariant="yes")
+    with pytest.raises(ValueError, match="quantize='int3'"):  # no process was started
+        launch_engine_server("tiny", quantize="int3")
+    with pytest.raises(ValueError, match="no engine option 'dtyp'"):
+        EngineArgs.add_cli_args(argparse.ArgumentParser(), ["dtyp"])
+
+
+# ---- K is `branches` -------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("parser", [rollout.build_parser(), workflow_cli.build_parser("x")])
+def test_branches_is_the_flag_and_runs_still_works(parser, capsys) -> None:
+    base = ["--env", "math"] if parser.prog.endswith("rollout") else []
+    assert parser.parse_args([*base, "--branches", "3"]).branches == 3
+    with pytest.warns(DeprecationWarning, match="--runs is now --branches"):
+        assert parser.parse_args([*base, "--runs", "5"]).branches == 5
+    assert "--runs is now --branches" in capsys.readouterr().err
+
+
+def test_runs_per_task_is_the_old_name_of_branches() -> None:
+    spec = WorkflowSpec(factory="x:y", framework="langgraph", agents=["a"])
+    common = {"root_url": "http://127.0.0.1:9", "env_name": "math", "seeds": [0]}
+    with (
+        pytest.warns(DeprecationWarning, match=r"run_tasks\(runs_per_task=...\) is now"),
+        pytest.raises(ValueError, match="branches .* must be at least 1, got 0"),
+    ):
+        asyncio.run(run_tasks(spec, runs_per_task=0, **common))
+    with pytest.raises(TypeError, match="give branches only"):
+        asyncio.run(run_tasks(spec, branches=2, runs_per_task=2, **common))
+    with pytest.raises(TypeError, match="needs branches"):
+        asyncio.run(run_tasks(spec, **common))
+
+
+def test_the_episode_library_moved_out_of_the_rollout_cli() -> None:
+    for name in ("EpisodeResult", "run_episode", "run_episodes", "episode_record"):
+        with pytest.warns(DeprecationWarning, match=f"rollout.{name} moved to"):
+            assert getattr(rollout, name) is getattr(episodes, name)
+    with pytest.raises(AttributeError):
+        rollout.no_such_name  # noqa: B018
