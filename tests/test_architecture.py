@@ -376,6 +376,44 @@ def shim_imports(tree: Tree) -> list[str]:
     return found
 
 
+OLD_PATH_CONTEXT = re.compile(
+    r"(?i)\bold (import )?paths?\b|deprecat|moved to|was split|then named"
+)
+
+
+def old_path_mentions(tree: Tree) -> list[str]:
+    """The README, docs/ and the package's own strings (help texts, errors) name the new
+    module paths; a line about the old paths themselves (`old path`, `deprecated`) may."""
+    names = set()
+    for shim in tree.shims:
+        names.add(shim)
+        names.add(str(tree.modules[shim].path))
+    if not names:
+        return []
+    pattern = re.compile(
+        "|".join(rf"(?<![\w.]){re.escape(n)}(?![\w])" for n in sorted(names, key=len, reverse=True))
+    )
+    found = []
+    docs = [tree.root / "README.md", *sorted((tree.root / "docs").glob("*.md"))]
+    for doc in docs:
+        if not doc.is_file():
+            continue
+        for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            match = pattern.search(line)
+            if match and not OLD_PATH_CONTEXT.search(line):
+                where = doc.relative_to(tree.root)
+                found.append(f"{where}:{n}: names the deprecated {match.group()}")
+    for m in tree.modules.values():
+        if m.name in tree.shims:
+            continue
+        for node in ast.walk(m.tree):
+            if isinstance(node, ast.Constant) and isinstance(node.value, str):
+                match = pattern.search(node.value)
+                if match and not OLD_PATH_CONTEXT.search(node.value):
+                    found.append(f"{m.where}:{node.lineno}: names the deprecated {match.group()}")
+    return found
+
+
 def long_files(root: Path) -> list[str]:
     """Non-test Python files over 600 lines, unless the module docstring says why."""
     found = []
@@ -411,6 +449,7 @@ RULES = {
     "CLI imports": cli_imports,
     "private names": private_imports,
     "deprecated paths": shim_imports,
+    "deprecated paths in docs and messages": old_path_mentions,
 }
 
 
@@ -469,6 +508,7 @@ BAD_TREE = {
     "trainer/__init__.py": "",
     "trainer/learner.py": "from .. import adapters\nfrom masenvs.trainer.cli import main\n",
     "trainer/cli.py": "import argparse\nfrom masenvs.cli import main\nargparse.ArgumentParser()\n",
+    "docs/guide.md": "Use `masenvs.adapters.old`.\nThe old path masenvs.adapters.old warns.\n",
     "bench/speed.py": "from masenvs.env import _secret\nfrom masenvs.adapters.old import x\n",
     "examples/big.py": '"""Big."""\n' + "x = 1\n" * 601,
     "examples/big_ok.py": '"""Big. Longer than 600 lines because it must be."""\n'
@@ -508,6 +548,7 @@ def test_the_checker_flags_each_kind_of_violation(bad_tree: Tree) -> None:
     ]
     assert lines(shim_imports(bad_tree)) == ["adapters/serve.py:1", "bench/speed.py:2"]
     assert lines(long_files(bad_tree.root)) == ["examples/big.py:1"]
+    assert lines(old_path_mentions(bad_tree)) == ["docs/guide.md:1"]
     assert bad_tree.layer("masenvs.adapters.old") == "adapters"
     assert bad_tree.layer("masenvs.trainer.cli.main") == "CLI"
 

@@ -28,7 +28,7 @@ class ModelConfig(Section):
         "smollm2-135m",
         description="Base model: 'smollm2-135m', 'tiny' (tests), a local Hugging Face model "
         "directory or a hub id ('Qwen/Qwen3-1.7B': read from the HF cache, $HF_HOME, or "
-        "downloaded into it), as `masenvs.adapters.models.load_model` accepts.",
+        "downloaded into it), as `masenvs.engine.loading.load_model` accepts.",
     )
     device: Literal["auto", "cpu", "cuda"] = Field(
         "auto", description="Where the learner runs; 'auto' picks CUDA when available."
