@@ -77,8 +77,8 @@ def router_overhead(calls: int = 20000, rollouts: int = 64) -> dict[str, float]:
 def engine_overhead(calls: int = 300) -> dict[str, float]:
     """The same over HTTP to one `masenvs serve --engine` (tiny model, max_tokens 1): calls
     straight to it and through a pool holding it alternate, so load drifts cancel out."""
+    from masenvs.adapters.backends.launch import launch_engine_server
     from masenvs.adapters.backends.vllm import VLLMBackend
-    from masenvs.adapters.engine_server import launch_engine_server
 
     server = launch_engine_server("tiny", dtype="float32", quantize="none", threads=1)
     try:

@@ -4,6 +4,7 @@ DeprecationWarning, and are the very objects at their new paths (for one release
 from __future__ import annotations
 
 import importlib
+import sys
 import warnings
 
 import pytest
@@ -74,13 +75,14 @@ def test_an_unknown_name_is_still_an_attribute_error() -> None:
         module.no_such_name  # noqa: B018
 
 
-def test_engine_routes_from_the_engine_server_warns_and_still_builds_the_routes() -> None:
+def test_the_engine_server_module_warns_and_keeps_its_names() -> None:
     from masenvs.adapters.endpoint import create_app
     from masenvs.adapters.endpoint.vllm_routes import engine_routes
 
-    engine_server = importlib.import_module("masenvs.adapters.engine_server")
-    with pytest.warns(DeprecationWarning, match="endpoint.vllm_routes.engine_routes"):
-        old = engine_server.engine_routes
+    sys.modules.pop("masenvs.adapters.engine_server", None)  # warns on (first) import
+    with pytest.warns(DeprecationWarning, match="masenvs.adapters.engine_server moved"):
+        engine_server = importlib.import_module("masenvs.adapters.engine_server")
+    assert engine_server.launch_engine_server is launch.launch_engine_server
 
     class Backend:  # just enough for the endpoint to build its routes
         name = "stand-in"
@@ -95,7 +97,7 @@ def test_engine_routes_from_the_engine_server_warns_and_still_builds_the_routes(
             return ["base"]
 
     endpoint = create_app(Backend(), tool_parser=None)
-    paths = [route.path for route in old(endpoint)]
+    paths = [route.path for route in engine_server.engine_routes(endpoint)]  # old signature
     assert paths == [route.path for route in engine_routes(endpoint.backend, endpoint.guard)]
     assert "/collective_rpc" in paths and "/v1/load_lora_adapter" in paths
 

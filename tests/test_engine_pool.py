@@ -16,9 +16,9 @@ import pytest
 import torch
 from tiny_runs import plan_path_run
 
+from masenvs.adapters.backends.launch import launch_engine_server
 from masenvs.adapters.backends.pool import EnginePool
 from masenvs.adapters.backends.vllm import VLLMBackend
-from masenvs.adapters.engine_server import launch_engine_server
 from masenvs.adapters.stack import Stack, start_stack
 from masenvs.engine.loading import load_model, load_tokenizer
 from masenvs.engine.protocol import BackendError, GenerateRequest, SamplingParams

@@ -129,7 +129,7 @@ def test_search_serve_beyond_loopback_needs_a_key(corpus: Path) -> None:
 
 
 def test_an_engine_server_beyond_loopback_needs_a_key() -> None:
-    from masenvs.adapters.engine_server import launch_engine_server
+    from masenvs.adapters.backends.launch import launch_engine_server
 
     host = this_machines_address()
     args = [sys.executable, "-m", "masenvs.cli", "serve", "--engine", "--model", "tiny"]

@@ -132,7 +132,7 @@ def _launcher(
     label = f"engine-{index}" if models == 1 else f"engine-{'+'.join(server.policies)}-{index}"
     log_path = run_dir / f"{label}.log"
     if b.kind == "embedded":
-        from masenvs.adapters.engine_server import launch_engine_server
+        from masenvs.adapters.backends.launch import launch_engine_server
 
         device = str(learner.device)
         # On CPU the replicas share the cores rather than each spinning up all of them.

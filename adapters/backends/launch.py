@@ -1,4 +1,5 @@
-"""Starting servers: `launch_vllm` finds a vLLM install and starts its OpenAI server.
+"""Starting servers: `launch_vllm` finds a vLLM install and starts its OpenAI server;
+`launch_engine_server` starts `masenvs serve --engine` (an embedded engine in vLLM's dialect).
 
 vLLM pins its own torch and transformers, so it runs in its own environment: `find_vllm`
 looks for it (an explicit python or executable, then the CPU build that
@@ -11,19 +12,25 @@ started. The HTTP client that talks to a running server is `VLLMBackend` (backen
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import shutil
 import signal
 import socket
 import subprocess
+import sys
 import tempfile
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import httpx
+
+from masenvs.engine.args import EngineArgs
+from masenvs.listeners import API_KEY_ENV, listener_key
 
 VLLM_BIN_ENV = "MASENVS_VLLM_BIN"
 VLLM_PYTHON_ENV = "MASENVS_VLLM_PYTHON"
@@ -302,6 +309,51 @@ def launch_vllm(
     )
     server.cpu = cpu
     return server
+
+
+def launch_engine_server(
+    model: str,
+    *,
+    host: str = "127.0.0.1",
+    port: int = 0,
+    engine: EngineArgs | None = None,
+    env: Mapping[str, str] | None = None,
+    log_path: str | os.PathLike[str] | None = None,
+    timeout: float = 300.0,
+    api_key: str | None = None,
+    **options: Any,
+) -> VLLMProcess:
+    """Start `masenvs serve --engine` on `model` and wait until `/health` answers.
+
+    The engine runs as `engine` says, with `options` (EngineArgs fields: dtype="float32",
+    threads=1, ...) on top. Beyond loopback it needs `api_key` (clients send it as a Bearer
+    token); the key reaches the server in its environment, never on its command line."""
+    engine = dataclasses.replace(engine or EngineArgs(), **options)
+    key = listener_key(host, api_key, what="an engine server", key_flag="api_key=")
+    port = port or free_port(host)
+    args = [
+        sys.executable,
+        "-m",
+        "masenvs.cli",
+        "serve",
+        "--engine",
+        "--model",
+        model,
+        "--host",
+        host,
+        "--port",
+        str(port),
+        *engine.to_cli_args(),
+    ]
+    log_file = (
+        Path(log_path) if log_path else Path(tempfile.mkstemp(prefix="engine-", suffix=".log")[1])
+    )
+    env = {**os.environ, **(env or {})}
+    env.pop(API_KEY_ENV, None)  # a key the user set for something else must not lock it
+    if key:
+        env[API_KEY_ENV] = key
+    url = f"http://{host}:{port}"
+    return launch_server(args, env, log_file, url, timeout, f"The engine server for {model}")
 
 
 def launch_server(
