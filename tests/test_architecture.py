@@ -4,8 +4,10 @@ Layers, lowest first: core (masenvs/) < engine (masenvs/engine/) < adapters (ada
 as masenvs.adapters) < trainer (trainer/, masenvs.trainer) < CLI (masenvs.cli, masenvs/ui/ and
 every module that builds an argparse parser for a command). A module imports only its own layer
 and the layers below; the core keeps torch and the upper layers out of its import time (a lazy
-import inside a function is allowed there). Nothing imports another module's private names, and
-no non-test file is over 600 lines unless its docstring says why.
+import inside a function is allowed there; a test imports every core module to check it). No
+module (bench/, scripts/ and examples/ included) imports another module's private names or a
+deprecated path, the docs name the new paths, and no non-test file is over 600 lines unless its
+docstring says why. A self-test runs each rule on a small bad tree.
 
 Each failure names file:line and the rule; the fix is to move the code to its layer (or the
 shared piece down a layer), to make the private name public, or to split the file.
@@ -14,8 +16,10 @@ shared piece down a layer), to make the private name public, or to split the fil
 from __future__ import annotations
 
 import ast
+import json
 import re
 import subprocess
+import sys
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
@@ -466,6 +470,34 @@ def test_layer_rule_holds_over_the_tree(rule: str) -> None:
 def test_no_non_test_file_is_over_600_lines_without_a_reason() -> None:
     found = long_files(ROOT)
     assert not found, _report("file size", found)
+
+
+def test_importing_every_core_module_loads_no_torch_and_no_upper_layer() -> None:
+    """What the AST rule says, run: each core module imported in a fresh interpreter pulls in
+    neither torch (also through a third-party import) nor the engine, adapters or trainer."""
+    tree = repo()
+    core = sorted(n for n in tree.modules if tree.layer(n) == "core" and n not in tree.shims)
+    probe = (
+        "import importlib, json, sys\n"
+        "banned = ('torch', 'transformers', 'peft', 'masenvs.engine', 'masenvs.adapters',"
+        " 'masenvs.trainer')\n"
+        "found = {}\n"
+        "for name in sys.argv[1:]:\n"
+        "    before = set(sys.modules)\n"
+        "    importlib.import_module(name)\n"
+        "    new = sorted(m for m in set(sys.modules) - before if m.startswith(banned))\n"
+        "    if new:\n"
+        "        found[name] = new[:3]\n"
+        "print(json.dumps(found))\n"
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", probe, *core], capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    found = json.loads(done.stdout.strip().splitlines()[-1])
+    assert not found, "core modules that load a higher layer or torch when imported:\n  " + (
+        "\n  ".join(f"{name} -> {', '.join(mods)}" for name, mods in found.items())
+    )
 
 
 def test_the_tree_has_every_layer_the_rules_speak_of() -> None:
