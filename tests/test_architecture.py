@@ -598,3 +598,16 @@ def test_docs_architecture_names_only_files_that_exist() -> None:
         if not found and not (ROOT / name).exists():
             missing.append(name)
     assert not missing, f"docs/architecture.md names files that are not in the tree: {missing}"
+
+
+def test_readme_and_docs_name_only_repository_files_that_exist() -> None:
+    """A file moved in a refactor leaves no stale path behind in the README or docs/."""
+    top = "masenvs|adapters|trainer|tests|bench|scripts|examples"
+    path = re.compile(rf"(?<![\w/.])((?:{top})/[\w/.-]*\.(?:py|c|json|jsonl|yaml|html|md))\b")
+    missing = []
+    for doc in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
+            for name in path.findall(line):
+                if not (ROOT / name).exists():
+                    missing.append(f"{doc.relative_to(ROOT)}:{n}: {name}")
+    assert not missing, "paths in the docs that are not in the tree:\n  " + "\n  ".join(missing)
