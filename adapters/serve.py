@@ -17,6 +17,7 @@ from typing import Any
 from masenvs.adapters.stack import StackError, make_backend
 from masenvs.engine.args import EngineArgs
 from masenvs.listeners import ListenerError, announce, listener_key
+from masenvs.overrides import parse_pairs
 
 DEFAULT_MODEL = "smollm2-135m"
 
@@ -99,16 +100,6 @@ def is_loopback(host: str) -> bool:
         return False  # a host name: it may resolve to anything
 
 
-def _pairs(values: list[str], flag: str) -> dict[str, str]:
-    result = {}
-    for value in values:
-        name, sep, target = value.partition("=")
-        if not sep or not name or not target:
-            raise ValueError(f"{flag} expects NAME=VALUE, got {value!r}")
-        result[name] = target
-    return result
-
-
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
@@ -130,8 +121,8 @@ def main(argv: list[str] | None = None) -> int:
         )
         return 2
     try:
-        adapters = _pairs(args.adapter, "--adapter")
-        routes = _pairs(args.route, "--route")
+        adapters = parse_pairs(args.adapter, "--adapter")
+        routes = parse_pairs(args.route, "--route")
     except ValueError as exc:
         print(f"masenvs serve: {exc}", file=sys.stderr)
         return 2

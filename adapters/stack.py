@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from masenvs import overrides
 from masenvs.adapters.endpoint import Endpoint, EndpointServer, create_app
 from masenvs.adapters.policy_map import PolicyMap
 from masenvs.engine.args import EngineArgs
@@ -64,14 +65,11 @@ def with_endpoint(
 
 
 def parse_pairs(pairs: list[str], flag: str) -> dict[str, str]:
-    """`NAME=VALUE` command-line pairs as a dict, with a clear error for a malformed one."""
-    result = {}
-    for pair in pairs:
-        name, sep, value = pair.partition("=")
-        if not sep or not name or not value:
-            raise SystemExit(f"{flag} expects NAME=VALUE, got {pair!r}")
-        result[name] = value
-    return result
+    """`NAME=VALUE` command-line pairs as a dict; a malformed one stops the command."""
+    try:
+        return overrides.parse_pairs(pairs, flag)
+    except overrides.ConfigError as exc:
+        raise SystemExit(str(exc)) from None
 
 
 # The engine flags `masenvs rollout` and `masenvs eval` take (serve takes every EngineArgs flag).

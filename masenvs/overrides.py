@@ -54,6 +54,18 @@ def parse_overrides(pairs: list[str]) -> dict[str, Any]:
     return config
 
 
+def parse_pairs(pairs: list[str], flag: str) -> dict[str, str]:
+    """`NAME=VALUE` pairs of a repeatable flag (`--adapter`, `--route`) as a dict of strings;
+    a malformed one is a ConfigError naming `flag`."""
+    result = {}
+    for pair in pairs:
+        name, sep, value = pair.partition("=")
+        if not sep or not name or not value:
+            raise ConfigError(f"{flag} expects NAME=VALUE, got {pair!r}")
+        result[name] = value
+    return result
+
+
 def apply_override(data: dict[str, Any], item: str, root: type[BaseModel]) -> None:
     """Write `section.field=value` into the nested mapping `data` that `root` will validate."""
     key, sep, raw = item.partition("=")

@@ -41,6 +41,12 @@ def test_every_set_flag_reads_values_the_same_way() -> None:
     }
     with pytest.raises(SystemExit, match="--set expects key=value, got 'size'"):
         overrides.parse_overrides(["size"])
+    assert overrides.parse_pairs(["tool=runs/x/tool", "a=b=c"], "--adapter") == {
+        "tool": "runs/x/tool",
+        "a": "b=c",
+    }
+    with pytest.raises(ConfigError, match="--route expects NAME=VALUE, got 'plan='"):
+        overrides.parse_pairs(["plan="], "--route")
 
 
 def test_load_config_overrides_keep_their_messages() -> None:
