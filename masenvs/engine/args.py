@@ -136,10 +136,7 @@ class EngineArgs:
             if f.name == "batch_invariant":
                 if value:
                     argv += [flag, "auto" if value == "auto" else "on"]
-            elif f.name == "threads":
-                if value:
-                    argv += [flag, str(value)]
-            else:
+            elif value is not None:  # None: the flag's own default (threads: torch's)
                 argv += [flag, str(value)]
         return argv
 
@@ -199,7 +196,7 @@ def _choices(name: str) -> list[Any] | None:
 
 
 def _base_type(name: str) -> type:
-    """int for `threads` (int | None) and `max_batch_size`, str for the rest."""
+    """The flag's argparse type: int for `threads` (int | None), float for a float, else str."""
     hint = _HINTS[name]
     members = [a for a in typing.get_args(hint) if a is not type(None)] or [hint]
-    return int if members[0] is int else str
+    return members[0] if members[0] in (int, float) else str
