@@ -102,3 +102,41 @@ def test_a_step_with_no_sample_says_why(tmp_path: Path) -> None:
     out = printed.getvalue()
     assert "warning: step 1/1: no trainable sample, no update: every sample is a frozen" in out
     assert "no update" in out.split("step 1/1  success")[1]  # on the progress line too
+
+
+def test_failed_validation_episodes_are_counted_logged_and_warned(
+    tmp_path: Path, monkeypatch, caplog
+) -> None:
+    # Issue 33: under load, 29 of 32 validation episodes timed out and the run printed
+    # "success 0%" with no word of why. They still count as failures, but the run says so.
+    from masenvs.adapters.episodes import EpisodeResult
+    from masenvs.trainer import sources
+    from masenvs.trainer.metrics import validation_warning
+    from masenvs.trainer.train import train
+
+    def result(seed: int, error: str | None) -> EpisodeResult:
+        return EpisodeResult(
+            "val0-x", "plan_path", seed, error is None, 1, {"plan": 1.0}, 5, 0.1, error
+        )
+
+    results = [result(1, None), result(2, "APITimeoutError: Request timed out."), result(3, None)]
+    metrics = sources.validation_metrics(results)
+    assert metrics["val/errors"] == 1.0 and metrics["val/episodes"] == 3.0
+    assert metrics["val/success"] == 2 / 3
+    assert "plan_path:2 failed: APITimeoutError" in caplog.text
+    warning = validation_warning(4, metrics)
+    assert warning is not None and "1 of 3 validation episodes failed" in warning
+    assert "lower bound" in warning
+    assert validation_warning(4, {"val/success": 1.0, "val/errors": 0.0}) is None
+
+    async def failing_validate(self, step: int) -> dict[str, float]:
+        return sources.validation_metrics([result(7, "APITimeoutError: Request timed out.")])
+
+    monkeypatch.setattr(sources.TreeSource, "validate", failing_validate)
+    overrides = ["model.name=tiny", "steps=1", "validation.every=1", "validation.episodes=1"]
+    cfg = load_config(None, [*plan_path_run(tmp_path / "run"), *overrides])
+    printed = StringIO()
+    train(cfg, console=Console(file=printed, width=400))
+    out = printed.getvalue()
+    assert "warning: step 0: 1 of 1 validation episodes failed" in out
+    assert "warning: step 1: 1 of 1 validation episodes failed" in out

@@ -206,6 +206,19 @@ def step_warnings(step: int, row: Mapping[str, Any], cfg: TrainConfig, trained: 
     return out
 
 
+def validation_warning(step: int, row: Mapping[str, Any]) -> str | None:
+    """One line when validation episodes failed: they count as failures, so `val/success` is
+    not comparable with a validation where none failed."""
+    errors = int(row.get("val/errors", 0))
+    if not errors:
+        return None
+    return (
+        f"step {step}: {errors} of {int(row.get('val/episodes', errors))} validation episodes "
+        "failed (errors above: a timeout, a dead server) and count as failures, so this "
+        "val success is a lower bound, not comparable with a clean validation"
+    )
+
+
 def weight_snapshot(learner: Any) -> dict[str, list[Any]]:
     """A copy of each trained LoRA policy's weights (full fine-tuning and a distributed
     learner's ranks are not copied: too large, or not here)."""

@@ -240,7 +240,13 @@ class TreeSource:
 
 
 def validation_metrics(results: list[EpisodeResult]) -> dict[str, float]:
+    """Success and mean rewards; `val/errors` counts episodes cut short by a failed call (a
+    timeout, a dead server), which count as failures, each logged with its error."""
+    failed = [r for r in results if r.error]
+    for r in failed:
+        log.warning("validation episode %s:%d failed: %s", r.env, r.seed, r.error)
     out = {"val/success": sum(r.success for r in results) / len(results)}
+    out["val/episodes"], out["val/errors"] = float(len(results)), float(len(failed))
     for agent in sorted({a for r in results for a in r.rewards}):
         rewards = [r.rewards.get(agent, 0.0) for r in results]
         out[f"val/reward/{agent}"] = sum(rewards) / len(rewards)

@@ -45,6 +45,7 @@ from masenvs.trainer.metrics import (
     sample_metrics,
     schedule_warning,
     step_warnings,
+    validation_warning,
     weight_moves,
     weight_snapshot,
 )
@@ -231,6 +232,8 @@ async def _loop(
                 val = await source.validate(0)
             metrics.log(0, val)
             console.print(f"step 0 validation: success {val['val/success']:.0%}")
+            if (warning := validation_warning(0, val)) is not None:
+                _warn(console, warning)
         for step in range(state.step + 1, cfg.steps + 1):
             seeds = list(
                 range(state.next_task_seed, state.next_task_seed + cfg.rollout.tasks_per_step)
@@ -280,6 +283,8 @@ async def _loop(
                 )
             console.print(_progress_line(step, cfg.steps, row, learner.agents))
             for warning in step_warnings(step, row, cfg, trained=bool(trainable)):
+                _warn(console, warning)
+            if (warning := validation_warning(step, row)) is not None:
                 _warn(console, warning)
     finally:
         await source.aclose()
