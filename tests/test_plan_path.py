@@ -202,3 +202,20 @@ def test_offset_line_says_where_the_goal_lies() -> None:
     _, infos = words.reset(options={"task": task})
     prompt = infos["plan"]["messages"][1]["content"]
     assert "G is 2 rows down and 1 column left of A.\n" in prompt and "D, D, L" not in prompt
+
+
+def test_without_answer_example_no_prompt_holds_moves_to_copy() -> None:
+    # Issue 33: the greedy base model answers the prompt's example `#### [R, D, D]` on every
+    # task; answer_example=False describes the format in words instead.
+    for single_agent, tool_task in ((False, "propose"), (False, "search"), (True, "search")):
+        env = masenvs.make(
+            "plan_path", answer_example=False, single_agent=single_agent, tool_task=tool_task
+        )
+        env.reset(seed=0, options={"task": TASK})
+        for agent in env.roles if not single_agent else ("plan",):
+            text = " ".join(m["content"] for m in env.prompt(agent))
+            assert "[R, D, D]" not in text and "[R, R, D]" not in text, (agent, text)
+            assert "####" in text or agent == "tool" and tool_task == "search"
+    env = masenvs.make("plan_path", tool_task="propose")
+    env.reset(seed=0, options={"task": TASK})
+    assert "#### [R, D, D]" in env.prompt("plan")[1]["content"]  # the default is unchanged

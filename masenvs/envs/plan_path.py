@@ -51,6 +51,12 @@ class PlanPathConfig(EnvConfig):
         "through G earns nothing (on 4x4 the best fixed 8-move answer reaches G on 50% of tasks "
         "with True, ends on it on 19% with False: docs/learning.md).",
     )
+    answer_example: bool = Field(
+        True,
+        description="The prompts show an example answer (`#### [R, D, D]`). SmolLM2-135M's "
+        "greedy answer copies it on every task (docs/learning.md). False: the answer format "
+        "is described in words, with no moves to copy.",
+    )
     offset_moves: bool = Field(
         True,
         description="With show_offset, also list the straight moves (': D, D, L if no wall is in "
@@ -194,6 +200,20 @@ SOLO_SYSTEM = (
 )
 
 
+# Without `answer_example`: the same format, described without moves a model could copy.
+_EXAMPLES = {
+    ", e.g. `#### [R, R, D]`": ", the moves in brackets, each one of U, D, L or R",
+    "for example: #### [R, D, D]": "as a bracketed list of U, D, L and R",
+}
+
+
+def without_example(text: str) -> str:
+    """`text` with its example answer replaced by words."""
+    for example, words in _EXAMPLES.items():
+        text = text.replace(example, words)
+    return text
+
+
 def offset_text(pos: grid.Cell, goal: grid.Cell, moves: bool = True) -> str:
     """Where G lies from A and the straight moves there, e.g.
     'G is 2 rows down and 1 column left of A: D, D, L if no wall is in the way.'
@@ -270,10 +290,10 @@ class PlanPathEnv(MASEnv):
             lines += ["", "The tool agent proposes:"]
             lines += [f"#### [{', '.join(moves)}]" if moves else "(no moves)"]
         lines += ["", ASK["plan" if propose else agent]]
-        return [
-            {"role": "system", "content": system},
-            {"role": "user", "content": "\n".join(lines)},
-        ]
+        user = "\n".join(lines)
+        if not cfg.answer_example:
+            system, user = without_example(system), without_example(user)
+        return [{"role": "system", "content": system}, {"role": "user", "content": user}]
 
     # --- one round ----------------------------------------------------------------------------
 
