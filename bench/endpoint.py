@@ -45,14 +45,14 @@ import openai
 from rich.console import Console
 from rich.table import Table
 
-from masenvs.adapters.backends.base import (
+from masenvs.adapters.endpoint import EndpointServer, create_app
+from masenvs.engine.protocol import (
     Completion,
     GenerateRequest,
     Generation,
     SamplingParams,
     StreamDelta,
 )
-from masenvs.adapters.endpoint import EndpointServer, create_app
 from masenvs.traces import CallRecord, ChoiceRecord, TraceStore
 
 MESSAGES = [
@@ -178,8 +178,8 @@ def _in_process(model: str, pipe: Any) -> None:
     try:
         import torch
 
-        from masenvs.adapters.backends import cpu_kernels
         from masenvs.adapters.stack import make_backend
+        from masenvs.engine import kernels as cpu_kernels
 
         backend = make_backend(model, dtype="auto", quantize="auto")  # serve's defaults
         loop = asyncio.new_event_loop()
@@ -317,7 +317,7 @@ def main() -> None:
         return
     console = Console(width=120)
 
-    from masenvs.adapters.models import load_tokenizer
+    from masenvs.engine.loading import load_tokenizer
 
     table = Table(title=f"Endpoint overhead per call ({args.calls} calls per row, max_tokens=4)")
     for column in ("backend", "client", "store", "in-process p50", "endpoint p50", "endpoint p99",
@@ -328,7 +328,7 @@ def main() -> None:
             backend: Any = InstantBackend(load_tokenizer("tiny"))
             model = "instant"
         else:
-            from masenvs.adapters.backends.embedded import EmbeddedBackend
+            from masenvs.engine.engine import EmbeddedBackend
 
             backend = EmbeddedBackend.from_spec(name)
             model = name

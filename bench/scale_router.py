@@ -17,14 +17,14 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-from masenvs.adapters.backends.base import (
+from masenvs.adapters.backends.pool import EnginePool
+from masenvs.engine.protocol import (
     Completion,
     GenerateRequest,
     Generation,
     SamplingParams,
     StreamDelta,
 )
-from masenvs.adapters.backends.pool import EnginePool
 
 
 class ZeroCostBackend:

@@ -23,9 +23,9 @@ from pathlib import Path
 
 import torch
 
-from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
 from masenvs.adapters.backends.launch import launch_vllm, model_dir
 from masenvs.adapters.backends.vllm import VLLMBackend
+from masenvs.engine.protocol import GenerateRequest, SamplingParams
 
 MESSAGES = [{"role": "user", "content": "Name three colours, then stop."}]
 TOLERANCE = 0.15  # nats: vLLM runs bf16 kernels, the reference fp32

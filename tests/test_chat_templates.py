@@ -10,11 +10,11 @@ import openai
 import pytest
 from fake_vllm import FakeVLLM
 
-from masenvs.adapters.backends.embedded import EmbeddedBackend
 from masenvs.adapters.backends.launch import model_dir
 from masenvs.adapters.backends.vllm import VLLMBackend
 from masenvs.adapters.endpoint import EndpointServer, create_app
 from masenvs.adapters.policy_map import PolicyMap
+from masenvs.engine.engine import EmbeddedBackend
 from masenvs.traces import TraceStore
 
 # What Qwen3's template does with `enable_thinking`, on ChatML: with false the generation

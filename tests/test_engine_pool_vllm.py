@@ -30,10 +30,10 @@ from test_vllm_real import (
     toy_config,
 )
 
-from masenvs.adapters.backends.base import GenerateRequest, Generation, SamplingParams
 from masenvs.adapters.backends.launch import VLLMLaunchError, find_vllm
 from masenvs.adapters.backends.pool import EnginePool
 from masenvs.adapters.backends.vllm import VLLMBackend
+from masenvs.engine.protocol import GenerateRequest, Generation, SamplingParams
 from masenvs.traces import TraceStore
 
 pytestmark = pytest.mark.vllm

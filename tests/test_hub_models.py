@@ -12,10 +12,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
-from masenvs.adapters.backends.embedded import EmbeddedBackend
 from masenvs.adapters.backends.launch import VLLMLaunchError, model_dir
-from masenvs.adapters.models import ModelLoadError, cache_dir, load_model, load_tokenizer
+from masenvs.engine.engine import EmbeddedBackend
+from masenvs.engine.loading import ModelLoadError, cache_dir, load_model, load_tokenizer
+from masenvs.engine.protocol import GenerateRequest, SamplingParams
 
 REPO = "masenvs-test/Tiny-Llama"
 REVISION = "0123456789abcdef0123456789abcdef01234567"

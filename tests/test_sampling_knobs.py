@@ -10,12 +10,12 @@ from pathlib import Path
 import torch
 from fake_vllm import FakeVLLM
 
-from masenvs.adapters.backends.base import GenerateRequest, SamplingParams
-from masenvs.adapters.backends.embedded import EmbeddedBackend
 from masenvs.adapters.backends.launch import model_dir
-from masenvs.adapters.backends.sampling import RowSampling, sample
 from masenvs.adapters.backends.vllm import VLLMBackend
 from masenvs.adapters.endpoint import EndpointServer
+from masenvs.engine.engine import EmbeddedBackend
+from masenvs.engine.protocol import GenerateRequest, SamplingParams
+from masenvs.engine.sampling import RowSampling, sample
 from masenvs.traces import TraceStore
 from masenvs.trainer.config import load_config
 from masenvs.trainer.train import train

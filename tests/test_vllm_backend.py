@@ -22,8 +22,6 @@ import pytest
 import torch
 from fake_vllm import FakeVLLM
 
-from masenvs.adapters.backends.base import Backend, BackendError, GenerateRequest, SamplingParams
-from masenvs.adapters.backends.embedded import EmbeddedBackend
 from masenvs.adapters.backends.launch import (
     VLLMLaunchError,
     check_cpu_model,
@@ -35,7 +33,9 @@ from masenvs.adapters.backends.launch import (
 from masenvs.adapters.backends.vllm import VLLMBackend
 from masenvs.adapters.backends.vllm_protocol import ChoiceState as _Choice
 from masenvs.adapters.endpoint import EndpointServer, create_app
-from masenvs.adapters.models import load_model
+from masenvs.engine.engine import EmbeddedBackend
+from masenvs.engine.loading import load_model
+from masenvs.engine.protocol import Backend, BackendError, GenerateRequest, SamplingParams
 from masenvs.traces import TraceStore
 
 HELLO = [{"role": "user", "content": "Say hello."}]

@@ -19,7 +19,6 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from masenvs.adapters.backends.base import Backend, BackendError
 from masenvs.adapters.backends.launch import (
     VLLMLaunchError,
     check_cpu_model,
@@ -30,6 +29,7 @@ from masenvs.adapters.backends.launch import (
 from masenvs.adapters.backends.router import Route, RouterBackend
 from masenvs.adapters.backends.vllm import VLLMBackend
 from masenvs.adapters.stack import StackError
+from masenvs.engine.protocol import Backend, BackendError
 from masenvs.trainer.config import TrainConfig
 from masenvs.trainer.learner import Learner
 
