@@ -25,7 +25,7 @@ def test_example_runs_and_takes_a_training_step(tmp_path, script) -> None:
     command = [
         sys.executable,
         str(ROOT / "examples" / script),
-        *("--model", "tiny", "--episodes", "2", "--runs", "2", "--train-steps", "1"),
+        *("--model", "tiny", "--episodes", "2", "--branches", "2", "--train-steps", "1"),
         *("--max-tokens", "16", "--traces", str(traces)),
     ]
     env = {**os.environ, "COLUMNS": "200"}

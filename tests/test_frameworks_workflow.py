@@ -70,7 +70,7 @@ def test_every_call_is_traced_attributed_routed_and_numbered(
                 env_name="math",
                 env_options={"level": 1},
                 seeds=[3, 4],
-                runs_per_task=2,
+                branches=2,
                 settings=SETTINGS,
                 endpoint=served.endpoint,
                 step=7,
@@ -127,7 +127,7 @@ def test_a_shared_adapter_serves_and_trains_every_agent(backend, tmp_path) -> No
                 store=served.store,
                 env_name="plan_path",
                 seeds=[0],
-                runs_per_task=2,
+                branches=2,
                 settings=SETTINGS,
                 policy_of=lambda agent: "shared",
             )
@@ -160,7 +160,7 @@ def test_an_agent_workflow_and_the_example_programs_run(backend, tmp_path) -> No
                     root_url=served.url,
                     env_name=env,
                     seeds=[1],
-                    runs_per_task=1,
+                    branches=1,
                     settings=SETTINGS,
                     store=served.store,
                     prefix=framework + env,
@@ -184,7 +184,7 @@ def test_a_selector_group_chat_traces_its_speaker_selection_as_an_agent(backend,
                 root_url=served.url,
                 env_name="code",
                 seeds=[0],
-                runs_per_task=1,
+                branches=1,
                 settings=SETTINGS,
             )
         )
@@ -211,7 +211,7 @@ def test_a_failing_user_graph_ends_its_run_with_the_failure_reward(backend, tmp_
                 store=served.store,
                 env_name="math",
                 seeds=[0, 1],
-                runs_per_task=2,
+                branches=2,
                 settings=SETTINGS,
             )
         )
@@ -237,7 +237,7 @@ def test_a_failing_user_graph_ends_its_run_with_the_failure_reward(backend, tmp_
                 root_url=served.url,
                 env_name="math",
                 seeds=[0],
-                runs_per_task=2,
+                branches=2,
                 settings=SETTINGS,
             )
         )
@@ -342,7 +342,7 @@ def test_a_blocking_run_times_out_alone_and_its_late_calls_are_refused(
     with serve(backend, tmp_path) as served:
         # A first run imports the framework (seconds on a busy CPU), inside its deadline.
         options = dict(root_url=served.url, env_name="math", settings=SETTINGS)
-        asyncio.run(run_tasks(spec, seeds=[1], runs_per_task=1, prefix="warm", **options))
+        asyncio.run(run_tasks(spec, seeds=[1], branches=1, prefix="warm", **options))
         started = time.perf_counter()
         samples, runs = asyncio.run(
             collect_workflow_samples(
@@ -351,7 +351,7 @@ def test_a_blocking_run_times_out_alone_and_its_late_calls_are_refused(
                 store=served.store,
                 env_name="math",
                 seeds=[0, 1],
-                runs_per_task=2,
+                branches=2,
                 settings=SETTINGS,
                 endpoint=served.endpoint,
             )
@@ -390,7 +390,7 @@ def test_late_calls_of_a_timed_out_run_never_train(backend, tmp_path, with_endpo
                 root_url=served.url,
                 env_name="math",
                 seeds=[0],
-                runs_per_task=2,
+                branches=2,
                 settings=SETTINGS,
                 endpoint=served.endpoint if with_endpoint else None,
                 prefix="ep" if with_endpoint else "remote",
@@ -431,7 +431,7 @@ def test_each_failed_run_is_logged_once_in_one_line_with_the_detail_in_its_recor
                 root_url=served.url,
                 env_name="math",
                 seeds=[0],
-                runs_per_task=1,
+                branches=1,
                 settings=SETTINGS,
                 store=served.store,
             )
@@ -506,7 +506,7 @@ def test_an_empty_answer_is_warned_about_once_naming_answer_from(
                 root_url=served.url,
                 env_name="math",
                 seeds=[0, 1],
-                runs_per_task=2,
+                branches=2,
                 settings=SETTINGS,
             )
         )
@@ -539,7 +539,7 @@ def test_tools_a_template_cannot_render_are_warned_about_once(
                 root_url=served.url,
                 env_name="math",
                 seeds=[0],
-                runs_per_task=3,
+                branches=3,
                 settings=SETTINGS,
                 store=served.store,
             )
@@ -579,7 +579,7 @@ def test_the_server_is_given_by_its_root_or_its_v1_url_and_checked_up_front(
                     root_url=url,
                     env_name="math",
                     seeds=[0],
-                    runs_per_task=1,
+                    branches=1,
                     settings=SETTINGS,
                     store=served.store,
                 )
@@ -617,7 +617,7 @@ def test_masenvs_rollout_runs_your_factory_against_masenvs_serve(tmp_path, capsy
                 "level=1",
                 "--episodes",
                 "2",
-                "--runs",
+                "--branches",
                 "2",
                 "--max-tokens",
                 "8",

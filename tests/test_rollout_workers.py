@@ -347,7 +347,7 @@ def test_workers_play_trajectory_mode_as_in_process(cluster: None, stack: Stack)
                 env_factory(cfg, stack),
                 seeds,
                 policy,
-                episodes=2,
+                branches=2,
                 policy_of=AGENTS.__getitem__,
                 rollout_prefix="traj-local",
             )

@@ -328,7 +328,7 @@ def test_named_steps_group_like_decisions_together(
                 store=served.store,
                 env_name="math",
                 seeds=[0],
-                runs_per_task=2,
+                branches=2,
                 settings=ClientSettings(sampling=Sampling(max_tokens=6)),
                 policy_of=lambda agent: agent,
             )

@@ -349,14 +349,14 @@ async def collect_trajectory_batch(
     seeds: list[int],
     policy: ChatPolicy,
     *,
-    episodes: int,
+    branches: int,
     policy_of: Callable[[str], str],
     group_by: Literal["agent", "turn_agent"] = "turn_agent",
     rollout_prefix: str = "train",
     concurrency: int = 8,
     sample_seed: int | None = None,
 ) -> list[TaskRollout]:
-    """`episodes` (K) independent episodes of every task, one `TaskRollout` each, in (task,
+    """`branches` (K) independent episodes of every task, one `TaskRollout` each, in (task,
     episode) order; `concurrency` tasks in flight, each with its K episodes at once."""
     limit = asyncio.Semaphore(concurrency)
 
@@ -374,7 +374,7 @@ async def collect_trajectory_batch(
                         rollout_id=f"{rollout_prefix}-{seed}-e{k}",
                         sample_seed=sample_seed,
                     )
-                    for k in range(episodes)
+                    for k in range(branches)
                 )
             )
 

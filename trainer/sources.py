@@ -150,7 +150,7 @@ class TreeSource:
                 self.make_env,
                 seeds,
                 self.policy,
-                episodes=cfg.rollout.branches,
+                branches=cfg.rollout.branches,
                 policy_of=self.learner.policy_of,
                 group_by=cfg.rollout.group_by,
                 rollout_prefix=f"s{step}",

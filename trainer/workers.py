@@ -103,7 +103,7 @@ class RolloutWorker:
                 lambda: make(s.env_name, **s.env_options),
                 seeds,
                 self._chat(),
-                episodes=s.branches,
+                branches=s.branches,
                 policy_of=s.policies.__getitem__,
                 group_by=s.group_by,
                 rollout_prefix=prefix,
