@@ -3,9 +3,11 @@ learner and engine in one process, a validation-sized decode batch, then trainin
 batches of the quickstart's shape.
 
 Batches: 8 tasks x 2 agents x K=4 branches; the tool agent's prompts are 270 tokens, the
-plan agent's 300, completions 6 to 24 tokens, 14 of the 16 groups per agent kept (what
-drop_zero_std_groups leaves in the runs of docs/learning.md). Token ids are random: time
-and memory do not depend on them.
+plan agent's 300, of which the first 175 and 178 are the same for every task (the chat
+template, system prompt and instructions, as in the run's traces: the learner feeds them
+once per update, see trainer/prefix.py), completions 6 to 24 tokens, 14 of the 16 groups per
+agent kept (what drop_zero_std_groups leaves in the runs of docs/learning.md). Other token
+ids are random: time and memory do not depend on them.
 
 Per step it prints the update's wall and CPU time, its model FLOPs (`learner/gflops`, the
 count `logging.mfu` uses in the real run) and its MFU against a 2048^3 fp32 matmul timed
@@ -44,6 +46,10 @@ from masenvs.trainer.samples import Sample, tree_group  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "examples" / "quickstart.yaml"
 PROMPTS = {"tool": 270, "plan": 300}
+SHARED = {
+    "tool": 175,
+    "plan": 178,
+}  # tokens every prompt of the agent starts with (the run's traces)
 VOCAB = 49152
 
 
@@ -77,8 +83,10 @@ def quickstart_batch(step: int, cfg: Any) -> list[Sample]:
     rng = random.Random(step)
     samples = []
     for agent, prompt_len in PROMPTS.items():
+        head = [rng.randrange(VOCAB) for _ in range(SHARED[agent])]  # system prompt, instructions
         for task in range(8):
-            prompt = [rng.randrange(VOCAB) for _ in range(prompt_len + rng.randint(-10, 10))]
+            rest = prompt_len - len(head) + rng.randint(-10, 10)
+            prompt = head + [rng.randrange(VOCAB) for _ in range(rest)]
             flat = task >= 7  # one of 8 groups has equal rewards and is dropped
             for b in range(4):
                 completion = [rng.randrange(VOCAB) for _ in range(rng.randint(6, 24))]
@@ -122,7 +130,7 @@ def main() -> None:
     parser.add_argument("--no-engine", action="store_true", help="the learner alone")
     parser.add_argument("--json", type=Path, help="also write the figures here")
     args = parser.parse_args()
-    from masenvs.memory import tune_allocator
+    from masenvs.memory import release_free_memory, tune_allocator
 
     tune_allocator()  # as `masenvs train` does
     cfg = load_config(CONFIG, [f"steps={args.steps}", *args.set])
@@ -155,6 +163,8 @@ def main() -> None:
             f"time), matmul {r['matmul_gflop_per_s']:5.1f} GFLOP/s right after",
             flush=True,
         )
+        release_free_memory()  # as `masenvs train` does between phases
+        phases[f"after step {step}"] = memory()
     phases["after the steps"] = memory()
     if backend is not None:
         backend.shutdown()

@@ -275,6 +275,14 @@ class OptimConfig(Section):
         "tree node do): their completions attend to one copy. Exact; needs sdpa or eager "
         "attention without sliding windows, else it is skipped.",
     )
+    share_prefix: bool = Field(
+        True,
+        description="Feed the tokens every prompt of a policy's update starts with (chat "
+        "template, system prompt, instructions) once per update: every micro-batch attends "
+        "to their keys and values, and one backward takes the summed gradient in. Exact. "
+        "Needs share_prompts; skipped with gradient checkpointing, across processes, and "
+        "under 16 shared tokens.",
+    )
     gradient_checkpointing: bool = Field(
         False,
         description="Recompute activations in the backward pass instead of keeping them: less "

@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from peft import PeftModel
 
-from masenvs.trainer import flops, packing, policies, scoring, weights
+from masenvs.trainer import flops, packing, policies, prefix, scoring, weights
 from masenvs.trainer.atgrpo import LossSums
 from masenvs.trainer.config import OptimConfig, TrainConfig
 from masenvs.trainer.parallel import DataParallel, OneProcess, Scores
@@ -226,13 +226,14 @@ class Learner:
         own_sums = sums if alone else LossSums()
         own_mismatch = mismatch if alone or mismatch is None else scoring.Mismatch()
         causal_lm = causal_lm_of(model)
+        shared = self._shared_prefix(model, causal_lm, [batch[i] for i in mine], share)
         passes = self._passes(
-            self.microbatches([batch[i] for i in mine], share),
+            self.microbatches([batch[i] for i in mine], share, shared.length if shared else 0),
             lambda: next(self.microbatches([batch[part[0]]], share)),
         )
         for mb, real, last in passes:
             par.gradient_sync(causal_lm, last)
-            scored = self.forward(model, mb, with_entropy=self.cfg.logging.entropy)
+            scored = self.forward(model, mb, self.cfg.logging.entropy, shared)
             if not real:  # a pass for the collectives only: no gradient
                 (scored.logprobs.sum() * 0.0).backward()
                 continue
@@ -247,12 +248,39 @@ class Learner:
                 own_mismatch.add(
                     batch, idx, scoring.split_per_sample(scored.raw_logprobs, batch, idx)
                 )
+        if shared is not None:
+            shared.backward()  # the micro-batches' gradients of the prefix's keys and values
         par.finish_gradients(model, causal_lm)
         if not alone:
             par.reduce(own_sums, own_mismatch)
             sums.add(own_sums)
             if mismatch is not None and own_mismatch is not None:
                 mismatch.merge(own_mismatch)
+
+    def _shared_prefix(
+        self, model: Any, causal_lm: Any, batch: list[Sample], share: bool
+    ) -> prefix.SharedPrefix | None:
+        """Feed the prefix every prompt of `batch` starts with once (trainer/prefix.py), where
+        it is long enough, `optim.share_prefix` is on, prompts may be shared, one process
+        holds the whole model, and no activation is recomputed."""
+        opt = self.cfg.optim
+        if not (opt.share_prefix and share and torch.is_grad_enabled()):
+            return None
+        if opt.gradient_checkpointing or self.parallel.world_size != 1 or self.parallel.lockstep:
+            return None
+        if self.parallel.root_forward or not scoring.plain_lm_head(causal_lm.config):
+            return None
+        if has_dropout(model):  # the prefix's forward runs twice and must give the same keys
+            return None
+        tokens = prefix.prefix_tokens(batch)
+        if not tokens:
+            return None
+        backbone = getattr(causal_lm, causal_lm.base_model_prefix)
+        pass_ = packing.prefix_pass(len(tokens))
+        self.flops += self._pass_flops(model, causal_lm, pass_)  # forward and backward
+        with torch.no_grad():
+            self.flops += self._pass_flops(model, causal_lm, pass_)  # the first, keys only
+        return prefix.feed_prefix(backbone, tokens, self.device, self.autocast)
 
     def _passes(
         self, microbatches: Iterator[packing.MicroBatch], padding: Callable[[], packing.MicroBatch]
@@ -342,13 +370,17 @@ class Learner:
             scored[i], raw[i] = lp, r
         return scored, raw
 
-    def microbatches(self, batch: list[Sample], share: bool) -> Iterator[packing.MicroBatch]:
-        """Prompt units packed into rows, rows into micro-batches within the token budget."""
+    def microbatches(
+        self, batch: list[Sample], share: bool, prefix: int = 0
+    ) -> Iterator[packing.MicroBatch]:
+        """Prompt units packed into rows, rows into micro-batches within the token budget
+        (less a `prefix` every prompt starts with, fed beforehand)."""
         budget = self.cfg.optim.max_tokens_per_microbatch
-        units = packing.prompt_units(batch, share, budget)
-        lengths = [packing.unit_length(batch, u) for u in units]
+        units = packing.prompt_units(batch, share, budget, prefix)
+        lengths = [packing.unit_length(batch, u, prefix) for u in units]
         for rows in packing.plan_microbatches(lengths, budget):
-            mb = packing.build_microbatch(batch, [[units[u] for u in row] for row in rows])
+            rows_ = [[units[u] for u in row] for row in rows]
+            mb = packing.build_microbatch(batch, rows_, prefix)
             mb.temperature = self._temperature([batch[i] for i in mb.samples])
             yield mb
 
@@ -361,14 +393,26 @@ class Learner:
             [torch.full((len(s.completion_token_ids), 1), of[s.agent]) for s in samples]
         )
 
-    def forward(self, model: Any, mb: packing.MicroBatch, with_entropy: bool) -> scoring.Scored:
-        """Log-probs of the micro-batch's completion tokens (grad follows the caller's mode)."""
+    def forward(
+        self,
+        model: Any,
+        mb: packing.MicroBatch,
+        with_entropy: bool,
+        shared: prefix.SharedPrefix | None = None,
+    ) -> scoring.Scored:
+        """Log-probs of the micro-batch's completion tokens (grad follows the caller's mode);
+        `shared` holds the keys and values of the `mb.prefix` tokens its prompts start with."""
         causal_lm = causal_lm_of(model)
         input_ids = mb.input_ids.to(self.device)
         position_ids = mb.position_ids.to(self.device)
         index = mb.score_index.to(self.device)
         targets = mb.targets.to(self.device)
         inputs: dict[str, Any] = {"input_ids": input_ids, "position_ids": position_ids}
+        if mb.prefix:
+            if shared is None or shared.length != mb.prefix:
+                raise ValueError("a micro-batch packed after a prefix needs that prefix's cache")
+            backbone = getattr(causal_lm, causal_lm.base_model_prefix)
+            inputs[prefix.cache_argument(backbone)] = shared.cache(input_ids.shape[0])
         if mb.attention_mask is not None:  # shared prompts; else position ids delimit sequences
             mask = mb.attention_mask.to(self.device)
             inputs["attention_mask"] = scoring.mask_for(

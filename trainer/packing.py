@@ -3,6 +3,10 @@
 The K branches of a tree node share one prompt: fed once, followed by each completion, with
 an attention mask that keeps siblings apart. Units are packed first-fit-decreasing into rows,
 rows into micro-batches within `optim.max_tokens_per_microbatch`.
+
+With a `prefix` (the tokens every prompt of an update starts with, fed once beforehand: see
+trainer/prefix.py), each unit holds only the rest of its prompt; its positions continue
+after the prefix, and the mask's first `prefix` columns are the prefix's keys.
 """
 
 from __future__ import annotations
@@ -18,12 +22,15 @@ Unit = list[int]
 """Batch indices of samples fed as one copy of their shared prompt followed by each completion."""
 
 
-def prompt_units(batch: Sequence[Sample], share: bool, max_tokens: int | None = None) -> list[Unit]:
+def prompt_units(
+    batch: Sequence[Sample], share: bool, max_tokens: int | None = None, prefix: int = 0
+) -> list[Unit]:
     """Group samples with identical prompts (the K branches of a tree node have one prompt).
 
     With `max_tokens`, a prompt whose completions do not fit the budget together is split
-    into several units, each repeating the prompt: the K completions of one prompt may then
-    go to different micro-batches (a lone sequence longer than the budget stays whole).
+    into several units, each repeating the prompt (less a `prefix` fed apart): the K
+    completions of one prompt may then go to different micro-batches (a lone sequence longer
+    than the budget stays whole).
     """
     if not share:
         return [[i] for i in range(len(batch))]
@@ -34,7 +41,7 @@ def prompt_units(batch: Sequence[Sample], share: bool, max_tokens: int | None = 
         return list(units.values())
     split: list[Unit] = []
     for unit in units.values():
-        prompt = len(batch[unit[0]].prompt_token_ids)
+        prompt = len(batch[unit[0]].prompt_token_ids) - prefix  # a shared prefix is fed apart
         part: Unit = []
         used = prompt
         for i in unit:
@@ -48,9 +55,26 @@ def prompt_units(batch: Sequence[Sample], share: bool, max_tokens: int | None = 
     return split
 
 
-def unit_length(batch: Sequence[Sample], unit: Unit) -> int:
-    """Input tokens of a unit: the prompt once, then each completion but its last token."""
-    prompt = len(batch[unit[0]].prompt_token_ids)
+def common_prefix(batch: Sequence[Sample]) -> int:
+    """Tokens every prompt of `batch` starts with, short of each prompt's last token (which
+    predicts the first completion token, so it stays with its unit)."""
+    if not batch:
+        return 0
+    first = batch[0].prompt_token_ids
+    n = min(len(s.prompt_token_ids) for s in batch) - 1
+    for s in batch[1:]:
+        prompt = s.prompt_token_ids
+        k = 0
+        while k < n and prompt[k] == first[k]:
+            k += 1
+        n = k
+    return max(n, 0)
+
+
+def unit_length(batch: Sequence[Sample], unit: Unit, prefix: int = 0) -> int:
+    """Input tokens of a unit: the prompt once (less a shared `prefix`), then each completion
+    but its last token."""
+    prompt = len(batch[unit[0]].prompt_token_ids) - prefix
     return prompt + sum(len(batch[i].completion_token_ids) - 1 for i in unit)
 
 
@@ -94,20 +118,26 @@ class MicroBatch:
     temperature: float | torch.Tensor = 1.0
     tokens: int = 0  # real (not padding) input tokens, for the FLOP count
     attended: int = 0  # (query, key) pairs among real tokens that attention computes
+    prefix: int = 0  # tokens of a shared prefix fed beforehand, the mask's first columns
 
 
-def build_microbatch(batch: Sequence[Sample], rows: list[list[Unit]]) -> MicroBatch:
+def build_microbatch(
+    batch: Sequence[Sample], rows: list[list[Unit]], prefix: int = 0
+) -> MicroBatch:
     """Lay out rows of units; `attention_mask` is None when no prompt is shared.
 
     Without sharing, position ids that restart at 0 are enough: transformers derives a
     block-diagonal causal mask from them. With sharing, each completion must see its prompt
-    but not its sibling completions, so the mask is built here (True = may attend).
+    but not its sibling completions, so the mask is built here (True = may attend). With a
+    `prefix`, every prompt's first `prefix` tokens are left out (they are the keys of the
+    mask's first `prefix` columns, which every real token sees).
     """
-    width = max(sum(unit_length(batch, u) for u in row) for row in rows)
-    shared = any(len(u) > 1 for row in rows for u in row)
+    width = max(sum(unit_length(batch, u, prefix) for u in row) for row in rows)
+    shared = prefix > 0 or any(len(u) > 1 for row in rows for u in row)
+    c = prefix  # column of the first token of the row
+    mask = torch.zeros(len(rows), 1, width, c + width, dtype=torch.bool) if shared else None
     input_ids = torch.zeros(len(rows), width, dtype=torch.long)
     position_ids = torch.zeros(len(rows), width, dtype=torch.long)
-    mask = torch.zeros(len(rows), 1, width, width, dtype=torch.bool) if shared else None
     order: list[int] = []
     score: list[int] = []
     targets: list[int] = []
@@ -115,25 +145,28 @@ def build_microbatch(batch: Sequence[Sample], rows: list[list[Unit]]) -> MicroBa
     for r, row in enumerate(rows):
         o = 0  # where the current unit starts
         for unit in row:
-            prompt = batch[unit[0]].prompt_token_ids
+            prompt = batch[unit[0]].prompt_token_ids[prefix:]
             p = len(prompt)
             tokens += p
-            attended += p * (p + 1) // 2
+            attended += p * (p + 1) // 2 + p * prefix
             input_ids[r, o : o + p] = torch.tensor(prompt)
-            position_ids[r, o : o + p] = torch.arange(p)
+            position_ids[r, o : o + p] = torch.arange(prefix, prefix + p)
             if mask is not None:
-                mask[r, 0, o : o + p, o : o + p] = _causal(p)
+                mask[r, 0, o : o + p, :prefix] = True
+                mask[r, 0, o : o + p, c + o : c + o + p] = _causal(p)
             start = o + p  # where the current completion starts
             for i in unit:
                 completion = batch[i].completion_token_ids
                 n = len(completion) - 1
                 tokens += n
-                attended += n * p + n * (n + 1) // 2  # its prompt, then itself causally
+                # the prefix and its prompt, then itself causally
+                attended += n * (prefix + p) + n * (n + 1) // 2
                 input_ids[r, start : start + n] = torch.tensor(completion[:-1])
-                position_ids[r, start : start + n] = torch.arange(p, p + n)
+                position_ids[r, start : start + n] = torch.arange(prefix + p, prefix + p + n)
                 if mask is not None:
-                    mask[r, 0, start : start + n, o : o + p] = True
-                    mask[r, 0, start : start + n, start : start + n] = _causal(n)
+                    mask[r, 0, start : start + n, :prefix] = True
+                    mask[r, 0, start : start + n, c + o : c + o + p] = True
+                    mask[r, 0, start : start + n, c + start : c + start + n] = _causal(n)
                 # completion[0] is predicted by the prompt's last position, completion[j] by
                 # the position of completion[j - 1]
                 base = r * width
@@ -145,7 +178,7 @@ def build_microbatch(batch: Sequence[Sample], rows: list[list[Unit]]) -> MicroBa
         # Padding is its own sequence (positions restart at 0): real tokens never attend to it.
         position_ids[r, o:] = torch.arange(width - o)
         if mask is not None:
-            mask[r, 0, o:, o:] = _causal(width - o)  # no fully masked row (NaN in softmax)
+            mask[r, 0, o:, c + o :] = _causal(width - o)  # no fully masked row (NaN in softmax)
     return MicroBatch(
         samples=order,
         input_ids=input_ids,
@@ -155,6 +188,23 @@ def build_microbatch(batch: Sequence[Sample], rows: list[list[Unit]]) -> MicroBa
         attention_mask=mask,
         tokens=tokens,
         attended=attended,
+        prefix=prefix,
+    )
+
+
+def prefix_pass(length: int) -> MicroBatch:
+    """The shape of a shared prefix's own forward (trainer/prefix.py), for the FLOP count:
+    `length` tokens attending causally, nothing scored."""
+    empty = torch.zeros(0, dtype=torch.long)
+    return MicroBatch(
+        samples=[],
+        input_ids=torch.zeros(1, length, dtype=torch.long),
+        position_ids=torch.arange(length)[None],
+        score_index=empty,
+        targets=empty,
+        attention_mask=None,
+        tokens=length,
+        attended=length * (length + 1) // 2,
     )
 
 

@@ -28,7 +28,7 @@ from rich.markup import escape
 from masenvs.adapters.policy_map import PolicyMap
 from masenvs.adapters.stack import Stack, start_stack
 from masenvs.listeners import API_KEY_ENV, announce, listener_key
-from masenvs.memory import tune_allocator
+from masenvs.memory import release_free_memory, tune_allocator
 from masenvs.trainer import sources
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.checkpoint import TrainState, load_latest, save_checkpoint
@@ -242,6 +242,7 @@ async def _loop(
             with _rollout_progress(console, stack, step, cfg.steps):
                 samples, row = await source.collect(step, seeds)
             rollout_s = time.perf_counter() - started
+            release_free_memory()  # the rollout's freed blocks, before the update's peak
             trained = [s for s in samples if learner.trains(s.policy)]  # frozen agents: none
             trained = [s for s in trained if cfg.schedule.scale(step, s.agent) > 0]
             trainable, stats = group_advantages(trained, cfg.algorithm)
@@ -254,6 +255,7 @@ async def _loop(
             # pool that competes with the engine's once the next rollout starts.
             update = learner.step(trainable, lr_scale=lr_scale) if trainable else {}
             update_s = time.perf_counter() - started
+            release_free_memory()  # the update's activations, before validation and the rollout
             if cfg.logging.mfu and update.get("learner/gflop_per_s"):
                 update.update(mfu_metrics(update))
             # what the step did with each sample, for `masenvs ui` (after the update: the
