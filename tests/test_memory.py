@@ -91,8 +91,9 @@ def test_the_engine_keeps_no_concatenated_copy_it_never_reads(
 
 
 _HOLES = """
-import ctypes, re
+import ctypes, re, sys
 from masenvs.memory import tune_allocator, release_free_memory
+size = int(sys.argv[1]) << 10
 libc = ctypes.CDLL("libc.so.6")
 libc.malloc.restype = ctypes.c_void_p
 libc.free.argtypes = [ctypes.c_void_p]
@@ -101,9 +102,9 @@ def anon():
     text = open("/proc/self/status").read()
     return int(re.search(r"RssAnon:\\s+(\\d+)", text)[1]) >> 10
 tune_allocator()
-blocks = [libc.malloc(128 << 10) for _ in range(512)]  # 64 MiB below the mmap threshold
+blocks = [libc.malloc(size) for _ in range((64 << 20) // size)]  # 64 MiB
 for b in blocks:
-    libc.memset(b, 1, 128 << 10)
+    libc.memset(b, 1, size)
 for b in blocks[:-1]:
     libc.free(b)  # the last block pins the heap's top: the rest is a hole, not trimmed
 held = anon()
@@ -112,13 +113,37 @@ print(held, anon())
 """
 
 
+def test_an_unknown_malloc_mode_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    from masenvs.memory import tune_allocator
+
+    monkeypatch.setenv("MASENVS_MALLOC", "speedy")
+    with pytest.raises(ValueError, match="lean .*fast .*default"):
+        tune_allocator()
+
+
+def _holes(kib: int, **env: str) -> tuple[int, int]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+    clean.pop("MASENVS_MALLOC", None)
+    out = subprocess.run(
+        [sys.executable, "-c", _HOLES, str(kib)], env={**clean, **env}, capture_output=True,
+        text=True,
+    )  # fmt: skip
+    assert out.returncode == 0, out.stderr
+    held, after = (int(v) for v in out.stdout.split())
+    return held, after
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
 def test_release_free_memory_returns_the_holes_inside_the_heap() -> None:
     # Blocks below the threshold come from the heap and stay resident when freed (fast
     # to reuse); the trainer calls release_free_memory() between the rollout and the update.
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
-    clean.pop("MASENVS_MALLOC", None)
-    out = subprocess.run([sys.executable, "-c", _HOLES], env=clean, capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
-    held, after = (int(v) for v in out.stdout.split())
+    held, after = _holes(128)
     assert held - after >= 48, (held, after)  # MiB: most of the 63 MiB hole went back
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's allocator")
+def test_fast_mode_keeps_blocks_under_1_mib_in_the_heap() -> None:
+    lean_held, _ = _holes(512)  # 512 KiB blocks are mapped: freed ones are gone at once
+    fast_held, fast_after = _holes(512, MASENVS_MALLOC="fast")  # in the heap until trimmed
+    assert fast_held - lean_held >= 48, (lean_held, fast_held)
+    assert fast_held - fast_after >= 48
