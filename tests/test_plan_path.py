@@ -219,3 +219,23 @@ def test_without_answer_example_no_prompt_holds_moves_to_copy() -> None:
     env = masenvs.make("plan_path", tool_task="propose")
     env.reset(seed=0, options={"task": TASK})
     assert "#### [R, D, D]" in env.prompt("plan")[1]["content"]  # the default is unchanged
+
+
+# --- max_distance: a curriculum of near goals ---------------------------------------------
+
+
+def test_max_distance_draws_only_near_goals_and_none_keeps_every_task() -> None:
+    from masenvs.envs.plan_path import generate_task
+
+    lengths = []
+    for seed in range(40):
+        env = masenvs.make("plan_path", size=4, obstacle_ratio=0.1, max_distance=2)
+        env.reset(seed=seed)
+        lengths.append(env.task.optimal_length)
+        assert 1 <= env.task.optimal_length <= 2
+    assert set(lengths) == {1, 2}
+    # Without it, the same seeds draw the same tasks as before the option existed.
+    for seed in range(10):
+        env = masenvs.make("plan_path", size=4, obstacle_ratio=0.1)
+        env.reset(seed=seed)
+        assert env.task == generate_task(np.random.default_rng(seed), 4, 0.1)

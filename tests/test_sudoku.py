@@ -419,3 +419,29 @@ def test_show_candidates_single_candidates_are_right_and_solve_only_when_complet
     assert "[0, 3" not in infos["plan"]["messages"][-1]["content"]  # filled: no longer listed
     _, _, terms, _, infos = env.step({"plan": "#### [[1, 2, 1]]"})
     assert infos["plan"]["success"] and is_solved(env.state.board, env.task.puzzle)
+
+
+# --- show_empty: where to answer, not what ------------------------------------------------
+
+
+def test_show_empty_lists_the_cells_but_no_digit_and_a_right_fill_solves() -> None:
+    puzzle = [row[:] for row in SOLUTION]
+    puzzle[0][3] = puzzle[2][1] = 0
+    env = masenvs.make("sudoku", single_agent=True, show_empty=True, max_rounds=2)
+    _, infos = env.reset(seed=0, options={"task": {"puzzle": puzzle}})
+    prompt = infos["plan"]["messages"][-1]["content"]
+    assert "Empty cells as [row, column, value]: [[0, 3, ?], [2, 1, ?]]." in prompt
+    assert "fits" not in prompt  # no candidate, so no digit is given away
+    assert prompt.endswith("#### [[row, column, value], ...]")
+    listed = prompt.split("value]: ")[1].splitlines()[0]
+    assert parse_answer(listed, 4) is None  # the '?' line itself is no answer
+    _, rewards, _, _, infos = env.step({"plan": "#### [[0, 3, 1], [2, 1, 1]]"})
+    assert not infos["plan"]["success"] and rewards["plan"] < 0  # wrong digits: conflicts
+    env.reset(seed=0, options={"task": {"puzzle": puzzle}})
+    fills = f"[[0, 3, {SOLUTION[0][3]}], [2, 1, {SOLUTION[2][1]}]]"
+    _, _, _, _, infos = env.step({"plan": f"#### {fills}"})
+    assert infos["plan"]["success"]
+    # Candidates, when also asked for, are listed instead of the '?' cells.
+    both = masenvs.make("sudoku", single_agent=True, show_empty=True, show_candidates=True)
+    text = both.reset(seed=0, options={"task": {"puzzle": puzzle}})[1]["plan"]["messages"][-1]
+    assert "?" not in text["content"] and "fits each" in text["content"]

@@ -412,6 +412,12 @@ class ValidationConfig(Section):
         "must not overlap the training seeds.",
     )
     temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 is greedy).")
+    env_options: dict[str, Any] = Field(
+        default_factory=dict,
+        description="Env options for the validation episodes, over `env.options`: e.g. train "
+        "on a curriculum of near goals (`env.options.max_distance: 2`) and validate on every "
+        "task (`max_distance: null`). Env rollouts in this process only.",
+    )
 
 
 class ScheduleConfig(Section):

@@ -117,6 +117,17 @@ class TreeSource:
     def __init__(self, cfg: TrainConfig, stack: Stack, learner: Learner) -> None:
         self.cfg, self.stack, self.learner = cfg, stack, learner
         self.make_env = env_factory(cfg, stack)
+        self.val_options = env_options(cfg, stack) | cfg.validation.env_options
+        if cfg.validation.env_options:
+            if cfg.distributed.rollout_workers:
+                raise ConfigError(
+                    "validation.env_options needs the episodes in this process: "
+                    "distributed.rollout_workers validate with env.options"
+                )
+            try:  # a bad option fails here, before any step
+                make(cfg.env.name, **self.val_options)
+            except (TypeError, ValueError) as exc:
+                raise ConfigError(f"validation.env_options: {exc}") from None
         self.policy = ChatPolicy(
             stack.root_url,
             sampling=Sampling(
@@ -224,7 +235,7 @@ class TreeSource:
                 cfg.env.name,
                 policy,
                 list(cfg.validation_seeds()),
-                env_config=env_options(cfg, self.stack),
+                env_config=self.val_options,
                 store=self.stack.store,
                 concurrency=cfg.rollout.concurrency,
                 rollout_prefix=f"val{step}",
@@ -260,6 +271,11 @@ class WorkflowSource:
         from masenvs.adapters.frameworks.clients import ClientSettings
 
         self.cfg, self.stack, self.learner = cfg, stack, learner
+        if cfg.validation.env_options:
+            raise ConfigError(
+                "validation.env_options applies to env rollouts; a workflow validates on the "
+                "tasks it is given"
+            )
         self.spec = cfg.workflow
         r = cfg.rollout
         self.settings = ClientSettings(

@@ -57,6 +57,13 @@ class PlanPathConfig(EnvConfig):
         "greedy answer copies it on every task (docs/learning.md). False: the answer format "
         "is described in words, with no moves to copy.",
     )
+    max_distance: int | None = Field(
+        None,
+        ge=1,
+        description="Draw only tasks whose goal is at most this many moves (BFS) from A: a "
+        "curriculum of near goals for training, while `validation.env_options` can validate on "
+        "every distance (docs/learning.md). None: any reachable goal.",
+    )
     offset_moves: bool = Field(
         True,
         description="With show_offset, also list the straight moves (': D, D, L if no wall is in "
@@ -134,8 +141,11 @@ class PlanPathTask:
         }
 
 
-def generate_task(rng: np.random.Generator, size: int, obstacle_ratio: float) -> PlanPathTask:
-    """A random grid whose goal is reachable from the start (BFS-checked)."""
+def generate_task(
+    rng: np.random.Generator, size: int, obstacle_ratio: float, max_distance: int | None = None
+) -> PlanPathTask:
+    """A random grid whose goal is reachable from the start (BFS-checked), at most
+    `max_distance` moves away when given."""
     while True:
         walls = rng.random((size, size)) < obstacle_ratio
         free_cells = np.argwhere(~walls)
@@ -144,7 +154,7 @@ def generate_task(rng: np.random.Generator, size: int, obstacle_ratio: float) ->
         i, j = rng.choice(len(free_cells), size=2, replace=False)
         start, goal = tuple(map(int, free_cells[i])), tuple(map(int, free_cells[j]))
         dist = grid.bfs_distances(~walls, start)
-        if dist[goal] > 0:
+        if dist[goal] > 0 and (max_distance is None or dist[goal] <= max_distance):
             rows = tuple("".join("#" if w else "." for w in row) for row in walls)
             return PlanPathTask(rows, start, goal, int(dist[goal]))
 
@@ -249,7 +259,8 @@ class PlanPathEnv(MASEnv):
     state: PlanPathState
 
     def generate_task(self, rng: np.random.Generator) -> PlanPathTask:
-        return generate_task(rng, self.config.size, self.config.obstacle_ratio)
+        cfg = self.config
+        return generate_task(rng, cfg.size, cfg.obstacle_ratio, cfg.max_distance)
 
     def load_task(self, task: Any) -> PlanPathTask:
         return task if isinstance(task, PlanPathTask) else task_from_dict(task)

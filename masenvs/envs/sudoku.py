@@ -56,6 +56,13 @@ class SudokuConfig(EnvConfig):
         "for the fills (single-agent mode: the answer alone, no program): the elimination a small "
         "model gets wrong, done for it.",
     )
+    show_empty: bool = Field(
+        False,
+        description="Also list the empty cells in the answer's form with '?' for the digit, "
+        "e.g. '[[3, 0, ?], [1, 2, ?]]', and ask for the fills (single-agent mode: the answer "
+        "alone, no program): where to answer, not what; the digits stay for the model to find. "
+        "With show_candidates, the candidates are listed instead.",
+    )
 
     @model_validator(mode="after")
     def _clues_fit(self) -> SudokuConfig:
@@ -411,7 +418,14 @@ def candidate_lines(board: Board) -> list[str]:
     return ["Empty cells as [row, column, value]: " + "; ".join(cells) + "."]
 
 
-# show_candidates, single agent: the answer alone (no program), in one format.
+def empty_line(board: Board) -> list[str]:
+    """The empty cells as fills with '?' for the digit, e.g.
+    'Empty cells as [row, column, value]: [[3, 0, ?], [1, 2, ?]].'"""
+    cells = [f"[{r}, {c}, ?]" for r, row in enumerate(board) for c, v in enumerate(row) if v == 0]
+    return [f"Empty cells as [row, column, value]: [{', '.join(cells)}]."] if cells else []
+
+
+# show_candidates or show_empty, single agent: the answer alone (no program), in one format.
 HINTED_SOLO_SYSTEM = (
     "You solve sudoku puzzles: fill each empty cell with the digit that fits. End your answer "
     "with #### and one [row, column, value] fill per empty cell: #### [[row, column, value], ...]. "
@@ -463,14 +477,22 @@ class SudokuEnv(MASEnv):
 
     def prompt(self, agent: str) -> list[Message]:
         n = self.task.size
-        solo = HINTED_SOLO_SYSTEM if self.config.show_candidates else SOLO_SYSTEM
+        cfg = self.config
+        fills = cfg.show_candidates or cfg.show_empty  # the answer as fills, asked for last
+        solo = HINTED_SOLO_SYSTEM if fills else SOLO_SYSTEM
         system = (solo if self.config.single_agent else SYSTEM[agent]) + _rules(n)
         empty = sum(v == 0 for row in self.state.board for v in row)
         lines = [
             f"Board ({n}x{n}, {empty} empty cells):",
             grid.grid_text(self.board_rows()),
             f"As a JSON list of rows (0 = empty): {json.dumps(self.state.board)}",
-            *(candidate_lines(self.state.board) if self.config.show_candidates else []),
+            *(
+                candidate_lines(self.state.board)
+                if cfg.show_candidates
+                else empty_line(self.state.board)
+                if cfg.show_empty
+                else []
+            ),
             f"Round {self.round + 1} of {self.config.max_rounds}.",
         ]
         lines += round_context(
@@ -479,7 +501,7 @@ class SudokuEnv(MASEnv):
             self.state.tool_runs,
             show_tool=not self.config.single_agent,
         )
-        if self.config.show_candidates and agent == "plan":  # the format, last
+        if fills and agent == "plan":  # the format, last
             lines += [
                 "",
                 "Answer with #### and the fill of every empty cell, in the form "

@@ -1,0 +1,66 @@
+"""`validation.env_options`: train on one task distribution (a curriculum of near goals) and
+validate on another (every goal), in the real loop on the tiny model."""
+
+from __future__ import annotations
+
+import json
+import re
+from io import StringIO
+from pathlib import Path
+
+import pytest
+from rich.console import Console
+from tiny_runs import plan_path_run
+
+import masenvs
+from masenvs.trainer.config import ConfigError, load_config
+from masenvs.trainer.train import train
+
+WHERE = re.compile(r"A \(row (\d), column (\d)\); the goal G is at \(row (\d), column (\d)\)")
+
+
+def _records(run_dir: Path) -> list[dict]:
+    return [
+        json.loads(line)
+        for path in sorted((run_dir / "traces").glob("*.jsonl"))
+        for line in path.read_text().splitlines()
+    ]
+
+
+def test_training_draws_near_goals_and_validation_every_goal(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    overrides = [
+        "model.name=tiny",
+        "steps=1",
+        "env.options={size: 4, obstacle_ratio: 0.1, max_distance: 1}",
+        "validation.every=1",
+        "validation.episodes=8",
+        "validation.env_options={max_distance: null}",
+    ]
+    train(load_config(None, plan_path_run(run_dir, *overrides)), console=Console(file=StringIO()))
+    records = _records(run_dir)
+    seed_of = {r["rollout_id"]: r["extra"]["seed"] for r in records if r["type"] == "episode"}
+    seen: dict[str, set] = {"train": set(), "val": set()}
+    for call in (r for r in records if r["type"] == "call" and r["call_index"] == 0):
+        r0, c0, r1, c1 = map(int, WHERE.search(call["messages"][-1]["content"]).groups())
+        kind = "val" if call["rollout_id"].startswith("val") else "train"
+        seen[kind].add((call["rollout_id"], abs(r1 - r0) + abs(c1 - c0)))
+        if kind == "val":  # the task the full distribution draws for that seed
+            env = masenvs.make("plan_path", size=4, obstacle_ratio=0.1)
+            env.reset(seed=seed_of[call["rollout_id"]])
+            assert ((r0, c0), (r1, c1)) == (env.task.start, env.task.goal)
+    assert seen["train"] and all(d == 1 for _, d in seen["train"])  # the curriculum
+    assert len({rid for rid, _ in seen["val"]}) == 16  # 8 episodes at steps 0 and 1
+    assert max(d for _, d in seen["val"]) > 1  # validation is not held to it
+
+
+def test_a_bad_validation_option_fails_before_training(tmp_path: Path) -> None:
+    overrides = [
+        "model.name=tiny",
+        "validation.every=1",
+        "validation.env_options={max_distance: 0}",
+    ]
+    with pytest.raises(ConfigError, match="validation.env_options: .*max_distance"):
+        train(load_config(None, plan_path_run(tmp_path / "run", *overrides)))
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text().strip()  # no step, no validation
