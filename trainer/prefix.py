@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
+from masenvs.trainer.packing import common_prefix
 from masenvs.trainer.samples import Sample
 
 MIN_PREFIX = 16  # tokens: below this the extra pass costs more than it saves
@@ -71,8 +72,6 @@ def prefix_tokens(batch: list[Sample]) -> list[int]:
     """The tokens every prompt of `batch` starts with, short of each prompt's last token;
     empty when they are too few to pay for a pass of their own or only one unit would use them.
     """
-    from masenvs.trainer.packing import common_prefix
-
     if len({tuple(s.prompt_token_ids) for s in batch}) < 2:
         return []
     n = common_prefix(batch)
