@@ -57,6 +57,19 @@ def test_unbiased_std_divides_by_n_minus_one() -> None:
     assert a == pytest.approx([0.5 / (std + EPS), -0.5 / (std + EPS)], abs=1e-12)
 
 
+def test_without_the_std_groups_weigh_by_their_spread() -> None:
+    # Dr. GRPO: a group that differs by a step cost (0.01) stays tiny beside a solved one;
+    # divided by the std both would get +-1.
+    solved, cost = tree_group("t0", 0, "coder"), tree_group("t1", 0, "coder")
+    batch = [sample(1.5, solved), sample(0.0, solved), sample(-0.02, cost), sample(-0.03, cost)]
+    a = advantages(batch, scale_by_std=False)
+    assert a == pytest.approx([0.75, -0.75, 0.005, -0.005], abs=1e-12)
+    scaled = advantages(batch)
+    assert scaled == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-4)
+    # Equal rewards stay exactly 0 either way.
+    assert advantages([sample(0.1, cost)] * 3, scale_by_std=False) == [0.0, 0.0, 0.0]
+
+
 def test_equal_rewards_give_exactly_zero() -> None:
     g = tree_group(0, 1, "coder")
     # 0.1 three times: the float mean is not exactly 0.1; the advantage must still be 0.0.

@@ -50,6 +50,7 @@ def group_advantages(
     - std is the population std (divide by n): every group's advantages then have unit RMS
       whatever its size, so groups of 2 and of 8 weigh alike. `cfg.unbiased_std` switches to
       the sample std (n - 1, as VERL and TRL), which shrinks small groups by sqrt((n-1)/n).
+    - `cfg.scale_by_std` False keeps r - mean (Dr. GRPO): groups then weigh by their spread.
     - Filters: `drop_zero_std_groups`, then `keep_top_groups` (a fraction of each policy's
       groups, ranked by reward std or mean); neither changes the advantages of the groups
       that stay.
@@ -97,7 +98,8 @@ def group_advantages(
         for i in groups[key]:
             s = samples[i]
             # Exactly 0 for flat groups: float rounding in the mean must not leak through 1/eps.
-            advantage = 0.0 if flat[key] else (s.reward - mean[key]) / (std[key] + cfg.adv_eps)
+            scale = std[key] + cfg.adv_eps if cfg.scale_by_std else 1.0
+            advantage = 0.0 if flat[key] else (s.reward - mean[key]) / scale
             out.append(replace(s, advantage=advantage))
     stats.kept = len(kept)
     stats.samples_kept = len(out)

@@ -186,6 +186,12 @@ class AlgorithmConfig(Section):
         "population std (default) gives every group unit-RMS advantages whatever its size; "
         "VERL and TRL use the sample std.",
     )
+    scale_by_std: bool = Field(
+        True,
+        description="Divide by the group's reward std (GRPO). False: A = r - mean (Dr. GRPO, "
+        "Liu et al. 2025), so a group whose rewards differ by a step cost weighs that little "
+        "beside one where a candidate solved the task (docs/learning.md).",
+    )
     drop_zero_std_groups: bool = Field(
         False,
         description="Drop groups whose rewards are all equal (their advantages are 0; dropping "
