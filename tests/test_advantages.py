@@ -65,7 +65,7 @@ def test_without_the_std_groups_weigh_by_their_spread() -> None:
     a = advantages(batch, scale_by_std=False)
     assert a == pytest.approx([0.75, -0.75, 0.005, -0.005], abs=1e-12)
     scaled = advantages(batch)
-    assert scaled == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-4)
+    assert scaled == pytest.approx([1.0, -1.0, 1.0, -1.0], abs=1e-3)
     # Equal rewards stay exactly 0 either way.
     assert advantages([sample(0.1, cost)] * 3, scale_by_std=False) == [0.0, 0.0, 0.0]
 
