@@ -113,3 +113,30 @@ def test_the_prefix_gradient_reaches_the_adapter(loader: Any) -> None:
     assert broken["learner/coder/grad_norm"] != pytest.approx(
         expected["learner/coder/grad_norm"], rel=1e-3
     )
+
+
+@pytest.mark.parametrize("mode", ["per_agent", "full"])
+def test_the_scoring_passes_feed_the_prefix_once_too(loader: Any, mode: str) -> None:
+    # pi_old (ppo_epochs 2) and the reference (kl_coef > 0) are scored without grad; with the
+    # prefix fed once they are the same log-probs, so the update is the same.
+    batch = samples(4, 30)
+    extra = [
+        "algorithm.ppo_epochs=2",
+        "algorithm.kl_coef=0.1",
+        "optim.max_tokens_per_microbatch=40",
+    ]
+    if mode == "full":
+        extra += ["policy.finetune=full", "optim.lr=1e-3"]
+    runs = []
+    for on in (True, False):
+        learner, metrics = step(loader, batch, *extra, f"optim.share_prefix={on}")
+        scores = learner.logprobs("coder", batch) + learner.logprobs("coder", batch, base=True)
+        runs.append((learner, metrics, scores))
+    (_, m_on, on), (_, m_off, off) = runs
+    for a, b in zip(on, off, strict=True):
+        assert torch.allclose(a, b, atol=1e-5)
+    assert not torch.allclose(torch.cat(on[: len(batch)]), torch.cat(on[len(batch) :]))
+    for key in ("loss", "grad_norm", "kl_ref", "ratio_mean"):
+        name = f"learner/coder/{key}"
+        assert name in m_on and m_on[name] == pytest.approx(m_off[name], rel=1e-4, abs=1e-6)
+    assert m_on["learner/gflops"] < 0.9 * m_off["learner/gflops"]

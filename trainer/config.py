@@ -286,7 +286,8 @@ class OptimConfig(Section):
         description="Feed the tokens every prompt of a policy's update starts with (chat "
         "template, system prompt, instructions) once per update: every micro-batch attends "
         "to their keys and values, and one backward takes the summed gradient in. Exact. "
-        "Needs share_prompts; skipped with gradient checkpointing, across processes, and "
+        "The no-grad scoring passes (pi_old, the reference) feed it once too. Needs "
+        "share_prompts; skipped with gradient checkpointing, across processes, and "
         "under 16 shared tokens.",
     )
     gradient_checkpointing: bool = Field(

@@ -13,6 +13,7 @@ The pieces live next door: `policies` (policy modes, models, optimizers), `packi
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 import warnings
@@ -262,9 +263,10 @@ class Learner:
     ) -> prefix.SharedPrefix | None:
         """Feed the prefix every prompt of `batch` starts with once (trainer/prefix.py), where
         it is long enough, `optim.share_prefix` is on, prompts may be shared, one process
-        holds the whole model, and no activation is recomputed."""
+        holds the whole model, and no activation is recomputed. Without grad (the scoring
+        passes of pi_old and the reference) the prefix is fed once and only attended to."""
         opt = self.cfg.optim
-        if not (opt.share_prefix and share and torch.is_grad_enabled()):
+        if not (opt.share_prefix and share):
             return None
         if opt.gradient_checkpointing or self.parallel.world_size != 1 or self.parallel.lockstep:
             return None
@@ -277,7 +279,8 @@ class Learner:
             return None
         backbone = getattr(causal_lm, causal_lm.base_model_prefix)
         pass_ = packing.prefix_pass(len(tokens))
-        self.flops += self._pass_flops(model, causal_lm, pass_)  # forward and backward
+        if torch.is_grad_enabled():
+            self.flops += self._pass_flops(model, causal_lm, pass_)  # forward and backward
         with torch.no_grad():
             self.flops += self._pass_flops(model, causal_lm, pass_)  # the first, keys only
         return prefix.feed_prefix(backbone, tokens, self.device, self.autocast)
@@ -348,17 +351,34 @@ class Learner:
         share = policy.share_prompts
         budget = self.cfg.optim.max_tokens_per_microbatch
         mine = [todo[i] for i in self.parallel.assign(sub, share, budget)]
+        # The base model of a LoRA policy: the adapter stays off for every pass, the prefix's too.
+        off = model.disable_adapter() if base and policy.lora else contextlib.nullcontext()
+        with off:
+            shared = self._shared_prefix(
+                model, causal_lm_of(model), [batch[i] for i in mine], share
+            )
+            own = self._score_passes(model, batch, mine, todo, share, shared)
+        for i, (lp, r) in self.parallel.gather_scores(own).items():
+            scored[i], raw[i] = lp, r
+        return scored, raw
+
+    def _score_passes(
+        self,
+        model: Any,
+        batch: list[Sample],
+        mine: list[int],
+        todo: list[int],
+        share: bool,
+        shared: prefix.SharedPrefix | None,
+    ) -> Scores:
+        """Each of `mine`'s log-probs (and raw ones) from no-grad passes over its micro-batches."""
         passes = self._passes(
-            self.microbatches([batch[i] for i in mine], share),
+            self.microbatches([batch[i] for i in mine], share, shared.length if shared else 0),
             lambda: next(self.microbatches([batch[todo[0]]], share)),
         )
         own: Scores = {}
         for mb, real, _ in passes:
-            if base and policy.lora:
-                with model.disable_adapter():
-                    out = self.forward(model, mb, with_entropy=False)
-            else:
-                out = self.forward(model, mb, with_entropy=False)
+            out = self.forward(model, mb, with_entropy=False, shared=shared)
             if not real:
                 continue
             idx = [mine[j] for j in mb.samples]
@@ -366,9 +386,7 @@ class Learner:
             raws = scoring.split_per_sample(out.raw_logprobs, batch, idx)
             for i, lp, r in zip(idx, lps, raws, strict=True):
                 own[i] = (lp, r)
-        for i, (lp, r) in self.parallel.gather_scores(own).items():
-            scored[i], raw[i] = lp, r
-        return scored, raw
+        return own
 
     def microbatches(
         self, batch: list[Sample], share: bool, prefix: int = 0
