@@ -147,3 +147,41 @@ def test_fast_mode_keeps_blocks_under_1_mib_in_the_heap() -> None:
     fast_held, fast_after = _holes(512, MASENVS_MALLOC="fast")  # in the heap until trimmed
     assert fast_held - lean_held >= 48, (lean_held, fast_held)
     assert fast_held - fast_after >= 48
+
+
+_JEMALLOC = """
+import os
+from masenvs.memory import jemalloc_loaded, restart_with_jemalloc
+restart_with_jemalloc()
+print(jemalloc_loaded(), os.environ.get("MALLOC_CONF"), os.environ.get("MASENVS_JEMALLOC_RESTARTED"))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc")
+def test_jemalloc_mode_restarts_the_command_with_jemalloc_loaded() -> None:
+    # .ci/run installs libjemalloc2; the restart keeps the command line (sys.orig_argv).
+    clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "MASENVS_"))}
+    run = [sys.executable, "-c", _JEMALLOC]
+    out = subprocess.run(run, env={**clean, "MASENVS_MALLOC": "jemalloc"}, capture_output=True)
+    assert out.returncode == 0, out.stderr
+    loaded, conf, restarted = out.stdout.decode().split()
+    assert loaded == "True" and restarted == "1" and "background_thread:true" in conf
+    plain = subprocess.run(run, env=clean, capture_output=True, text=True, check=True)
+    assert plain.stdout.split()[:3] == ["False", "None", "None"]  # lean: no restart
+
+
+def test_jemalloc_mode_without_the_library_is_a_clear_error(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ctypes.util
+
+    from masenvs import memory
+
+    monkeypatch.setenv("MASENVS_MALLOC", "jemalloc")
+    monkeypatch.setattr(memory, "jemalloc_loaded", lambda: False)
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    with pytest.raises(ValueError, match="apt-get install libjemalloc2"):
+        memory.restart_with_jemalloc()
+    monkeypatch.setenv("MASENVS_MALLOC", "jemaloc")  # a typo is not a silent default
+    with pytest.raises(ValueError, match="jemalloc .*default"):
+        memory.restart_with_jemalloc()

@@ -11,6 +11,7 @@ from rich.markup import escape
 
 from masenvs.adapters.stack import StackError
 from masenvs.engine.protocol import BackendError
+from masenvs.memory import restart_with_jemalloc
 from masenvs.trainer.checkpoint import list_checkpoints
 from masenvs.trainer.config import ConfigError, load_config
 
@@ -60,6 +61,12 @@ def main(argv: list[str]) -> int:
         except (ValueError, TypeError, KeyError) as exc:  # KeyError: an undeclared agent
             console.print(f"[red]{escape(str(exc))}[/red]")
             return 2
+
+    try:  # before torch loads: the allocator must be in place before anything allocates
+        restart_with_jemalloc()
+    except ValueError as exc:
+        console.print(f"[red]{escape(str(exc))}[/red]")
+        return 2
 
     from masenvs.engine.loading import ModelLoadError
     from masenvs.trainer.train import train  # loads torch; keep --help and config errors fast
