@@ -64,3 +64,25 @@ def test_a_bad_validation_option_fails_before_training(tmp_path: Path) -> None:
         train(load_config(None, plan_path_run(tmp_path / "run", *overrides)))
     metrics = tmp_path / "run" / "metrics.jsonl"
     assert not metrics.exists() or not metrics.read_text().strip()  # no step, no validation
+
+
+def test_eval_of_a_checkpoint_plays_the_task_its_run_validated_on(tmp_path: Path) -> None:
+    from masenvs.trainer.checkpoint import TrainState, save_checkpoint
+    from masenvs.trainer.eval_cli import main
+    from masenvs.trainer.learner import Learner
+
+    overrides = [
+        "model.name=tiny",
+        "env.options={size: 4, obstacle_ratio: 0.1, max_distance: 1}",
+        "validation.env_options={max_distance: null}",
+    ]
+    cfg = load_config(None, plan_path_run(tmp_path / "run", *overrides))
+    learner = Learner(cfg, ["tool", "plan"])
+    path = save_checkpoint(cfg.run_dir, learner, TrainState(step=1, next_task_seed=0), cfg)
+    out = tmp_path / "eval.json"
+    args = ["--checkpoint", str(path), "--episodes", "2", "-n", "1", "--max-tokens", "4"]
+    assert main([*args, "--dtype", "float32", "--out", str(out)]) == 0
+    options = json.loads(out.read_text())["env_options"]
+    assert (
+        options["max_distance"] is None and options["size"] == 4
+    )  # the whole task, not training's

@@ -180,10 +180,11 @@ def _main(args: argparse.Namespace, console: Console) -> int:
     if env_name is None:
         raise ValueError("name the environment with --env (or give a --checkpoint)")
     env_options: dict[str, Any] = {}
-    if first and env_name == first.env.name:  # the env as the checkpoint was trained on
+    if first and env_name == first.env.name:  # the env as the checkpoint was validated on
         env_options.update(first.env.options)
         if first.rollout.max_rounds is not None:
             env_options["max_rounds"] = first.rollout.max_rounds
+        env_options.update(first.validation.env_options)  # e.g. a curriculum's whole task
     env_options.update(parse_overrides(args.set))
     if args.source:
         env_options["source"] = args.source
