@@ -17,7 +17,10 @@ files), after load, after the decode batch and after the steps.
 
     python bench/mainjob.py                                  # 3 steps, engine on
     python bench/mainjob.py --set optim.max_tokens_per_microbatch=2048 --no-engine
+    python bench/mainjob.py --steps 2 --profile 25           # where the last update's time goes
+    MASENVS_MALLOC=lean python bench/mainjob.py              # glibc tuned (no jemalloc)
     MASENVS_MALLOC=default python bench/mainjob.py           # glibc's own allocator settings
+By default it runs with jemalloc where libjemalloc is installed, as `masenvs train` does.
 """
 
 from __future__ import annotations
@@ -35,6 +38,11 @@ from typing import Any
 
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)  # bench/kernels.py would shadow the `kernels` package transformers imports
+
+from masenvs.memory import allocator, restart_with_jemalloc  # noqa: E402
+
+if __name__ == "__main__":
+    restart_with_jemalloc(anywhere=True)  # the allocator `masenvs train` would run with
 
 import torch  # noqa: E402
 
@@ -129,10 +137,18 @@ def main() -> None:
     parser.add_argument("--set", action="append", default=[], help="config override")
     parser.add_argument("--no-engine", action="store_true", help="the learner alone")
     parser.add_argument("--json", type=Path, help="also write the figures here")
+    parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile the last step with torch.profiler and print its N costliest ops",
+    )
     args = parser.parse_args()
     from masenvs.memory import release_free_memory, tune_allocator
 
     tune_allocator()  # as `masenvs train` does
+    print(f"allocator: {allocator()}")
     cfg = load_config(CONFIG, [f"steps={args.steps}", *args.set])
     phases = {"start": memory()}
     learner = Learner(cfg, ["tool", "plan"])
@@ -144,7 +160,17 @@ def main() -> None:
     rows = []
     for step in range(args.steps):
         batch = quickstart_batch(step, cfg)
-        metrics = learner.step(batch)
+        if args.profile and step == args.steps - 1:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                metrics = learner.step(batch)
+            table = prof.key_averages().table(
+                sort_by="self_cpu_time_total", row_limit=args.profile, max_name_column_width=60
+            )
+            print(table, flush=True)
+        else:
+            metrics = learner.step(batch)
         metrics.update(mfu_metrics(metrics))
         rows.append(
             {

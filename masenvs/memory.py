@@ -16,6 +16,11 @@ activations in the heap and saves ~30% of the update's CPU time, but the main jo
 peaked at 3.55 GB instead of under 3 (docs/memory.md has the measurements). What the heap
 keeps after a phase goes back with `release_free_memory`, which the trainer calls after
 each rollout and each update.
+
+jemalloc does better than both: freed blocks are reused without a fault and go back to the
+system a second later (fast's update speed at lean's peak). `masenvs train` therefore restarts
+itself with libjemalloc preloaded wherever the library is installed (`MASENVS_MALLOC=auto`,
+the default; `restart_with_jemalloc`), and tunes glibc as above where it is not.
 """
 
 from __future__ import annotations
@@ -41,8 +46,9 @@ ARENA_MAX = 2
 # MASENVS_MALLOC=jemalloc: freed pages go back after a second (dirty_decay_ms), by a
 # background thread, and are reused without a fault in between (docs/memory.md).
 JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
-_RESTARTED = "MASENVS_JEMALLOC_RESTARTED"
-MODES = ("lean", "fast", "jemalloc", "default")
+_RESTARTED = "MASENVS_JEMALLOC_RESTARTED"  # set across the restart: the parent's LD_PRELOAD
+_SET_CONF = "MASENVS_JEMALLOC_SET_CONF"  # set across the restart when MALLOC_CONF is ours
+MODES = ("auto", "lean", "fast", "jemalloc", "default")
 
 # Set by a user or a parent process: glibc read them at start-up, so they are left alone.
 _GLIBC_VARIABLES = ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_", "MALLOC_ARENA_MAX")
@@ -53,17 +59,18 @@ def tune_allocator() -> bool:
 
     `MASENVS_MALLOC=fast` sets a 1 MiB threshold instead of 256 KiB: ~30% less CPU time per
     update for ~0.5 GB more peak (docs/memory.md). Does nothing (returns False) off glibc,
-    with `MASENVS_MALLOC=default` or `jemalloc` (see `restart_with_jemalloc`), or when the
-    process was started with one of glibc's MALLOC_* tunables set. Any other value of
+    with jemalloc loaded (see `restart_with_jemalloc`), with `MASENVS_MALLOC=default`, or when
+    the process was started with one of glibc's MALLOC_* tunables set. Any other value of
     MASENVS_MALLOC is an error.
     """
     mode = malloc_mode()
+    if jemalloc_loaded() and mode in ("auto", "jemalloc"):
+        return False
     if mode == "jemalloc":
-        if not jemalloc_loaded():
-            log.warning(
-                "MASENVS_MALLOC=jemalloc, but jemalloc is not loaded: the masenvs command "
-                "restarts itself with it; from Python, start with LD_PRELOAD=libjemalloc.so.2"
-            )
+        log.warning(
+            "MASENVS_MALLOC=jemalloc, but jemalloc is not loaded: the masenvs command "
+            "restarts itself with it; from Python, start with LD_PRELOAD=libjemalloc.so.2"
+        )
         return False
     if mode == "default":
         return False
@@ -80,16 +87,25 @@ def tune_allocator() -> bool:
 
 
 def malloc_mode() -> str:
-    """MASENVS_MALLOC, checked: lean (also when unset), fast, jemalloc or default."""
-    mode = os.environ.get("MASENVS_MALLOC", "").lower() or "lean"
+    """MASENVS_MALLOC, checked: auto (also when unset), lean, fast, jemalloc or default."""
+    mode = os.environ.get("MASENVS_MALLOC", "").lower() or "auto"
     if mode not in MODES:
         raise ValueError(
-            f"MASENVS_MALLOC={mode!r}: use lean (the default: 256 KiB mmap threshold), fast "
-            "(1 MiB: quicker updates, ~0.5 GB more peak), jemalloc (fast's speed at lean's "
-            "memory; needs libjemalloc, e.g. apt-get install libjemalloc2) or default (glibc's "
+            f"MASENVS_MALLOC={mode!r}: use auto (the default: jemalloc where libjemalloc is "
+            "installed, else lean), lean (glibc with a 256 KiB mmap threshold), fast (1 MiB: "
+            "quicker updates, ~0.5 GB more peak), jemalloc (fast's speed at lean's memory; an "
+            "error without libjemalloc, e.g. apt-get install libjemalloc2) or default (glibc's "
             "own settings)"
         )
     return mode
+
+
+def allocator() -> str:
+    """The allocator this process runs with: 'jemalloc', or the glibc mode in effect."""
+    if jemalloc_loaded():
+        return "jemalloc"
+    mode = malloc_mode()
+    return "lean" if mode == "auto" else mode
 
 
 def jemalloc_loaded() -> bool:
@@ -100,25 +116,69 @@ def jemalloc_loaded() -> bool:
         return False
 
 
-def restart_with_jemalloc() -> None:
-    """With MASENVS_MALLOC=jemalloc, run this command again with jemalloc preloaded (the
-    allocator must be in place before anything allocates); a no-op otherwise or once it is."""
-    if malloc_mode() != "jemalloc" or jemalloc_loaded():
+def restart_with_jemalloc(anywhere: bool = False) -> None:
+    """Run this command again with jemalloc preloaded (the allocator must be in place before
+    anything allocates): with MASENVS_MALLOC=jemalloc, or with auto (the default) where
+    libjemalloc is installed and this process is the `masenvs` command (never a Python
+    program that called its main(): that would restart the caller) or `anywhere` is set (a
+    bench script that runs as `masenvs train` would). A no-op otherwise.
+
+    In the restarted process LD_PRELOAD (and MALLOC_CONF, when it was ours) are put back as
+    they were, so the programs it starts (vLLM, sandboxed tools, workflows) do not inherit
+    the preload.
+    """
+    mode = malloc_mode()
+    if jemalloc_loaded():
+        _restore_environment()
+        return
+    if mode not in ("auto", "jemalloc"):
         return
     library = ctypes.util.find_library("jemalloc")
+    if mode == "auto" and (
+        library is None
+        or not sys.platform.startswith("linux")
+        or not (anywhere or _is_masenvs_command())
+    ):
+        return
     if library is None:
         raise ValueError(
             "MASENVS_MALLOC=jemalloc: libjemalloc is not installed (Debian/Ubuntu: apt-get "
             "install libjemalloc2; macOS: brew install jemalloc); or use MASENVS_MALLOC=lean/fast"
         )
-    if os.environ.get(_RESTARTED):
-        raise ValueError(f"MASENVS_MALLOC=jemalloc: {library} was preloaded but did not load")
-    preload = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), library]))
-    env = {**os.environ, "LD_PRELOAD": preload, _RESTARTED: "1"}
-    env.setdefault("MALLOC_CONF", JEMALLOC_CONF)
+    if _RESTARTED in os.environ:
+        message = f"MASENVS_MALLOC={mode}: {library} was preloaded but did not load"
+        if mode == "jemalloc":
+            raise ValueError(message)
+        log.warning("%s; glibc's allocator is tuned instead (MASENVS_MALLOC=lean)", message)
+        _restore_environment()
+        return
+    env = dict(os.environ)
+    env[_RESTARTED] = os.environ.get("LD_PRELOAD", "")
+    env["LD_PRELOAD"] = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), library]))
+    if "MALLOC_CONF" not in env:
+        env["MALLOC_CONF"], env[_SET_CONF] = JEMALLOC_CONF, "1"
     sys.stdout.flush()
     sys.stderr.flush()
     os.execve(sys.executable, sys.orig_argv, env)
+
+
+def _restore_environment() -> None:
+    """Undo what the restart set in the environment (the library stays loaded)."""
+    if _RESTARTED not in os.environ:
+        return
+    before = os.environ.pop(_RESTARTED)
+    if before:
+        os.environ["LD_PRELOAD"] = before
+    else:
+        os.environ.pop("LD_PRELOAD", None)
+    if os.environ.pop(_SET_CONF, None):
+        os.environ.pop("MALLOC_CONF", None)
+
+
+def _is_masenvs_command() -> bool:
+    """Whether this process was started as `masenvs ...` or `python -m masenvs ...`."""
+    argv0 = Path(sys.argv[0]) if sys.argv and sys.argv[0] else Path()
+    return argv0.name == "masenvs" or argv0.parts[-2:] == ("masenvs", "__main__.py")
 
 
 def release_free_memory() -> None:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -149,25 +150,93 @@ def test_fast_mode_keeps_blocks_under_1_mib_in_the_heap() -> None:
     assert fast_held - fast_after >= 48
 
 
-_JEMALLOC = """
-import os
-from masenvs.memory import jemalloc_loaded, restart_with_jemalloc
+# Run as a file named `masenvs` (as the console script is): auto mode restarts only the
+# masenvs command, never a Python program that imports masenvs.
+_COMMAND = """
+import ctypes, os, subprocess, sys
+from masenvs.memory import allocator, restart_with_jemalloc
 restart_with_jemalloc()
-print(jemalloc_loaded(), os.environ.get("MALLOC_CONF"), os.environ.get("MASENVS_JEMALLOC_RESTARTED"))
+child = subprocess.run(
+    [sys.executable, "-c", "import os; print(os.environ.get('LD_PRELOAD'), os.environ.get('MALLOC_CONF'))"],
+    capture_output=True, text=True, check=True,
+).stdout.split()
+background = ctypes.c_bool(False)
+size = ctypes.c_size_t(ctypes.sizeof(background))
+try:  # jemalloc's own view of its options: the MALLOC_CONF of the restart took effect
+    ctypes.CDLL(None).mallctl(b"opt.background_thread", ctypes.byref(background), ctypes.byref(size), None, 0)
+except AttributeError:  # glibc has no mallctl
+    pass
+print(allocator(), os.environ.get("LD_PRELOAD"), os.environ.get("MALLOC_CONF"), *child, background.value)
 """
 
 
-@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc")
-def test_jemalloc_mode_restarts_the_command_with_jemalloc_loaded() -> None:
-    # .ci/run installs libjemalloc2; the restart keeps the command line (sys.orig_argv).
+def _command(tmp_path: Path, name: str = "masenvs", **env: str) -> list[str]:
+    script = tmp_path / name
+    script.write_text(_COMMAND)
     clean = {k: v for k, v in os.environ.items() if not k.startswith(("MALLOC_", "MASENVS_"))}
-    run = [sys.executable, "-c", _JEMALLOC]
-    out = subprocess.run(run, env={**clean, "MASENVS_MALLOC": "jemalloc"}, capture_output=True)
+    clean.pop("LD_PRELOAD", None)
+    out = subprocess.run(
+        [sys.executable, str(script)], env={**clean, **env}, capture_output=True, text=True
+    )
     assert out.returncode == 0, out.stderr
-    loaded, conf, restarted = out.stdout.decode().split()
-    assert loaded == "True" and restarted == "1" and "background_thread:true" in conf
-    plain = subprocess.run(run, env=clean, capture_output=True, text=True, check=True)
-    assert plain.stdout.split()[:3] == ["False", "None", "None"]  # lean: no restart
+    return out.stdout.split()
+
+
+def _need_jemalloc() -> None:
+    import ctypes.util
+
+    if ctypes.util.find_library("jemalloc") is None:
+        assert not os.environ.get("CI"), ".ci/run installs libjemalloc2"
+        pytest.skip("libjemalloc is not installed (apt-get install libjemalloc2)")
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc")
+def test_the_masenvs_command_restarts_with_jemalloc_by_default_and_its_children_do_not(
+    tmp_path: Path,
+) -> None:
+    _need_jemalloc()
+    # auto (unset): jemalloc with the restart's MALLOC_CONF in effect (background thread),
+    # and the preload and the conf gone from the environment the command's children get.
+    assert _command(tmp_path) == ["jemalloc", "None", "None", "None", "None", "True"]
+    # The same with MASENVS_MALLOC=jemalloc, and from any Python program (explicit request).
+    assert _command(tmp_path, MASENVS_MALLOC="jemalloc")[0] == "jemalloc"
+    assert _command(tmp_path, "program.py", MASENVS_MALLOC="jemalloc")[0] == "jemalloc"
+    # A user's own MALLOC_CONF is theirs: kept, and handed on.
+    mine = _command(tmp_path, MALLOC_CONF="narenas:2")
+    assert mine[:5] == ["jemalloc", "None", "narenas:2", "None", "narenas:2"], mine
+    # A program that only imports masenvs (pytest, a notebook calling main()) is never
+    # restarted in auto mode, and MASENVS_MALLOC=lean keeps glibc in the command too.
+    assert _command(tmp_path, "program.py")[0] == "lean"
+    assert _command(tmp_path, MASENVS_MALLOC="lean")[0] == "lean"
+
+
+def test_auto_mode_without_the_library_or_off_the_command_tunes_glibc(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    import ctypes.util
+
+    from masenvs import memory
+
+    def no_restart(*args: object) -> None:
+        raise AssertionError("restarted")
+
+    monkeypatch.delenv("MASENVS_MALLOC", raising=False)
+    monkeypatch.setattr(memory.os, "execve", no_restart)
+    monkeypatch.setattr(memory, "jemalloc_loaded", lambda: False)
+    monkeypatch.setattr(memory, "_is_masenvs_command", lambda: True)
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
+    memory.restart_with_jemalloc()  # no library: no restart, no error
+    assert memory.allocator() == "lean"
+    # Preloaded but not loaded (a broken library): a warning, glibc tuned, no restart loop.
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: "libjemalloc.so.2")
+    monkeypatch.setenv("MASENVS_JEMALLOC_RESTARTED", "")
+    monkeypatch.setenv("LD_PRELOAD", "libjemalloc.so.2")
+    memory.restart_with_jemalloc()
+    assert "LD_PRELOAD" not in os.environ and "MASENVS_JEMALLOC_RESTARTED" not in os.environ
+    monkeypatch.setenv("MASENVS_JEMALLOC_RESTARTED", "")
+    monkeypatch.setenv("MASENVS_MALLOC", "jemalloc")  # asked for explicitly: an error
+    with pytest.raises(ValueError, match="preloaded but did not load"):
+        memory.restart_with_jemalloc()
 
 
 def test_jemalloc_mode_without_the_library_is_a_clear_error(

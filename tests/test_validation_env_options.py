@@ -66,6 +66,23 @@ def test_a_bad_validation_option_fails_before_training(tmp_path: Path) -> None:
     assert not metrics.exists() or not metrics.read_text().strip()  # no step, no validation
 
 
+def test_validation_options_are_checked_when_the_config_is_read(tmp_path: Path) -> None:
+    # A typo or a bad value fails in load_config, before torch or a model is touched.
+    base = plan_path_run(tmp_path / "run", "model.name=tiny")
+    for bad, expected in (
+        ("{max_distance: 0}", "validation.env_options: .*max_distance"),
+        ("{max_distanse: 2}", "validation.env_options: .*max_distanse"),
+    ):
+        with pytest.raises(ConfigError, match=expected):
+            load_config(None, [*base, f"validation.env_options={bad}"])
+    with pytest.raises(ConfigError, match="distributed.rollout_workers validate with env.options"):
+        load_config(
+            None,
+            [*base, "validation.env_options={max_distance: 2}", "distributed.rollout_workers=2"],
+        )
+    assert load_config(None, [*base, "validation.env_options={max_distance: 2}"])
+
+
 def test_eval_of_a_checkpoint_plays_the_task_its_run_validated_on(tmp_path: Path) -> None:
     from masenvs.trainer.checkpoint import TrainState, save_checkpoint
     from masenvs.trainer.eval_cli import main

@@ -580,6 +580,14 @@ def check_env(config: TrainConfig, source: str = "config") -> None:
         check_options(config.env.name, options)
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"invalid config ({source}): {where}: {exc}") from None
+    extra = config.validation.env_options  # validation's options over env.options
+    if extra and (config.workflow is not None or config.distributed.rollout_workers):
+        why = "needs env episodes here: a workflow or distributed.rollout_workers validate with env.options"
+        raise ConfigError(f"invalid config ({source}): validation.env_options {why}")
+    try:
+        check_options(config.env.name, options | extra)
+    except (KeyError, ValueError) as exc:
+        raise ConfigError(f"invalid config ({source}): validation.env_options: {exc}") from None
 
 
 def save_config(config: TrainConfig, path: str | Path) -> None:

@@ -28,7 +28,7 @@ from rich.markup import escape
 from masenvs.adapters.policy_map import PolicyMap
 from masenvs.adapters.stack import Stack, start_stack
 from masenvs.listeners import API_KEY_ENV, announce, listener_key
-from masenvs.memory import release_free_memory, tune_allocator
+from masenvs.memory import allocator, release_free_memory, tune_allocator
 from masenvs.trainer import sources
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.checkpoint import TrainState, load_latest, save_checkpoint
@@ -115,8 +115,8 @@ def listening_lines(stack: Stack) -> list[str]:
 def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     """Run (or resume, with `cfg.checkpoint.resume`) the training described by `cfg`."""
     console = console or Console()
-    # Before any model loads: large tensors get their own mappings, freed back to the system
-    # (docs/memory.md; MASENVS_MALLOC=default keeps glibc's settings).
+    # Before any model loads: jemalloc where `masenvs train` restarted with it, else large
+    # tensors get their own mappings, freed back to the system (docs/memory.md).
     tune_allocator()
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
@@ -147,7 +147,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     warning = schedule_warning(cfg)
     if warning is not None:
         _warn(console, warning)
-    with _status(console, f"loading {cfg.model.name} for the learner"):
+    with _status(console, f"loading {cfg.model.name} for the learner (allocator: {allocator()})"):
         learner = make_learner(cfg, agents)  # in this process, or on learner ranks
     state = TrainState(step=0, next_task_seed=cfg.env.seed_start)
     checkpoint = load_latest(run_dir) if cfg.checkpoint.resume else None
