@@ -227,6 +227,11 @@ def test_auto_mode_without_the_library_or_off_the_command_tunes_glibc(
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)
     memory.restart_with_jemalloc()  # no library: no restart, no error
     assert memory.allocator() == "lean"
+    if sys.platform.startswith("linux"):  # the run's log says how to get the faster one
+        assert "apt-get install libjemalloc2" in memory.allocator_note()
+    monkeypatch.setenv("MASENVS_MALLOC", "lean")  # chosen: no advice
+    assert memory.allocator_note() == "lean"
+    monkeypatch.delenv("MASENVS_MALLOC")
     # Preloaded but not loaded (a broken library): a warning, glibc tuned, no restart loop.
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: "libjemalloc.so.2")
     monkeypatch.setenv("MASENVS_JEMALLOC_RESTARTED", "")

@@ -28,7 +28,7 @@ from rich.markup import escape
 from masenvs.adapters.policy_map import PolicyMap
 from masenvs.adapters.stack import Stack, start_stack
 from masenvs.listeners import API_KEY_ENV, announce, listener_key
-from masenvs.memory import allocator, release_free_memory, tune_allocator
+from masenvs.memory import allocator_note, release_free_memory, tune_allocator
 from masenvs.trainer import sources
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.checkpoint import TrainState, load_latest, save_checkpoint
@@ -147,7 +147,9 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     warning = schedule_warning(cfg)
     if warning is not None:
         _warn(console, warning)
-    with _status(console, f"loading {cfg.model.name} for the learner (allocator: {allocator()})"):
+    with _status(
+        console, f"loading {cfg.model.name} for the learner (allocator: {allocator_note()})"
+    ):
         learner = make_learner(cfg, agents)  # in this process, or on learner ranks
     state = TrainState(step=0, next_task_seed=cfg.env.seed_start)
     checkpoint = load_latest(run_dir) if cfg.checkpoint.resume else None
