@@ -83,6 +83,15 @@ def test_validation_options_are_checked_when_the_config_is_read(tmp_path: Path) 
     assert load_config(None, [*base, "validation.env_options={max_distance: 2}"])
 
 
+def test_a_config_built_in_code_is_checked_by_the_same_rule(tmp_path: Path) -> None:
+    cfg = load_config(None, plan_path_run(tmp_path / "run", "model.name=tiny"))
+    cfg.validation.env_options = {"max_distance": 0}  # set after load_config checked it
+    with pytest.raises(ConfigError, match="validation.env_options: .*max_distance"):
+        train(cfg)
+    metrics = tmp_path / "run" / "metrics.jsonl"
+    assert not metrics.exists() or not metrics.read_text().strip()  # no step, no validation
+
+
 def test_eval_of_a_checkpoint_plays_the_task_its_run_validated_on(tmp_path: Path) -> None:
     from masenvs.trainer.checkpoint import TrainState, save_checkpoint
     from masenvs.trainer.eval_cli import main

@@ -568,8 +568,8 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
 
 
 def check_env(config: TrainConfig, source: str = "config") -> None:
-    """`env.name` and `env.options` as `masenvs.make` reads them, checked when the config is
-    read (a typo fails in a second, not after the model has loaded)."""
+    """`env.name`, `env.options` and `validation.env_options` as `masenvs.make` reads them,
+    checked when the config is read (a typo fails in a second, not after the model loads)."""
     from masenvs.registry import check_options, list_envs
 
     where = "env.name" if config.env.name not in list_envs() else "env.options"
@@ -581,7 +581,9 @@ def check_env(config: TrainConfig, source: str = "config") -> None:
     except (KeyError, ValueError) as exc:
         raise ConfigError(f"invalid config ({source}): {where}: {exc}") from None
     extra = config.validation.env_options  # validation's options over env.options
-    if extra and (config.workflow is not None or config.distributed.rollout_workers):
+    if not extra:
+        return
+    if config.workflow is not None or config.distributed.rollout_workers:
         why = "needs env episodes here: a workflow or distributed.rollout_workers validate with env.options"
         raise ConfigError(f"invalid config ({source}): validation.env_options {why}")
     try:

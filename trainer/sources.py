@@ -20,7 +20,7 @@ from masenvs.engine.protocol import honours_seed
 from masenvs.env import MASEnv
 from masenvs.registry import make
 from masenvs.trainer.captured import captured_samples, write_designs
-from masenvs.trainer.config import ConfigError, TrainConfig
+from masenvs.trainer.config import ConfigError, TrainConfig, check_env
 from masenvs.trainer.learner import Learner
 from masenvs.trainer.rollout import (
     TaskRollout,
@@ -118,16 +118,8 @@ class TreeSource:
         self.cfg, self.stack, self.learner = cfg, stack, learner
         self.make_env = env_factory(cfg, stack)
         self.val_options = env_options(cfg, stack) | cfg.validation.env_options
-        if cfg.validation.env_options:
-            if cfg.distributed.rollout_workers:
-                raise ConfigError(
-                    "validation.env_options needs the episodes in this process: "
-                    "distributed.rollout_workers validate with env.options"
-                )
-            try:  # a bad option fails here, before any step
-                make(cfg.env.name, **self.val_options)
-            except (TypeError, ValueError) as exc:
-                raise ConfigError(f"validation.env_options: {exc}") from None
+        if cfg.validation.env_options:  # load_config checked them; a config built in code too
+            check_env(cfg)
         self.policy = ChatPolicy(
             stack.root_url,
             sampling=Sampling(
@@ -271,11 +263,8 @@ class WorkflowSource:
         from masenvs.adapters.frameworks.clients import ClientSettings
 
         self.cfg, self.stack, self.learner = cfg, stack, learner
-        if cfg.validation.env_options:
-            raise ConfigError(
-                "validation.env_options applies to env rollouts; a workflow validates on the "
-                "tasks it is given"
-            )
+        if cfg.validation.env_options:  # an error: a workflow validates on the tasks it is given
+            check_env(cfg)
         self.spec = cfg.workflow
         r = cfg.rollout
         self.settings = ClientSettings(
