@@ -39,7 +39,12 @@ from typing import Any
 if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
     sys.path.pop(0)  # bench/kernels.py would shadow the `kernels` package transformers imports
 
-from masenvs.memory import allocator, restart_with_jemalloc  # noqa: E402
+from masenvs.memory import (  # noqa: E402
+    allocator,
+    release_free_memory,
+    restart_with_jemalloc,
+    tune_allocator,
+)
 
 if __name__ == "__main__":
     restart_with_jemalloc(anywhere=True)  # the allocator `masenvs train` would run with
@@ -145,8 +150,6 @@ def main() -> None:
         help="profile the last step with torch.profiler and print its N costliest ops",
     )
     args = parser.parse_args()
-    from masenvs.memory import release_free_memory, tune_allocator
-
     tune_allocator()  # as `masenvs train` does
     print(f"allocator: {allocator()}")
     cfg = load_config(CONFIG, [f"steps={args.steps}", *args.set])

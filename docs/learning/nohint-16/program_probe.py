@@ -19,13 +19,14 @@ import numpy as np
 
 from masenvs.engine.engine import EmbeddedBackend
 from masenvs.engine.protocol import GenerateRequest, SamplingParams
-from masenvs.envs import grid
 from masenvs.envs import plan_path as pp
 from masenvs.envs.tooling import run_tool
 from masenvs.parsing import parse_moves
+from masenvs.registry import make
 
-CFG = pp.PlanPathConfig(size=4, obstacle_ratio=0.1, stop_at_goal=False)
-TASKS = [pp.generate_task(np.random.default_rng(1_000_000 + s), 4, 0.1) for s in range(32)]
+OPTIONS = {"size": 4, "obstacle_ratio": 0.1, "stop_at_goal": False, "max_rounds": 1}
+CFG = pp.PlanPathConfig(**OPTIONS)
+SEEDS = range(1_000_000, 1_000_032)  # the validation tasks of the hint-free runs
 PROGRAM = (
     "```python\n"
     "ar, ac = 3, 0  # A (row, column)\n"
@@ -54,21 +55,23 @@ VARIANTS = {
 }
 
 
-def messages(task: pp.PlanPathTask, system: str, ask: str) -> list[dict[str, str]]:
-    rows = [list(r) for r in task.rows]
-    rows[task.goal[0]][task.goal[1]] = "G"
-    rows[task.start[0]][task.start[1]] = "A"
-    user = "\n".join(
-        [
-            "Grid (4x4):",
-            grid.grid_text(["".join(r) for r in rows]),
-            f"You are at A (row {task.start[0]}, column {task.start[1]}); the goal G is at "
-            f"(row {task.goal[0]}, column {task.goal[1]}).",
-            "",
-            ask,
-        ]
-    )
-    return [{"role": "system", "content": system}, {"role": "user", "content": user}]
+def prompts() -> tuple[list[pp.PlanPathTask], list[str]]:
+    """The tasks and the env's own user prompt for the tool agent (grid, coordinates, round),
+    without its last line (the answer format, which each variant replaces)."""
+    env = make("plan_path", tool_task="search", **OPTIONS)
+    tasks, users = [], []
+    for seed in SEEDS:
+        env.reset(seed=seed)
+        tasks.append(env.task)
+        users.append(env.prompt("tool")[-1]["content"].rsplit("\n", 1)[0])
+    return tasks, users
+
+
+TASKS, USERS = prompts()
+
+
+def messages(user: str, system: str, ask: str) -> list[dict[str, str]]:
+    return [{"role": "system", "content": system}, {"role": "user", "content": user + "\n" + ask}]
 
 
 def reaches(task: pp.PlanPathTask, moves: list[str]) -> bool:
@@ -80,9 +83,9 @@ async def probe(engine: EmbeddedBackend, system: str, ask: str, temperature: flo
     gens = await asyncio.gather(
         *(
             engine.generate(
-                GenerateRequest(model="", params=params, messages=messages(t, system, ask))
+                GenerateRequest(model="", params=params, messages=messages(user, system, ask))
             )
-            for t in TASKS
+            for user in USERS
         )
     )
     own = other = unparsable = total = 0
