@@ -13,8 +13,11 @@ vLLM serves bfloat16, hence the tolerance.
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import re
+import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -615,3 +618,42 @@ def test_auto_mas_executor_calls_train_against_the_server(
     assert any("learner/executor/samples" in r for r in rows)
     for name in ("designer", "executor"):  # leave the shared server as the other tests expect
         run(VLLMBackend(server.url).unload_adapter(name))
+
+
+def test_the_masenvs_command_trains_against_the_server(server, model, tmp_path) -> None:
+    # As a user runs it: the `masenvs` command (restarted with jemalloc where it is installed,
+    # the default) trains plan-path's two agents against the running vLLM.
+    import ctypes.util
+
+    config = {
+        "run_dir": str(tmp_path / "run"),
+        "steps": 1,
+        "model": {"name": str(model), "device": "cpu", "dtype": "float32"},
+        "env": {"name": "plan_path", "options": {"size": 4, "tool_task": "propose"}},
+        "rollout": {"branches": 2, "tasks_per_step": 2, "max_tokens": 8, "max_rounds": 1},
+        "algorithm": {"drop_zero_std_groups": False},
+        "optim": {"warmup_steps": 0},
+        "lora": {"rank": 8, "alpha": 16},
+        "validation": {"every": 0},
+        "logging": {"tensorboard": False, "plot_every": 0},
+        "backend": {"kind": "vllm", "vllm_url": server.url, "request_timeout": 300},
+    }
+    (tmp_path / "train.yaml").write_text(json.dumps(config))  # JSON is YAML
+    env = {k: v for k, v in os.environ.items() if not k.startswith("MASENVS_MALLOC")}
+    done = subprocess.run(
+        [str(Path(sys.executable).parent / "masenvs"), "train", str(tmp_path / "train.yaml")],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**env, "COLUMNS": "400"},
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    expected = "jemalloc" if ctypes.util.find_library("jemalloc") else "lean"
+    assert f"(allocator: {expected}" in done.stdout
+    calls = list(TraceStore(tmp_path / "run" / "traces").calls())
+    assert {c.agent for c in calls} == {"tool", "plan"}
+    assert all(c.backend == "vllm" for c in calls)
+    backend_now = VLLMBackend(server.url)
+    for name in ("tool", "plan"):  # leave the shared server as the other tests expect
+        if name in backend_now.model_names():
+            run(backend_now.unload_adapter(name))
