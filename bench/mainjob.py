@@ -20,6 +20,7 @@ files), after load, after the decode batch and after the steps.
     python bench/mainjob.py --steps 2 --profile 25           # where the last update's time goes
     MASENVS_MALLOC=lean python bench/mainjob.py              # glibc tuned (no jemalloc)
     MASENVS_MALLOC=default python bench/mainjob.py           # glibc's own allocator settings
+    python bench/mainjob.py --steps 8 --lora fused,peft      # LoRA's forward, alternating steps
 By default it runs with jemalloc where libjemalloc is installed, as `masenvs train` does.
 """
 
@@ -51,6 +52,7 @@ if __name__ == "__main__":
 
 import torch  # noqa: E402
 
+from masenvs.trainer import fast_lora  # noqa: E402
 from masenvs.trainer.atgrpo import group_advantages  # noqa: E402
 from masenvs.trainer.config import load_config  # noqa: E402
 from masenvs.trainer.flops import mfu_metrics  # noqa: E402
@@ -149,7 +151,16 @@ def main() -> None:
         metavar="N",
         help="profile the last step with torch.profiler and print its N costliest ops",
     )
+    parser.add_argument(
+        "--lora",
+        default="",
+        help="fused,peft: alternate the LoRA layers' forward step by step (trainer/fast_lora.py); "
+        "the paired ratio cancels a shared machine's drift",
+    )
     args = parser.parse_args()
+    kinds = [k for k in args.lora.split(",") if k]
+    if set(kinds) - {"fused", "peft"}:
+        parser.error("--lora takes fused and/or peft")
     tune_allocator()  # as `masenvs train` does
     print(f"allocator: {allocator()}")
     cfg = load_config(CONFIG, [f"steps={args.steps}", *args.set])
@@ -163,6 +174,10 @@ def main() -> None:
     rows = []
     for step in range(args.steps):
         batch = quickstart_batch(step, cfg)
+        kind = kinds[step % len(kinds)] if kinds else ""
+        for policy in learner.policies.values():
+            if kind:
+                (fast_lora.install if kind == "fused" else fast_lora.uninstall)(policy.model)
         if args.profile and step == args.steps - 1:
             from torch.profiler import ProfilerActivity, profile
 
@@ -183,11 +198,12 @@ def main() -> None:
                 "matmul_gflop_per_s": metrics["learner/matmul_gflop_per_s"],
                 "mfu": metrics["learner/mfu"],
                 "mfu_cpu": metrics["learner/mfu_cpu"],
+                "lora": kind,
             }
         )
         r = rows[-1]
         print(
-            f"step {step}: {r['wall_s']:6.1f} s wall, {r['cpu_s']:6.1f} s CPU, "
+            f"step {step}{f' ({kind})' if kind else ''}: {r['wall_s']:6.1f} s wall, {r['cpu_s']:6.1f} s CPU, "
             f"{r['gflops']:7.1f} GFLOP, MFU {r['mfu']:6.1%} (wall) {r['mfu_cpu']:6.1%} (CPU "
             f"time), matmul {r['matmul_gflop_per_s']:5.1f} GFLOP/s right after",
             flush=True,
@@ -207,6 +223,15 @@ def main() -> None:
         "median_mfu_cpu": statistics.median(r["mfu_cpu"] for r in rows),
         "peak_rss_mib": phases["after the steps"]["VmHWM"],
     }
+    for kind in kinds:
+        summary[f"{kind}_median_wall_s"] = statistics.median(
+            r["wall_s"] for r in rows if r["lora"] == kind
+        )
+    if len(kinds) == 2:  # each step against the step before it, the other kind's
+        pairs = [(b, a) if b["lora"] == kinds[0] else (a, b) for a, b in zip(rows, rows[1:])]
+        for key in ("wall_s", "cpu_s"):
+            ratio = statistics.median(p[key] / q[key] for p, q in pairs)
+            summary[f"{kinds[0]}_over_{kinds[1]}_{key}"] = round(ratio, 3)
     print(json.dumps(summary))
     if args.json:
         args.json.write_text(json.dumps({"steps": rows, "phases": phases, **summary}, indent=1))

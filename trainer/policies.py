@@ -17,6 +17,7 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 
+from masenvs.trainer import fast_lora
 from masenvs.trainer.config import OptimConfig, TrainConfig
 
 ModelLoader = Callable[[str, torch.device, torch.dtype], Any]
@@ -109,6 +110,7 @@ def build_policies(
             base_name = cfg.policy.models.get(name, cfg.model.name)
             base = load_base(base_name, device, dtype)
             model = base if full else get_peft_model(base, lora_config(cfg), name)
+            fast_lora.install(model)
             add(name, model, base_name)
         return policies
     base = load_base(cfg.model.name, device, dtype)
@@ -118,6 +120,7 @@ def build_policies(
     model = get_peft_model(base, lora_config(cfg), adapter_name=names[0])
     for name in names[1:]:
         model.add_adapter(name, lora_config(cfg))
+    fast_lora.install(model)
     for name in names:
         add(name, model, cfg.model.name)
     return policies
