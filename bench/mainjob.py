@@ -18,6 +18,7 @@ files), after load, after the decode batch and after the steps.
     python bench/mainjob.py                                  # 3 steps, engine on
     python bench/mainjob.py --set optim.max_tokens_per_microbatch=2048 --no-engine
     python bench/mainjob.py --steps 2 --profile 25           # where the last update's time goes
+                                                             # (operators, then matmuls by shape)
     MASENVS_MALLOC=lean python bench/mainjob.py              # glibc tuned (no jemalloc)
     MASENVS_MALLOC=default python bench/mainjob.py           # glibc's own allocator settings
     python bench/mainjob.py --steps 8 --lora fused,peft      # LoRA's forward, alternating steps
@@ -138,6 +139,32 @@ def decode_batch(cfg: Any, learner: Learner) -> Any:
     return backend
 
 
+def print_matmuls(prof: Any, rows: int) -> None:
+    """`aten::mm` by operand shapes: calls, time and GFLOP/s, costliest first; then the
+    products with a dimension of 16 or less (LoRA's rank-r products) together."""
+    shapes: dict[tuple, list[float]] = {}
+    for event in prof.events():
+        if event.name == "aten::mm" and len(event.input_shapes) >= 2:
+            (m, k), (_, n) = event.input_shapes[:2]
+            entry = shapes.setdefault((m, k, n), [0, 0.0])
+            entry[0] += 1
+            entry[1] += event.cpu_time_total / 1e6
+    total = sum(t for _, t in shapes.values())
+    flops = sum(2 * m * k * n * c for (m, k, n), (c, _) in shapes.items())
+    print(f"aten::mm: {total:.2f} s, {flops / 1e9:.0f} GFLOP, {flops / 1e9 / total:.1f} GFLOP/s")
+    ranked = sorted(shapes.items(), key=lambda item: -item[1][1])
+    for (m, k, n), (count, seconds) in ranked[:rows]:
+        rate = 2 * m * k * n * count / 1e9 / seconds
+        print(f"  [{m}, {k}] @ [{k}, {n}]  {count:6d} calls  {seconds:6.2f} s  {rate:6.1f} GFLOP/s")
+    small = [
+        (c, t, 2 * m * k * n * c) for (m, k, n), (c, t) in shapes.items() if min(m, k, n) <= 16
+    ]
+    print(
+        f"  with a dimension <= 16: {sum(c for c, _, _ in small)} calls, "
+        f"{sum(t for _, t, _ in small):.2f} s, {sum(f for _, _, f in small) / 1e9:.1f} GFLOP"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=3)
@@ -181,12 +208,13 @@ def main() -> None:
         if args.profile and step == args.steps - 1:
             from torch.profiler import ProfilerActivity, profile
 
-            with profile(activities=[ProfilerActivity.CPU]) as prof:
+            with profile(activities=[ProfilerActivity.CPU], record_shapes=True) as prof:
                 metrics = learner.step(batch)
             table = prof.key_averages().table(
                 sort_by="self_cpu_time_total", row_limit=args.profile, max_name_column_width=60
             )
             print(table, flush=True)
+            print_matmuls(prof, args.profile)
         else:
             metrics = learner.step(batch)
         metrics.update(mfu_metrics(metrics))
