@@ -185,7 +185,7 @@ def main() -> None:
         "the paired ratio cancels a shared machine's drift",
     )
     args = parser.parse_args()
-    kinds = [k for k in args.lora.split(",") if k]
+    kinds = list(dict.fromkeys(k for k in args.lora.split(",") if k))  # in order, once each
     if set(kinds) - {"fused", "peft"}:
         parser.error("--lora takes fused and/or peft")
     tune_allocator()  # as `masenvs train` does
@@ -255,7 +255,7 @@ def main() -> None:
         summary[f"{kind}_median_wall_s"] = statistics.median(
             r["wall_s"] for r in rows if r["lora"] == kind
         )
-    if len(kinds) == 2:  # each step against the step before it, the other kind's
+    if len(set(kinds)) == 2:  # each step against the step before it, the other kind's
         pairs = [(b, a) if b["lora"] == kinds[0] else (a, b) for a, b in zip(rows, rows[1:])]
         for key in ("wall_s", "cpu_s"):
             ratio = statistics.median(p[key] / q[key] for p, q in pairs)
