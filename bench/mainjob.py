@@ -202,9 +202,10 @@ def main() -> None:
     for step in range(args.steps):
         batch = quickstart_batch(step, cfg)
         kind = kinds[step % len(kinds)] if kinds else ""
-        for policy in learner.policies.values():
-            if kind:
-                (fast_lora.install if kind == "fused" else fast_lora.uninstall)(policy.model)
+        if kind:  # per_agent policies share one model: set each model once
+            switch = fast_lora.install if kind == "fused" else fast_lora.uninstall
+            for model in {id(p.model): p.model for p in learner.policies.values()}.values():
+                switch(model)
         if args.profile and step == args.steps - 1:
             from torch.profiler import ProfilerActivity, profile
 

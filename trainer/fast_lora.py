@@ -73,8 +73,9 @@ def lora_linear(
     return _LoraFunction.apply(x, weight, lora_a, lora_b, scaling)
 
 
-def _plain_adapter(layer: LoraLinear) -> str | None:
-    """The one active adapter when this call is plain LoRA the function computes, else None."""
+def _plain_lora(layer: LoraLinear, x: torch.Tensor) -> tuple[torch.Tensor, ...] | None:
+    """The frozen weight and the one active adapter's A and B when this call is plain LoRA
+    in one dtype that the function computes; None where peft's forward must run."""
     if layer.disable_adapters or layer.merged or len(layer.active_adapters) != 1:
         return None
     name = layer.active_adapters[0]
@@ -87,22 +88,17 @@ def _plain_adapter(layer: LoraLinear) -> str | None:
         return None
     if lora_a.bias is not None or lora_b.bias is not None:
         return None
-    return name
+    weights = (base.weight, lora_a.weight, lora_b.weight)
+    if torch.is_autocast_enabled(x.device.type) or any(w.dtype != x.dtype for w in weights):
+        return None
+    return weights
 
 
 def _forward(self: LoraLinear, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
-    name = None if args or kwargs else _plain_adapter(self)
-    weight = self.base_layer.weight
-    if (
-        name is None
-        or torch.is_autocast_enabled(x.device.type)
-        or x.dtype != weight.dtype
-        or self.lora_A[name].weight.dtype != weight.dtype
-    ):
+    weights = None if args or kwargs else _plain_lora(self, x)
+    if weights is None:
         return type(self).forward(self, x, *args, **kwargs)
-    return lora_linear(
-        x, weight, self.lora_A[name].weight, self.lora_B[name].weight, self.scaling[name]
-    )
+    return lora_linear(x, *weights, self.scaling[self.active_adapters[0]])
 
 
 def enabled() -> bool:
@@ -119,7 +115,7 @@ def install(model: torch.nn.Module) -> int:
         return 0
     count = 0
     for module in model.modules():
-        if isinstance(module, LoraLinear) and type(module) is LoraLinear:
+        if type(module) is LoraLinear:  # not peft's subclasses (quantized bases)
             module.forward = types.MethodType(_forward, module)
             count += 1
     return count
