@@ -46,8 +46,10 @@ ARENA_MAX = 2
 # MASENVS_MALLOC=jemalloc: freed pages go back after a second (dirty_decay_ms), by a
 # background thread, and are reused without a fault in between (docs/memory.md).
 JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
-_RESTARTED = "MASENVS_JEMALLOC_RESTARTED"  # set across the restart: the parent's LD_PRELOAD
-_SET_CONF = "MASENVS_JEMALLOC_SET_CONF"  # set across the restart when MALLOC_CONF is ours
+# `python -X masenvs_jemalloc=[+]LIBRARY ...`: the restarted command, which preloaded LIBRARY
+# (and set MALLOC_CONF where the leading + is). In argv, which no environment can forge.
+_MARKER = "masenvs_jemalloc"
+_CONF_MARK = "+"
 MODES = ("auto", "lean", "fast", "jemalloc", "default")
 
 # Set by a user or a parent process: glibc read them at start-up, so they are left alone.
@@ -127,9 +129,12 @@ def allocator_note() -> str:
 def jemalloc_loaded() -> bool:
     """Whether jemalloc is mapped into this process (preloaded)."""
     try:
-        return "libjemalloc" in Path("/proc/self/maps").read_text()
+        maps = Path("/proc/self/maps").read_text()
     except OSError:
         return False
+    # a mapped file's path is the sixth field; a library named libjemalloc-something is not it
+    paths = (line.split(maxsplit=5)[5:] for line in maps.splitlines())
+    return any(Path(path[0]).name.startswith("libjemalloc.so") for path in paths if path)
 
 
 def restart_with_jemalloc(anywhere: bool = False) -> None:
@@ -139,13 +144,17 @@ def restart_with_jemalloc(anywhere: bool = False) -> None:
     program that called its main(): that would restart the caller) or `anywhere` is set (a
     bench script that runs as `masenvs train` would). A no-op otherwise.
 
-    In the restarted process LD_PRELOAD (and MALLOC_CONF, when it was ours) are put back as
-    they were, so the programs it starts (vLLM, sandboxed tools, workflows) do not inherit
-    the preload.
+    The restarted process takes out of LD_PRELOAD exactly the library the restart appended
+    (and MALLOC_CONF, when it was the restart's), so the programs it starts (vLLM, sandboxed
+    tools, workflows) do not inherit the preload. That the process was restarted is told by
+    an `-X` option in its own command line, never by an environment variable: what a parent
+    process can set in the environment neither preloads anything nor turns jemalloc off.
     """
     mode = malloc_mode()
+    restarted = _restart_marker()
     if jemalloc_loaded():
-        _restore_environment()
+        if restarted is not None:
+            _undo_restart(*restarted)
         return
     if mode not in ("auto", "jemalloc"):
         return
@@ -161,34 +170,47 @@ def restart_with_jemalloc(anywhere: bool = False) -> None:
             "MASENVS_MALLOC=jemalloc: libjemalloc is not installed (Debian/Ubuntu: apt-get "
             "install libjemalloc2; macOS: brew install jemalloc); or use MASENVS_MALLOC=lean/fast"
         )
-    if _RESTARTED in os.environ:
+    if restarted is not None:
+        _undo_restart(*restarted)
         message = f"MASENVS_MALLOC={mode}: {library} was preloaded but did not load"
         if mode == "jemalloc":
             raise ValueError(message)
         log.warning("%s; glibc's allocator is tuned instead (MASENVS_MALLOC=lean)", message)
-        _restore_environment()
         return
     env = dict(os.environ)
-    env[_RESTARTED] = os.environ.get("LD_PRELOAD", "")
     env["LD_PRELOAD"] = " ".join(filter(None, [os.environ.get("LD_PRELOAD"), library]))
+    marker = f"{_MARKER}={library}"
     if "MALLOC_CONF" not in env:
-        env["MALLOC_CONF"], env[_SET_CONF] = JEMALLOC_CONF, "1"
+        env["MALLOC_CONF"], marker = JEMALLOC_CONF, f"{_MARKER}={_CONF_MARK}{library}"
+    argv = [sys.orig_argv[0], "-X", marker, *sys.orig_argv[1:]]
     sys.stdout.flush()
     sys.stderr.flush()
-    os.execve(sys.executable, sys.orig_argv, env)
+    os.execve(sys.executable, argv, env)
 
 
-def _restore_environment() -> None:
-    """Undo what the restart set in the environment (the library stays loaded)."""
-    if _RESTARTED not in os.environ:
-        return
-    before = os.environ.pop(_RESTARTED)
-    if before:
-        os.environ["LD_PRELOAD"] = before
-    else:
-        os.environ.pop("LD_PRELOAD", None)
-    if os.environ.pop(_SET_CONF, None):
-        os.environ.pop("MALLOC_CONF", None)
+def _restart_marker() -> tuple[str, bool] | None:
+    """The library the restart preloaded and whether MALLOC_CONF is its own, from this
+    process's `-X` option; None where this process is not a restart. The option is consumed,
+    so Python children started with this interpreter's flags (multiprocessing) do not see it."""
+    value = sys._xoptions.pop(_MARKER, None)
+    if not isinstance(value, str) or not value.strip(_CONF_MARK):
+        return None
+    return value.removeprefix(_CONF_MARK), value.startswith(_CONF_MARK)
+
+
+def _undo_restart(library: str, set_conf: bool) -> None:
+    """Take the restart's own additions out of the environment (the library stays loaded):
+    the library it appended to LD_PRELOAD, and the MALLOC_CONF it set."""
+    preload = os.environ.get("LD_PRELOAD", "")
+    entries = preload.replace(":", " ").split()
+    if entries and entries[-1] == library:
+        rest = preload.rstrip()[: -len(library)].rstrip(" :")
+        if rest:
+            os.environ["LD_PRELOAD"] = rest
+        else:
+            os.environ.pop("LD_PRELOAD", None)
+    if set_conf and os.environ.get("MALLOC_CONF") == JEMALLOC_CONF:
+        os.environ.pop("MALLOC_CONF")
 
 
 def _is_masenvs_command() -> bool:

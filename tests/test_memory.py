@@ -233,12 +233,13 @@ def test_auto_mode_without_the_library_or_off_the_command_tunes_glibc(
     assert memory.allocator_note() == "lean"
     monkeypatch.delenv("MASENVS_MALLOC")
     # Preloaded but not loaded (a broken library): a warning, glibc tuned, no restart loop.
+    # The restarted command is told by its -X option (python -X masenvs_jemalloc=LIBRARY).
     monkeypatch.setattr(ctypes.util, "find_library", lambda name: "libjemalloc.so.2")
-    monkeypatch.setenv("MASENVS_JEMALLOC_RESTARTED", "")
+    monkeypatch.setitem(sys._xoptions, "masenvs_jemalloc", "libjemalloc.so.2")
     monkeypatch.setenv("LD_PRELOAD", "libjemalloc.so.2")
     memory.restart_with_jemalloc()
-    assert "LD_PRELOAD" not in os.environ and "MASENVS_JEMALLOC_RESTARTED" not in os.environ
-    monkeypatch.setenv("MASENVS_JEMALLOC_RESTARTED", "")
+    assert "LD_PRELOAD" not in os.environ and "masenvs_jemalloc" not in sys._xoptions
+    monkeypatch.setitem(sys._xoptions, "masenvs_jemalloc", "libjemalloc.so.2")
     monkeypatch.setenv("MASENVS_MALLOC", "jemalloc")  # asked for explicitly: an error
     with pytest.raises(ValueError, match="preloaded but did not load"):
         memory.restart_with_jemalloc()
@@ -259,3 +260,20 @@ def test_jemalloc_mode_without_the_library_is_a_clear_error(
     monkeypatch.setenv("MASENVS_MALLOC", "jemaloc")  # a typo is not a silent default
     with pytest.raises(ValueError, match="jemalloc .*default"):
         memory.restart_with_jemalloc()
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="LD_PRELOAD and /proc")
+def test_an_inherited_variable_cannot_forge_the_restart(tmp_path: Path) -> None:
+    _need_jemalloc()
+    # The restart's state travels in the restarted command's own argv, never in a variable
+    # that a parent could set: a forged one preloads nothing into children and does not turn
+    # jemalloc off.
+    forged = {"MASENVS_JEMALLOC_RESTARTED": "/tmp/evil.so", "MASENVS_JEMALLOC_SET_CONF": "1"}
+    assert _command(tmp_path, **forged) == ["jemalloc", "None", "None", "None", "None", "True"]
+    # jemalloc preloaded by the user: their preload and their MALLOC_CONF stay as they are.
+    mine = {"LD_PRELOAD": "libjemalloc.so.2", "MALLOC_CONF": "narenas:2"}
+    out = _command(tmp_path, **forged, **mine)
+    assert out[:5] == ["jemalloc", "libjemalloc.so.2", "narenas:2", "libjemalloc.so.2", "narenas:2"]
+    # What the restart adds is all it takes away: a user's own preload reaches the children.
+    out = _command(tmp_path, LD_PRELOAD="libm.so.6")
+    assert out == ["jemalloc", "libm.so.6", "None", "libm.so.6", "None", "True"], out
