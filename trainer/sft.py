@@ -21,6 +21,8 @@ import argparse
 import json
 import math
 import random
+import re
+import secrets
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -109,17 +111,18 @@ def targets(
     out, cut = [], 0
     eos = tokenizer.eos_token_id
     messages = conversation.messages
+    markers = _control_strings(tokenizer)
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
-        prompt = _render(tokenizer, messages[:i], True, template_kwargs)
-        full = _render(tokenizer, messages[: i + 1], False, template_kwargs)
+        prompt = _render(tokenizer, messages[:i], True, template_kwargs, markers)
+        full = _render(tokenizer, messages[: i + 1], False, template_kwargs, markers)
         if full[: len(prompt)] == prompt and len(full) > len(prompt):
             reply = full[len(prompt) :]
             if eos in reply:  # what a model emits: up to its end-of-turn token
                 reply = reply[: reply.index(eos) + 1]
         else:  # a template that rewrites earlier turns: the reply's own tokens
-            reply = tokenizer(message["content"], add_special_tokens=False)["input_ids"] + [eos]
+            reply = _text_ids(tokenizer, message["content"]) + [eos]
         room = max_tokens - len(prompt)
         if room <= 0:
             cut += 1
@@ -130,11 +133,53 @@ def targets(
     return out, cut
 
 
-def _render(tokenizer: Any, messages: list[dict[str, str]], gen: bool, kw: dict[str, Any]) -> list:
-    ids = tokenizer.apply_chat_template(
-        messages, add_generation_prompt=gen, tokenize=True, return_dict=False, **kw
-    )
-    return list(ids)
+def _render(
+    tokenizer: Any,
+    messages: list[dict[str, str]],
+    gen: bool,
+    kw: dict[str, Any],
+    markers: list[str],
+) -> list[int]:
+    """The chat template's tokens for `messages`, its own markers as control tokens and every
+    message's content as the text it is: a trace whose content spells `<|im_end|>` or
+    `<|im_start|>assistant` gets the tokens of those characters, not a forged turn."""
+    if not any(marker in m["content"] for m in messages for marker in markers):
+        ids = tokenizer.apply_chat_template(
+            messages, add_generation_prompt=gen, tokenize=True, return_dict=False, **kw
+        )
+        return list(ids)
+    # The markers in the content stand in as private-use characters while the template
+    # renders; the rendered text is then cut at the template's markers, and each piece
+    # between them, content put back, is tokenized with special-token strings as text.
+    stand_in = f"\ue000{secrets.token_hex(8)}."  # no trace can spell it
+    pattern = re.compile("|".join(map(re.escape, markers)))
+
+    def hide(content: str) -> str:
+        return pattern.sub(lambda x: f"{stand_in}{markers.index(x[0])}\ue001", content)
+
+    masked = [dict(m, content=hide(m["content"])) for m in messages]
+    text = tokenizer.apply_chat_template(masked, add_generation_prompt=gen, tokenize=False, **kw)
+    put_back = re.compile(re.escape(stand_in) + "(\\d+)\ue001")
+    ids, start = [], 0
+    for marker in [*pattern.finditer(text), None]:
+        piece = text[start : marker.start() if marker else len(text)]
+        ids += _text_ids(tokenizer, put_back.sub(lambda x: markers[int(x[1])], piece))
+        if marker:
+            ids.append(tokenizer.convert_tokens_to_ids(marker[0]))
+            start = marker.end()
+    return ids
+
+
+def _control_strings(tokenizer: Any) -> list[str]:
+    """The tokenizer's special tokens (role markers, end of turn, ...), longest first."""
+    added = getattr(tokenizer, "added_tokens_decoder", {}).values()
+    strings = {t.content for t in added if t.special} | set(tokenizer.all_special_tokens)
+    return sorted(filter(None, strings), key=len, reverse=True)
+
+
+def _text_ids(tokenizer: Any, text: str) -> list[int]:
+    """`text`'s tokens with any special-token string in it split as ordinary text."""
+    return list(tokenizer(text, add_special_tokens=False, split_special_tokens=True)["input_ids"])
 
 
 @dataclass
