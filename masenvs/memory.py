@@ -50,6 +50,8 @@ JEMALLOC_CONF = "background_thread:true,dirty_decay_ms:1000,muzzy_decay_ms:0"
 # (and set MALLOC_CONF where the leading + is). In argv, which no environment can forge.
 _MARKER = "masenvs_jemalloc"
 _CONF_MARK = "+"
+# Where masenvs kept the restart's state before issue 41; a parent could forge them.
+_FORMER_VARIABLES = ("MASENVS_JEMALLOC_RESTARTED", "MASENVS_JEMALLOC_SET_CONF")
 MODES = ("auto", "lean", "fast", "jemalloc", "default")
 
 # Set by a user or a parent process: glibc read them at start-up, so they are left alone.
@@ -150,6 +152,8 @@ def restart_with_jemalloc(anywhere: bool = False) -> None:
     an `-X` option in its own command line, never by an environment variable: what a parent
     process can set in the environment neither preloads anything nor turns jemalloc off.
     """
+    for name in _FORMER_VARIABLES:  # older copies (a tool's or vLLM's env) would trust them
+        os.environ.pop(name, None)
     mode = malloc_mode()
     restarted = _restart_marker()
     if jemalloc_loaded():

@@ -277,3 +277,30 @@ def test_an_inherited_variable_cannot_forge_the_restart(tmp_path: Path) -> None:
     # What the restart adds is all it takes away: a user's own preload reaches the children.
     out = _command(tmp_path, LD_PRELOAD="libm.so.6")
     assert out == ["jemalloc", "libm.so.6", "None", "libm.so.6", "None", "True"], out
+
+
+def test_the_restart_hands_on_no_forged_state(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ctypes.util
+
+    from masenvs import memory
+
+    restarts = []
+    monkeypatch.setattr(memory.os, "execve", lambda *args: restarts.append(args))
+    monkeypatch.setattr(memory, "jemalloc_loaded", lambda: False)
+    monkeypatch.setattr(memory, "_is_masenvs_command", lambda: True)
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: "libjemalloc.so.2")
+    monkeypatch.delenv("MASENVS_MALLOC", raising=False)
+    monkeypatch.delenv("MALLOC_CONF", raising=False)
+    monkeypatch.setenv("LD_PRELOAD", "libm.so.6")
+    # What older versions took as the parent's LD_PRELOAD, set by whoever started us.
+    monkeypatch.setenv("MASENVS_JEMALLOC_RESTARTED", "/tmp/evil.so")
+    monkeypatch.setenv("MASENVS_JEMALLOC_SET_CONF", "1")
+    memory.restart_with_jemalloc()
+    ((executable, argv, env),) = restarts  # restarted, jemalloc not turned off
+    assert executable == sys.executable
+    assert argv[1:3] == ["-X", "masenvs_jemalloc=+libjemalloc.so.2"]  # state in argv only
+    assert argv[3:] == sys.orig_argv[1:]
+    assert env["LD_PRELOAD"] == "libm.so.6 libjemalloc.so.2"
+    assert env["MALLOC_CONF"] == memory.JEMALLOC_CONF
+    assert not any("evil" in value for value in env.values())
+    assert not any(name.startswith("MASENVS_JEMALLOC") for name in [*env, *os.environ])
