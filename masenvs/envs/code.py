@@ -308,8 +308,8 @@ class CodeEnv(MASEnv):
         visible = [*state.tests, *task.public_tests]
         oracle = task.reference_solution or state.verified_code
         suites: dict[str, Suite] = {}
-        if new_tests and oracle is not None:
-            suites["validity"] = Suite(oracle, tuple(new_tests), fn)
+        if new_tests and oracle is not None:  # the judge runs it apart, on data only
+            suites["validity"] = Suite(oracle, tuple(new_tests), fn, oracle=True)
         if new_tests and state.code is not None:
             suites["visible"] = Suite(state.code, tuple(visible), fn)
         results = dict(zip(suites, self.judge.run_many(list(suites.values()))))

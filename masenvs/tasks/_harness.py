@@ -6,9 +6,13 @@ with a wall-clock backstop) and `stop_on_error`. Each case runs in a fresh forke
 stderr; the harness reports one JSON line per case on its stdout: `status` (ok, error,
 timeout, memory, output_limit), `output` (what was printed, or the JSON of the return value)
 and the tail of `stderr`. Expected outputs never enter this process: the parent compares.
+
+With `oracle` set, the program is a hidden reference and the inputs are policy-written: each
+case process runs under `OracleGuard`, which refuses to turn the input into code.
 """
 
 # Loaded once here so every forked case starts with them imported.
+import ast
 import bisect  # noqa: F401
 import builtins
 import collections  # noqa: F401
@@ -101,6 +105,104 @@ def run_candidate(code, preamble, fn_name, args) -> int:
         return EXIT_ERROR
 
 
+# --- the oracle guard ------------------------------------------------------------------------
+#
+# A reference solution that evaluates its input (APPS-style `eval(input())`) would run a
+# tester's input as code, in a process that holds the reference's source (the request, the
+# code object, its frames). The guard makes sure no code from the input ever starts there:
+# every text compiled at run time may only name what the reference's own text names (its
+# identifiers and those of code in its strings), so data (`[1, 2]`, `3 + 4`) and the
+# reference's own generated code run, while `__import__`, `gc`, frames, dunder attributes,
+# `open` (unless the reference uses them) are refused before anything is executed. The other
+# ways to make code out of data (marshal, code objects, pickle, a shell) are refused outright.
+
+# Stdlib callers that compile only text they built from checked identifiers or parse without
+# running: module imports, namedtuple, dataclasses, ast.parse (and so ast.literal_eval).
+TRUSTED_COMPILERS = ("ast", "collections", "dataclasses")
+REFUSED = frozenset({"os.system", "os.exec", "os.spawn", "os.posix_spawn", "subprocess.Popen"})
+REFUSED_FROM_CODE = frozenset({"marshal.loads", "code.__new__", "pickle.find_class"})
+_NAME_FIELDS = ("id", "attr", "name", "asname", "arg", "module", "rest")
+
+
+class OracleRefusal(Exception):
+    """Raised in the reference's process instead of running code made from its input."""
+
+
+def names_in(tree, depth: int = 3) -> set:
+    """Every identifier a syntax tree names, including in string constants that are code."""
+    names = set()
+    for node in ast.walk(tree):
+        for field in _NAME_FIELDS:
+            value = getattr(node, field, None)
+            if isinstance(value, str):
+                names.update(value.split("."))
+        for field in ("names", "kwd_attrs"):  # Global, Nonlocal, MatchClass
+            values = getattr(node, field, None)
+            if isinstance(values, list):
+                names.update(v for v in values if isinstance(v, str))
+        if depth and isinstance(node, ast.Constant) and isinstance(node.value, str | bytes):
+            with contextlib.suppress(SyntaxError, ValueError, RecursionError, MemoryError):
+                names |= names_in(ast.parse(node.value), depth - 1)
+    return names
+
+
+class OracleGuard:
+    """An audit hook (permanent once added) that keeps code made from input from starting."""
+
+    def __init__(self, reference: str) -> None:
+        self.allowed = names_in(ast.parse(reference))
+        self.checking = set()  # threads inside a check: ast.parse raises `compile` itself
+
+    def install(self) -> None:
+        sys.addaudithook(self.hook)
+
+    def hook(self, event, args) -> None:
+        if event in REFUSED:
+            raise OracleRefusal(f"the reference may not run {event} while judging an input")
+        if event != "compile" and event not in REFUSED_FROM_CODE:
+            return
+        thread = threading.get_ident()
+        if thread in self.checking:
+            return
+        self.checking.add(thread)
+        try:
+            self.check(event, args, sys._getframe(1))
+        finally:
+            self.checking.discard(thread)
+
+    def check(self, event, args, caller) -> None:
+        if trusted(caller):
+            return
+        if event != "compile":
+            raise OracleRefusal(f"the reference may not use {event} while judging an input")
+        source = args[0]
+        if isinstance(source, bytes):
+            source = source.decode("utf-8", "replace")
+        try:
+            tree = source if isinstance(source, ast.AST) else ast.parse(source)
+        except (SyntaxError, ValueError) as exc:  # compile would fail too; never run it
+            raise SyntaxError(f"invalid syntax ({exc})") from None
+        except (RecursionError, MemoryError):
+            raise OracleRefusal("the text to evaluate is too deep to check") from None
+        unknown = names_in(tree, depth=0) - self.allowed
+        if unknown:
+            shown = ", ".join(sorted(unknown)[:5])
+            raise OracleRefusal(
+                f"the reference does not run code from its input (it names {shown}): a test "
+                "input must be data"
+            )
+
+
+def trusted(frame) -> bool:
+    """True when `frame` is in the import system or a stdlib module of TRUSTED_COMPILERS."""
+    filename = frame.f_code.co_filename
+    if filename.startswith("<frozen importlib"):
+        return True
+    name = frame.f_globals.get("__name__")
+    module = sys.modules.get(name) if name in TRUSTED_COMPILERS else None
+    return module is not None and getattr(module, "__file__", None) == filename
+
+
 def memfile(name: str, data: bytes = b"") -> int:
     fd = os.memfd_create(name)
     if data:
@@ -146,8 +248,9 @@ def tail(fd: int) -> str:
     return data.decode("utf-8", "replace")
 
 
-def run_case(code, preamble, fn_name, case, timeout) -> dict:
-    """Run one case in a forked process; `timeout` is its CPU time limit in seconds."""
+def run_case(code, preamble, fn_name, case, timeout, guard=None) -> dict:
+    """Run one case in a forked process; `timeout` is its CPU time limit in seconds; `guard`
+    (an OracleGuard) is installed in that process before the program starts."""
     call_based = fn_name is not None
     stdin = b"" if call_based else str(case["input"]).encode("utf-8", "replace")
     in_fd, out_fd, err_fd = memfile("stdin", stdin), memfile("stdout"), memfile("stderr")
@@ -175,6 +278,8 @@ def run_case(code, preamble, fn_name, case, timeout) -> dict:
             sys.stdin = open(0, encoding="utf-8", errors="replace", closefd=False)  # noqa: SIM115
             sys.stdout = open(1, "w", encoding="utf-8", closefd=False)  # noqa: SIM115
             sys.stderr = open(2, "w", encoding="utf-8", errors="backslashreplace", closefd=False)  # noqa: SIM115
+            if guard is not None:
+                guard.install()
             code_ = run_candidate(code, preamble, fn_name, case["input"])
             sys.stderr.flush()
         finally:
@@ -220,8 +325,9 @@ def main() -> None:
             report.write("\n")
         report.flush()
         return
+    guard = OracleGuard(request["code"]) if request.get("oracle") else None
     for i, case in enumerate(request["cases"]):
-        result = run_case(code, preamble, fn_name, case, float(request["timeout"]))
+        result = run_case(code, preamble, fn_name, case, float(request["timeout"]), guard)
         report.write(json.dumps({"i": i, **result}, ensure_ascii=False) + "\n")
         report.flush()
         if request.get("stop_on_error") and result["status"] != "ok":

@@ -9,6 +9,10 @@ expected outputs stay in this process and are compared here:
   exponent within `float_tolerance`;
 * call-based programs: the JSON of the return value, tuples as lists, floats within
   `float_tolerance`, and (APPS convention) `x` accepted for an expected `[x]`.
+
+An oracle suite (`Suite.oracle`: a hidden reference run on policy-written inputs) never
+shares a batch with other suites, whose output a policy may read: it runs after them, and
+its harness refuses to turn an input into code (`_harness.OracleGuard`).
 """
 
 from __future__ import annotations
@@ -153,6 +157,7 @@ class Suite:
     code: str
     tests: tuple[TestCase, ...]
     fn_name: str | None = None  # set for call-based programs
+    oracle: bool = False  # hidden code (a reference) on policy-written inputs, see the module doc
 
 
 # --- the judge ------------------------------------------------------------------------------
@@ -181,7 +186,18 @@ class CodeJudge:
         return self.run_many([Suite(code, tuple(tests), fn_name)])[0]
 
     def run_many(self, suites: Sequence[Suite]) -> list[SuiteResult]:
-        """Grade several programs at once; all their chunks share one parallel batch."""
+        """Grade several programs at once; their chunks share one parallel batch, except
+        oracle suites, which run in a batch of their own after the others."""
+        results = [SuiteResult() for _ in suites]
+        for oracle in (False, True):
+            batch = [i for i, suite in enumerate(suites) if suite.oracle == oracle]
+            if batch:
+                for i, result in zip(batch, self._run_batch([suites[i] for i in batch])):
+                    results[i] = result
+        return results
+
+    def _run_batch(self, suites: Sequence[Suite]) -> list[SuiteResult]:
+        """Grade several programs in one parallel batch of sandbox runs."""
         sandbox = self.sandbox or default_sandbox()
         sandbox.check_judging("judge programs on hidden tests")  # else they could read them
         workers = self.workers or os.cpu_count() or 2
@@ -226,6 +242,7 @@ class CodeJudge:
             "cases": [{"input": t.input, "cap": c} for t, c in zip(chunk, caps)],
             "timeout": self.timeout,
             "stop_on_error": self.stop_at_first_failure,
+            "oracle": suite.oracle,
         }
         budget = len(chunk) * (2 * self.timeout + 1.5) + 5.0  # per-case backstops + start
         limits = dataclasses.replace(

@@ -22,7 +22,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from masenvs.sandbox import Sandbox, SandboxLimits, Verdict, default_sandbox
+from masenvs.sandbox import Job, Sandbox, SandboxLimits, Verdict, default_sandbox
 from masenvs.tasks._verilog_harness import check_design
 
 Vector = tuple[int, ...]  # one value per stimulus input (every input but the clock)
@@ -331,11 +331,35 @@ class VerilogJudge:
         )
 
     def simulate(self, sims: Sequence[Sim]) -> list[SimResult]:
-        """Every sim in one sandbox run; results in order."""
+        """Trusted sims (goldens) in one sandbox run, the others in another; results in order.
+
+        A golden never shares a run with a design: the design's run holds no golden source,
+        in its files or its request, and the outputs are compared here, outside both."""
         if not sims:
             return []
         self.sandbox.check_judging("simulate designs against hidden vectors")
-        marker = "@" + secrets.token_hex(8)
+        groups = [[i for i, s in enumerate(sims) if s.trusted == t] for t in (True, False)]
+        groups = [g for g in groups if g]
+        markers = ["@" + secrets.token_hex(8) for _ in groups]
+        jobs = [
+            self._job([sims[i] for i in group], marker) for group, marker in zip(groups, markers)
+        ]
+        runs = self.sandbox.run_many(jobs, max_workers=len(jobs))
+        results: list[SimResult] = [SimResult("error") for _ in sims]
+        for group, marker, run in zip(groups, markers, runs):
+            if run.verdict != Verdict.OK:
+                status = {"timeout": "timeout", "output_limit": "output_limit"}.get(
+                    run.verdict, "error"
+                )
+                for i in group:
+                    results[i] = SimResult(status, run.stderr[-2000:])
+                continue
+            for i, raw in zip(group, json.loads(run.stdout)):
+                results[i] = _parse_sim(raw, marker, len(sims[i].task.outputs))
+        return results
+
+    def _job(self, sims: Sequence[Sim], marker: str) -> Job:
+        """One sandbox run of the harness for `sims`, each in its own directory."""
         request: dict[str, Any] = {"timeout": self.timeout, "max_output": self.max_output}
         request["sims"] = []
         for i, sim in enumerate(sims):
@@ -353,16 +377,7 @@ class VerilogJudge:
                     "marker": marker,
                 }
             )
-        run = self.sandbox.run(
-            harness_source(), json.dumps(request), limits=self._limits(len(sims))
-        )
-        if run.verdict != Verdict.OK:
-            status = {"timeout": "timeout", "output_limit": "output_limit"}.get(
-                run.verdict, "error"
-            )
-            return [SimResult(status, run.stderr[-2000:]) for _ in sims]
-        raw = json.loads(run.stdout)
-        return [_parse_sim(r, marker, len(s.task.outputs)) for r, s in zip(raw, sims)]
+        return Job(harness_source(), json.dumps(request), (), self._limits(len(sims)))
 
     def golden_outputs(
         self, task: VerilogTask, sequences: Sequence[Sequence[Vector]]
