@@ -63,14 +63,16 @@ def processes_matching(marker: bytes) -> list[int]:
 
 
 def sandbox_processes(sb: Sandbox) -> list[int]:
-    """Live descendants of this sandbox's server (its supervisors and their programs)."""
+    """Live descendants of this sandbox's server (its supervisors and their programs; not
+    the pinner, which holds the page cache for the server's life)."""
     children: dict[int, list[int]] = {}
     for name in filter(str.isdigit, os.listdir("/proc")):
         try:
-            stat = Path(f"/proc/{name}/stat").read_bytes().rsplit(b")", 1)[1].split()
+            raw = Path(f"/proc/{name}/stat").read_bytes()
+            stat = raw.rsplit(b")", 1)[1].split()
         except (OSError, IndexError):
             continue
-        if stat[0] != b"Z":
+        if stat[0] != b"Z" and b"(masenvs-pinner)" not in raw:
             children.setdefault(int(stat[1]), []).append(int(name))
     found, todo = [], list(children.get(sb.server_pid, []))
     while todo:
@@ -305,7 +307,7 @@ def test_detached_descendants_die_with_the_run(sb: Sandbox, main_exits: bool) ->
         if os.fork() == 0:
             os.setsid()  # leave the process group and session
             if os.fork() == 0:  # and the parent: the grandchild is an orphan
-                os.execv("/bin/sleep", ["sleep", "{marker}"])
+                os.execv(sys.executable, [sys.executable, "-c", "import time; time.sleep({marker})"])
             os._exit(0)
         time.sleep(0.5)
         print("spawned", flush=True)

@@ -26,7 +26,15 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from .limits import CHILD_ENV, SandboxLimits, Verdict
-from .wire import BIND_DIRS_MOUNT, BIND_NAME, MAX_BINDS, RUN_BIND_DIR, recv_msg, send_msg
+from .wire import (
+    BIND_DIRS_MOUNT,
+    BIND_NAME,
+    CGROUP_MOUNT,
+    MAX_BINDS,
+    RUN_BIND_DIR,
+    recv_msg,
+    send_msg,
+)
 
 # Modules imported once in the zygote, so programs that use them start warm.
 DEFAULT_PRELOAD = (
@@ -120,12 +128,16 @@ class Isolation:
     notes: tuple[str, ...] = ()
     allow_list: bool = False  # a run sees only the allow-list (no home, checkout, data)
     ipc_namespace: bool = False  # System V IPC of its own, gone with the run
+    memory_cgroup: bool = False  # memory_mb bounds all of a run's processes together
+    page_cache_pinned: bool = False  # no run can change which pages of shared files are cached
+    task_data: tuple[str, ...] = ()  # paths of masenvs task data a run could read (judges refuse)
 
     @property
     def judging_safe(self) -> bool:
         """Hidden tests are out of a run's reach and runs cannot reach each other."""
         return (
-            self.allow_list
+            not self.task_data
+            and self.allow_list
             and self.pid_namespace
             and self.ipc_namespace
             and self.network_namespace
@@ -144,6 +156,8 @@ class Isolation:
                 "nproc_per_run",
                 "allow_list",
                 "ipc_namespace",
+                "memory_cgroup",
+                "page_cache_pinned",
             )
             if getattr(self, name)
         ]
@@ -183,6 +197,7 @@ class Sandbox:
         self._ctrl: socket.socket | None = None
         self._owner_pid = 0
         self._isolation: Isolation | None = None
+        self._cgroup = ""  # the server's memory cgroup dir (removed when it stops)
         self.server_pid = 0  # the zygote's pid, once started
 
     # -- lifecycle
@@ -212,16 +227,20 @@ class Sandbox:
             )
             if not getattr(iso, name)
         ]
+        lacks = [f"no {', '.join(missing)}"] if missing else []
+        if iso.task_data:
+            lacks.append(f"task data of a masenvs copy visible at {', '.join(iso.task_data)}")
         reason = (
-            f"the sandbox cannot {what} safely on this machine (mode {iso.mode!r}, no "
-            f"{', '.join(missing)}): a program could read the hidden tests or reach other "
+            f"the sandbox cannot {what} safely on this machine (mode {iso.mode!r}, "
+            f"{'; '.join(lacks)}): a program could read the hidden tests or reach other "
             "runs and earn rewards without solving"
         )
         if os.environ.get(WEAK_SANDBOX_OPT_IN) == "1":
             warnings.warn(f"{reason}; going on because {WEAK_SANDBOX_OPT_IN}=1", stacklevel=2)
             return
         raise SandboxError(
-            f"{reason}. Fix: install bubblewrap (apt-get install bubblewrap) and run as root or "
+            f"{reason}. Fix: move that copy out of the interpreter's and the allowed packages' "
+            "trees (or drop the package that holds it); install bubblewrap (apt-get install bubblewrap) and run as root or "
             "allow unprivileged user namespaces (sysctl kernel.unprivileged_userns_clone=1, "
             "kernel.apparmor_restrict_unprivileged_userns=0); or opt in to weak judging with "
             f"{WEAK_SANDBOX_OPT_IN}=1. Notes: {'; '.join(iso.notes) or 'none'}"
@@ -271,6 +290,11 @@ class Sandbox:
                 except subprocess.TimeoutExpired:
                     self._server.kill()
                     self._server.wait()
+        if self._cgroup and self._owner_pid == os.getpid():
+            from .cgroup import remove_server_cgroup
+
+            remove_server_cgroup(self._cgroup)
+            self._cgroup = ""
         self._ctrl = self._server = None
 
     def _ensure_server(self) -> socket.socket:
@@ -290,6 +314,8 @@ class Sandbox:
                 notes.append(f"could not build the allow-list root ({exc!r})")
                 bwrap = None
             if bwrap is not None:
+                self._cgroup = bwrap[1].pop("cgroup_path", "")
+                self._owner_pid = os.getpid()
                 try:
                     return self._start_server(*bwrap, notes)
                 except SandboxError as exc:
@@ -350,7 +376,9 @@ class Sandbox:
         # The zygote itself (under bubblewrap, a child of the bwrap process `_server`).
         self.server_pid = int(hello.get("pid", self._server.pid))
         iso = hello["isolation"]
-        self._isolation = Isolation(**{**iso, "notes": tuple(iso["notes"])})
+        self._isolation = Isolation(
+            **{**iso, "notes": tuple(iso["notes"]), "task_data": tuple(iso.get("task_data", ()))}
+        )
         if self.namespaces and not self._isolation.judging_safe:
             log.warning("masenvs sandbox is weak on this machine: %s", self._isolation)
         return ours
@@ -499,7 +527,15 @@ def bwrap_command(
     command += ["--unshare-cgroup-try"]
     if userns:
         command += ["--unshare-user", "--uid", "0", "--gid", "0"]
+    from .cgroup import server_cgroup
+
+    cgroup = server_cgroup(notes)
+    if cgroup is not None:
+        root.writable = [(cgroup[0], CGROUP_MOUNT)]
     command += ["--cap-add", "ALL", *root.bwrap_args(), "--chdir", "/", "--"]
     command += [sys.executable, "-I", "-c", SERVER_BOOT, f"{layout.STAGE_MOUNT}/server"]
     paths = [f"{layout.STAGE_MOUNT}/lib"] if modules else []
-    return command, {"allow_list": True, "userns": userns, "path": paths}
+    extra = {"allow_list": True, "userns": userns, "path": paths}
+    if cgroup is not None:
+        extra |= {"cgroup": cgroup[1], "cgroup_path": cgroup[0]}
+    return command, extra

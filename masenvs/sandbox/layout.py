@@ -1,12 +1,16 @@
 """What a sandboxed run may see: an allow-list of host paths, built as bubblewrap arguments.
 
-A run sees the system's programs and libraries (`/usr` and its links), the few files of
-`/etc` the dynamic linker needs, the Python interpreter with its standard library, the
-packages the sandbox was given (and their dependencies), and a staged copy of the
-sandbox server and of the masenvs modules it preloads. Every Python package directory
-(`site-packages`, `dist-packages`) of those trees is covered by an empty tmpfs first, so
-an installed copy of masenvs, its tasks or anything else installed stays out of sight.
-Nothing else of the host exists: no home, no checkout, no `.git`, no datasets, no caches.
+A run sees the Python interpreter with its standard library, the shared libraries they link
+(read from their ELF headers, never by running them), the packages the sandbox was given
+(and their dependencies), the few programs judges call (`sh`, Icarus Verilog) with their
+libraries, the few files of `/etc` the dynamic linker needs, and a staged copy of the
+sandbox server and of the masenvs modules it preloads. Not `/usr`: a checkout under
+`/usr/src` or an interpreter under `/usr/local` or `/usr/lib` brings nothing else with it.
+Python package dirs (`site-packages`, `dist-packages`) inside what is bound are covered by an
+empty tmpfs first, so an installed copy of masenvs, its tasks or anything else installed
+stays out of sight. Nothing else of the host exists: no home, no checkout, no `.git`, no
+datasets, no caches. The server checks what it can see anyway (pagecache.py) and judges
+refuse to score where a copy of masenvs' task data is among it.
 """
 
 from __future__ import annotations
@@ -28,7 +32,6 @@ from pathlib import Path
 
 # Where the staged server and modules appear inside the sandbox.
 STAGE_MOUNT = "/run/masenvs-sandbox"
-SYSTEM_TREES = ("/usr",)
 ROOT_LINKS = ("/bin", "/sbin", "/lib", "/lib32", "/lib64", "/libx32")
 # What of /etc a run needs: the dynamic linker's cache and the time zone.
 ETC_FILES = (
@@ -38,6 +41,16 @@ ETC_FILES = (
     "/etc/localtime",
     "/etc/alternatives",
 )
+# Programs a run may start where installed (the Verilog judge's harness calls Icarus
+# Verilog, whose driver runs its stages through `sh`), with the dirs of helpers and plugins
+# they load, relative to the prefix of the program's bin dir ({multiarch}: x86_64-linux-gnu).
+DEFAULT_PROGRAMS = ("sh", "iverilog", "vvp")
+PROGRAM_DIRS = {"iverilog": ("lib/{multiarch}/ivl",), "vvp": ("lib/{multiarch}/ivl",)}
+# Loaded by name at run time, not linked: glibc's unwinder (thread exit) and the C.UTF-8 locale.
+RUNTIME_LIBS = ("libgcc_s.so.1",)
+LOCALE_DIRS = ("/usr/lib/locale/C.utf8", "/usr/lib/locale/C.UTF-8")
+# Standard-library dirs no program needs, left out: CPython's own test suite and static lib.
+STDLIB_LEFT_OUT = ("test", "config-*")
 # Never staged nor bound: masenvs' task data (hidden tests, golden modules and vectors).
 NEVER_STAGED = ("masenvs.tasks",)
 
@@ -58,6 +71,8 @@ class Layout:
     stage: str = ""  # host dir bound at STAGE_MOUNT
     hidden: list[tuple[str, str]] = field(default_factory=list)  # (host dir, where) for the
     # server only: each run covers them and gets single files of them (Sandbox.bind_dirs)
+    writable: list[tuple[str, str]] = field(default_factory=list)  # (host dir, where), for
+    # the server only: its memory cgroup, which each run covers
 
     def covered(self, path: str) -> bool:
         """`path` lies in a bound tree (so it is there already, read-only)."""
@@ -89,6 +104,8 @@ class Layout:
             args += ["--remount-ro", path]
         for source, dest in self.hidden:
             args += ["--ro-bind", source, dest]
+        for source, dest in self.writable:
+            args += ["--bind", source, dest]
         args += ["--ro-bind", self.stage, STAGE_MOUNT, "--remount-ro", "/"]
         return args
 
@@ -124,46 +141,179 @@ def _bind(path: str, layout: Layout, late: bool = False) -> None:
 def _package_dirs_under(roots: Iterable[str]) -> list[str]:
     found = []
     for root in roots:
-        for pattern in (
-            "lib*/python*/*-packages",
-            "local/lib*/python*/*-packages",
-            "python*/*-packages",
-        ):
+        for pattern in ("*-packages", "lib*/python*/*-packages", "python*/*-packages"):
             found += glob.glob(os.path.join(root, pattern))
     return found
 
 
-def build_layout(packages: Sequence[str], stage: str) -> Layout:
-    """The allow-list for a sandbox whose runs may import `packages` (top-level names)."""
+def build_layout(
+    packages: Sequence[str], stage: str, programs: Sequence[str] = DEFAULT_PROGRAMS
+) -> Layout:
+    """The allow-list for a sandbox whose runs may import `packages` (top-level names) and
+    start `programs` (names on PATH, where installed)."""
     layout = Layout(stage=stage)
-    for tree in SYSTEM_TREES:
-        _bind(tree, layout)
     for link in ROOT_LINKS:
         if os.path.islink(link):
             layout.links[link] = os.readlink(link)
-        elif os.path.isdir(link):
-            _bind(link, layout)
     for path in ETC_FILES:
         _bind(path, layout)
-    # The interpreter: its binary (through the venv's link, as sys.executable names it),
-    # the venv's pyvenv.cfg, and the library dir that holds the stdlib and libpython.
+    # The interpreter: its binary (through the venv's link, as sys.executable names it), the
+    # venv's pyvenv.cfg, the standard library (its C modules included).
     _bind(sys.executable, layout)
-    venv_cfg = os.path.join(sys.prefix, "pyvenv.cfg")
-    _bind(venv_cfg, layout)
+    _bind(os.path.join(sys.prefix, "pyvenv.cfg"), layout)
     stdlib = os.path.dirname(os.__file__)
-    libdirs = {os.path.dirname(stdlib), sysconfig.get_config_var("LIBDIR") or ""}
-    for lib in sorted(d for d in libdirs if d):
-        _bind(lib, layout)
-    _bind(sysconfig.get_config_var("DESTSHARED") or os.path.join(stdlib, "lib-dynload"), layout)
+    _bind(stdlib, layout)
+    dynload = sysconfig.get_config_var("DESTSHARED") or os.path.join(stdlib, "lib-dynload")
+    _bind(dynload, layout)
+    elves = [os.path.realpath(sys.executable), *_files_under(dynload)]
+    for path in LOCALE_DIRS:
+        _bind(path, layout)
     # Every Python package dir inside what is bound is covered, then the allowed ones return.
     candidates = _package_dirs_under([*layout.binds, *(os.path.dirname(d) for d in layout.binds)])
     candidates += [p for p in sys.path if p.endswith(("-packages", "-packages/"))]
+    for pattern in STDLIB_LEFT_OUT:
+        candidates += glob.glob(os.path.join(os.path.realpath(stdlib), pattern))
     for path in sorted({os.path.realpath(c) for c in candidates}):
         if os.path.isdir(path) and layout.covered(path) and path not in layout.masks:
             layout.masks.append(path)
     for path in package_paths(packages):
         _bind(path, layout, late=True)
+        elves += _files_under(path)
+    for name in programs:
+        found = shutil.which(name, path="/usr/local/bin:/usr/bin:/bin")
+        if found is None:
+            continue
+        _bind(found, layout)
+        elves.append(os.path.realpath(found))
+        prefix = os.path.dirname(os.path.dirname(os.path.realpath(found)))
+        for rel in PROGRAM_DIRS.get(name, ()):
+            extra = os.path.join(prefix, rel.format(multiarch=_multiarch()))
+            _bind(extra, layout)
+            elves += _files_under(extra) + glob.glob(os.path.join(extra, "ivl*"))
+    for lib in sorted(shared_libraries(elves) | _find_libraries(RUNTIME_LIBS, ())):
+        real = os.path.realpath(lib)
+        if any(_under(real, d) for d in layout.late_binds):
+            continue  # a library an allowed package ships (numpy.libs): bound with it
+        _bind(lib, layout, late=any(_under(real, m) for m in layout.masks))
     return layout
+
+
+def _under(path: str, tree: str) -> bool:
+    return path == tree or path.startswith(tree.rstrip("/") + "/")
+
+
+@functools.cache
+def _files_under(path: str) -> list[str]:
+    """The shared objects in `path` (a file or a tree), by name: `*.so`, `*.so.N`, plugins."""
+    libs = re.compile(r".*\.(so(\.[0-9.]+)?|vpi|tgt)$")
+    if os.path.isfile(path):
+        return [path] if libs.match(path) else []
+    return [os.path.join(d, f) for d, _, files in os.walk(path) for f in files if libs.match(f)]
+
+
+def _multiarch() -> str:
+    return sysconfig.get_config_var("MULTIARCH") or f"{os.uname().machine}-linux-gnu"
+
+
+@functools.cache
+def _library_dirs() -> tuple[str, ...]:
+    """Where the dynamic linker looks for a library by name: ld.so.conf, then the defaults."""
+    dirs: list[str] = []
+
+    def read(conf: str, depth: int = 0) -> None:
+        try:
+            lines = Path(conf).read_text().splitlines()
+        except OSError:
+            return
+        for line in lines:
+            line = line.split("#", 1)[0].strip()
+            if line.startswith("include ") and depth < 4:
+                for inc in sorted(glob.glob(line.split(None, 1)[1])):
+                    read(inc, depth + 1)
+            elif line.startswith("/"):
+                dirs.append(line)
+
+    read("/etc/ld.so.conf")
+    arch = _multiarch()
+    dirs += [f"/lib/{arch}", f"/usr/lib/{arch}", "/lib64", "/usr/lib64", "/lib", "/usr/lib"]
+    return tuple(dict.fromkeys(dirs))
+
+
+@functools.cache
+def _elf_dependencies(path: str) -> tuple[str | None, list[str], list[str]]:
+    """(program interpreter, DT_NEEDED names, DT_RPATH + DT_RUNPATH dirs) of a 64-bit
+    little-endian ELF file; nothing for anything else."""
+    import struct
+
+    try:
+        with open(path, "rb") as f:
+            if f.read(6) != b"\x7fELF\x02\x01":
+                return None, [], []
+            data = b"\x7fELF\x02\x01" + f.read()
+    except OSError:
+        return None, [], []
+    phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
+    interp = None
+    for i in range(phnum):
+        p_type, _, p_offset, _, _, p_filesz = struct.unpack_from(
+            "<IIQQQQ", data, phoff + i * phentsize
+        )
+        if p_type == 3:  # PT_INTERP
+            interp = data[p_offset : p_offset + p_filesz].rstrip(b"\0").decode()
+    sections = [struct.unpack_from("<IIQQQQII", data, shoff + i * shentsize) for i in range(shnum)]
+    needed: list[str] = []
+    paths: list[str] = []
+    for _, sh_type, _, _, offset, size, link, _ in sections:
+        if sh_type != 6 or link >= len(sections):  # SHT_DYNAMIC, its string table at sh_link
+            continue
+        strtab = sections[link][4]
+        for j in range(0, size, 16):
+            tag, value = struct.unpack_from("<qQ", data, offset + j)
+            if tag not in (1, 15, 29):  # DT_NEEDED, DT_RPATH, DT_RUNPATH
+                continue
+            end = data.index(b"\0", strtab + value)
+            text = data[strtab + value : end].decode()
+            origin = os.path.dirname(path)
+            if tag == 1:
+                needed.append(text)
+            else:
+                paths += [
+                    d.replace("$ORIGIN", origin).replace("${ORIGIN}", origin)
+                    for d in text.split(":")
+                ]
+    return interp, needed, paths
+
+
+def _find_libraries(names: Iterable[str], search: Sequence[str]) -> set[str]:
+    found = set()
+    for name in names:
+        if "/" in name:
+            found.add(name)
+            continue
+        for d in (*search, *_library_dirs()):
+            if os.path.exists(os.path.join(d, name)):
+                found.add(os.path.join(d, name))
+                break
+    return found
+
+
+def shared_libraries(files: Iterable[str]) -> set[str]:
+    """Every shared library the ELF files among `files` link, transitively, with the
+    dynamic linker itself (found as ld.so would: RPATH/RUNPATH, ld.so.conf, defaults)."""
+    todo = [f for f in files if os.path.isfile(f)]
+    seen: set[str] = set()
+    libs: set[str] = set()
+    while todo:
+        path = os.path.realpath(todo.pop())
+        if path in seen:
+            continue
+        seen.add(path)
+        interp, needed, search = _elf_dependencies(path)
+        found = _find_libraries(needed, search) | ({interp} if interp else set())
+        libs |= found
+        todo += found
+    return libs
 
 
 @functools.cache

@@ -53,7 +53,7 @@ class SandboxLimits:
 
     cpu_seconds: float = 5.0  # CPU time of the whole process tree
     wall_seconds: float = 10.0  # elapsed time; the whole tree is killed at the deadline
-    memory_mb: int = 512  # address space per process (RLIMIT_AS), interpreter included
+    memory_mb: int = 512  # of all the run's processes together (a cgroup), interpreter included
     max_processes: int = 32  # processes and threads alive at once (RLIMIT_NPROC)
     max_file_mb: int = 16  # largest file the program may write (RLIMIT_FSIZE)
     max_open_files: int = 64  # file descriptors per process (RLIMIT_NOFILE)
@@ -79,17 +79,23 @@ class SandboxLimits:
             )
 
 
-def set_rlimits(lim: SandboxLimits, shared_nproc: int) -> None:
+def set_rlimits(lim: SandboxLimits, shared_nproc: int, memory_cgroup: bool = True) -> None:
     """Put `lim` on this process (the program, just before it runs) as rlimits; a shared
-    user's `shared_nproc` processes come on top of `max_processes`."""
+    user's `shared_nproc` processes come on top of `max_processes`. Without a memory cgroup
+    for the run, memory_mb is split between fewer processes (cgroup.processes_for)."""
+    from .cgroup import processes_for
+
     mb = 1024 * 1024
     cpu = max(1, math.ceil(lim.cpu_seconds))
+    memory_mb, nproc = lim.memory_mb, lim.max_processes
+    if not memory_cgroup:
+        memory_mb, nproc = processes_for(lim.memory_mb, lim.max_processes)
     for res, value in (
         (resource.RLIMIT_CPU, (cpu, cpu + 1)),
-        (resource.RLIMIT_AS, (lim.memory_mb * mb,) * 2),
+        (resource.RLIMIT_AS, (memory_mb * mb,) * 2),
         (resource.RLIMIT_FSIZE, (lim.max_file_mb * mb,) * 2),
         (resource.RLIMIT_NOFILE, (lim.max_open_files,) * 2),
-        (resource.RLIMIT_NPROC, (lim.max_processes + shared_nproc,) * 2),
+        (resource.RLIMIT_NPROC, (nproc + shared_nproc,) * 2),
         (resource.RLIMIT_CORE, (0, 0)),
         (resource.RLIMIT_MEMLOCK, (0, 0)),
         (resource.RLIMIT_MSGQUEUE, (0, 0)),
@@ -106,11 +112,15 @@ def verdict_for(
     cpu: float,
     memory_error: bool,
     stderr: bytes,
+    over_budget: bool = False,
 ) -> Verdict:
-    """The verdict of a run that ended with `returncode` (None: the sandbox killed it)."""
+    """The verdict of a run that ended with `returncode` (None: the sandbox killed it);
+    `over_budget`: the kernel killed a process of the run's memory cgroup."""
     signum = -returncode if returncode is not None and returncode < 0 else 0
     if overflow:
         return Verdict.OUTPUT_LIMIT
+    if over_budget:
+        return Verdict.MEMORY
     if killed or signum == signal.SIGXCPU or cpu > lim.cpu_seconds:
         return Verdict.TIMEOUT
     if memory_error or (

@@ -14,6 +14,7 @@ import signal
 import sys
 import threading
 
+from .cgroup import join as join_cgroup
 from .limits import CHILD_ENV, SandboxLimits, set_rlimits
 from .runsetup import (
     M_ARENA_MAX,
@@ -40,11 +41,15 @@ def run_init(
     st_w: int,
     shared_nproc: int,
     binds: dict[str, str],
+    cgroup_fd: int | None = None,
 ) -> None:
-    """PID 1 of the run's namespace: mount its private dirs, start the program, report how
-    it ended, exit. Exiting makes the kernel kill everything else left in the namespace."""
+    """PID 1 of the run's namespace: join its memory cgroup, mount its private dirs, start
+    the program, report how it ended, exit. Exiting makes the kernel kill everything else
+    left in the namespace."""
     prctl(PR_SET_PDEATHSIG, signal.SIGKILL)  # the supervisor died: take the namespace down
     try:
+        if cgroup_fd is not None:
+            join_cgroup(cgroup_fd)
         if srv.mountns:
             mount_run_dirs(srv, uid, lim.max_file_mb, binds)
         pid = os.fork()
@@ -103,7 +108,7 @@ def _program(
     path = os.path.join(workdir, "main.py")
     with open(path, "w", encoding="utf-8", errors="surrogatepass") as f:
         f.write(source)
-    set_rlimits(lim, shared_nproc)
+    set_rlimits(lim, shared_nproc, memory_cgroup=bool(srv.cgroup))
     os.environ.clear()
     os.environ.update(CHILD_ENV)
     signal.signal(signal.SIGINT, signal.default_int_handler)  # the server ignores it

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from .limits import UID_BASE
-from .wire import BIND_DIRS_MOUNT, RUN_BIND_DIR
+from .wire import BIND_DIRS_MOUNT, CGROUP_MOUNT, RUN_BIND_DIR
 
 CLONE_NEWNS = 0x00020000
 CLONE_NEWUTS = 0x04000000
@@ -97,6 +97,9 @@ class ServerState:
     fresh_proc: bool = True  # a run's /proc shows its own namespace (else /proc is hidden)
     userns_per_run: bool = False  # userns mode: each program gets its own user namespace
     cap_last: int = 63
+    cgroup: int = 0  # version of the memory cgroup each run gets (0: none, rlimits split)
+    page_cache_pinned: bool = False  # every file a run can read is locked in memory
+    task_data: list[str] = field(default_factory=list)  # visible paths of masenvs task data
     notes: list[str] = field(default_factory=list)
     slots: dict[int, int] = field(default_factory=dict)  # supervisor pid -> uid slot
     pid: int = 0
@@ -114,6 +117,9 @@ class ServerState:
             "notes": self.notes,
             "allow_list": self.allow_list and self.mountns,
             "ipc_namespace": self.pidns,  # unshared with the PID namespace, probed together
+            "memory_cgroup": bool(self.cgroup),
+            "page_cache_pinned": self.page_cache_pinned,
+            "task_data": self.task_data,
         }
 
 
@@ -123,6 +129,7 @@ def setup_server(
     preload: Sequence[str] = (),
     allow_list: bool = False,
     in_userns: bool = False,
+    cgroup: int = 0,
 ) -> None:
     """Pick the strongest mode this machine allows and set up the server's namespaces.
 
@@ -166,6 +173,7 @@ def setup_server(
         srv.mountns = True
         srv.allow_list = allow_list
     srv.pidns = _probe_run_namespaces(srv)
+    _probe_cgroup(srv, cgroup)
     if not srv.pidns:
         srv.net_per_run = False
         srv.notes.append("no PID namespace per run; runaway processes are found via /proc")
@@ -175,6 +183,31 @@ def setup_server(
         srv.notes.append(
             "the interpreter's files are not readable by the sandbox uid; imports of modules "
             "not preloaded will fail"
+        )
+
+
+def _probe_cgroup(srv: ServerState, version: int) -> None:
+    """Check that a run's memory cgroup can be made and limited; say which bound holds."""
+    from .cgroup import RunCgroup
+
+    if version and srv.mode != "rlimits" and os.path.isdir(CGROUP_MOUNT):
+        try:
+            probe = RunCgroup(version, -1, 64)
+            os.close(probe.procs_fd)
+            os.close(probe.dir_fd)
+            os.rmdir(probe.path)
+            srv.cgroup = version
+        except OSError as exc:
+            srv.notes.append(f"cannot limit a run's cgroup ({exc})")
+    if srv.cgroup:
+        srv.notes.append(
+            f"memory per run: a cgroup v{srv.cgroup} memory limit of memory_mb for all its "
+            "processes together (and RLIMIT_AS of memory_mb per process)"
+        )
+    else:
+        srv.notes.append(
+            "memory per run: NO CGROUP; rlimits split memory_mb: RLIMIT_AS = memory_mb / n "
+            "per process with at most n = max(1, min(max_processes, memory_mb // 64)) processes"
         )
 
 
@@ -282,6 +315,8 @@ def _remount_readonly(srv: ServerState) -> bool:
     for line in lines:
         fields = line.split()
         target = fields[4].encode().decode("unicode_escape")
+        if target == CGROUP_MOUNT:
+            continue  # the server's memory cgroup: runs cover it, supervisors write it
         flags = MS_BIND | MS_REMOUNT | MS_RDONLY
         for opt in fields[5].split(","):
             flags |= _MOUNT_FLAGS.get(opt, 0)
@@ -426,8 +461,9 @@ def mount_run_dirs(
             mount(source, target, None, MS_BIND)
             mount(None, target, None, MS_BIND | MS_REMOUNT | MS_RDONLY | flags)
         mount(None, top, None, MS_REMOUNT | MS_RDONLY | flags)
-    if os.path.isdir(BIND_DIRS_MOUNT):  # every other file of the bind dirs stays unseen
-        mount("tmpfs", BIND_DIRS_MOUNT, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k")
+    for hidden in (BIND_DIRS_MOUNT, CGROUP_MOUNT):  # the bind dirs' other files, the cgroups
+        if os.path.isdir(hidden):
+            mount("tmpfs", hidden, "tmpfs", MS_NOSUID | MS_NODEV | MS_RDONLY, "size=4k")
     return fresh_proc
 
 

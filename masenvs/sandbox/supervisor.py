@@ -18,6 +18,7 @@ import socket
 import sys
 import time
 
+from .cgroup import RunCgroup
 from .limits import (
     UID_BASE,
     UID_SLOTS,
@@ -25,6 +26,7 @@ from .limits import (
     count_processes_of,
     verdict_for,
 )
+from .pagecache import read_report, start_pinner
 from .program import run_init
 from .runsetup import (
     PR_SET_CHILD_SUBREAPER,
@@ -56,15 +58,25 @@ def server_main(ctrl_fd: int, config_json: str) -> None:
             config["preload"],
             config.get("allow_list", False),
             config.get("userns", False),
+            config.get("cgroup", 0),
         )
     except Exception as exc:  # report, never crash silently
         ctrl.send(json.dumps({"error": f"setup failed: {exc!r}"}).encode())
         return
+    # Pins what runs can read in the page cache while we import the preloaded modules.
+    pinner = start_pinner() if srv.allow_list else None
     for name in config["preload"]:
         try:
             __import__(name)
         except Exception as exc:
             srv.notes.append(f"preload of {name!r} failed: {exc!r}")
+    if pinner is not None:
+        _note_pinned(srv, read_report(pinner[1]))
+    else:
+        srv.notes.append(
+            "page cache NOT pinned (no allow-list root): runs can tell which "
+            "pages of shared files an earlier run loaded"
+        )
     import gc
 
     gc.freeze()  # keep preloaded objects out of the children's collections (fewer COW faults)
@@ -119,6 +131,23 @@ def server_main(ctrl_fd: int, config_json: str) -> None:
         srv.slots[pid] = slot
 
 
+def _note_pinned(srv: ServerState, report: dict) -> None:
+    srv.task_data = list(report.get("task_data", []))
+    if srv.task_data:
+        srv.notes.append(
+            "task data of a masenvs copy is visible from a run: " + ", ".join(srv.task_data)
+        )
+    size = f"{report.get('files', 0)} files, {report.get('bytes', 0) / 2**20:.0f} MB"
+    if report.get("locked"):
+        srv.page_cache_pinned = True
+        srv.notes.append(f"page cache: every file a run can read is locked in memory ({size})")
+    else:
+        srv.notes.append(
+            f"page cache NOT pinned ({report.get('error')}): the {size} runs can read are "
+            "loaded every few seconds instead, so a run can tell pages the host evicted since"
+        )
+
+
 def _reap_supervisors(srv: ServerState) -> None:
     while True:
         try:
@@ -170,6 +199,7 @@ def _run_program(
     shared_nproc = 0
     if not srv.uid_per_run and not srv.userns_per_run:
         shared_nproc = count_processes_of(os.getuid())
+    cgroup = RunCgroup(srv.cgroup, uid - UID_BASE, lim.memory_mb) if srv.cgroup else None
     if srv.pidns:
         unshare(run_flags(srv, lim.network))
     in_r, in_w = os.pipe()
@@ -194,11 +224,14 @@ def _run_program(
                 st_w,
                 shared_nproc,
                 binds or {},
+                cgroup.procs_fd if cgroup else None,
             )
         finally:
             os._exit(127)
     for fd in (in_r, out_w, err_w, st_w, rep_w):
         os.close(fd)
+    if cgroup:
+        os.close(cgroup.procs_fd)
     collected = _collect(
         init_pid, stdin.encode(), in_w, out_r, err_r, st_r, start + lim.wall_seconds, lim
     )
@@ -227,6 +260,7 @@ def _run_program(
         cpu=cpu,
         memory_error=memory_error,
         stderr=err,
+        over_budget=cgroup.over_budget() if cgroup else False,
     )
     cap = lim.max_output_bytes
     return {

@@ -14,6 +14,7 @@ import struct
 # Where host files given to one run (`binds`, e.g. an auto-MAS gate's socket) appear in it.
 RUN_BIND_DIR = "/run/masenvs"
 BIND_DIRS_MOUNT = "/run/masenvs-host"  # the server's view of Sandbox.bind_dirs
+CGROUP_MOUNT = "/run/masenvs-cgroup"  # the server's memory cgroup, where runs get theirs
 MAX_BINDS = 8
 BIND_NAME = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]{0,63}")
 
