@@ -15,6 +15,7 @@ import pytest
 import masenvs
 from masenvs.sandbox import default_sandbox
 from masenvs.tasks.code_judge import CodeJudge, Suite
+from masenvs.tasks.code_problems import PROBLEMS
 from masenvs.tasks.records import TestCase
 
 # --- code: the reference evaluates its input (APPS-style `eval(input())`) ---------------------
@@ -141,6 +142,77 @@ def test_code_from_the_input_is_refused_in_the_oracle_and_only_there() -> None:
     assert [c.status for c in oracle.cases] == ["error"]
     assert "input" in oracle.cases[0].error
     assert [c.status for c in coder.cases] == ["pass"]
+
+
+READER = "import sys\nSALT = 'k3y'\nprint(eval(sys.stdin.readline()))\n"
+
+
+@pytest.mark.parametrize(
+    "text",
+    [
+        "__import__('gc').get_objects()",
+        "eval('__imp' + 'ort__(\"gc\")')",  # assembled from pieces, past a first check
+        "eval(sys.stdin.readline())\n__import__('gc')",  # the next line, through its own names
+        "sys.modules",
+        "().__class__.__base__.__subclasses__()",
+        "print.__self__",
+        "(lambda: 0).__code__",
+        "[f for f in ()]",
+        "__ｉｍｐｏｒｔ__('gc')",  # NFKC: the names checked are the parser's
+    ],
+)
+def test_the_oracle_refuses_code_even_made_of_its_own_names(text: str) -> None:
+    (result,) = CodeJudge(timeout=2).run_many(
+        [Suite(READER, (TestCase(text + "\n", "0"),), oracle=True)]
+    )
+    assert result.cases[0].status == "error"
+    assert "OracleRefusal" in result.cases[0].error
+
+
+def _shell_pickle_marshal() -> list[tuple[str, str]]:
+    import base64
+    import marshal
+    import pickle
+
+    class Run:
+        def __reduce__(self):  # noqa: ANN204
+            return (print, ("ran",))
+
+    code = compile("print('ran')", "x", "exec")
+    return [
+        ("import os\nos.system(input())", "echo ran"),
+        (
+            "import pickle, base64\npickle.loads(base64.b64decode(input()))",
+            base64.b64encode(pickle.dumps(Run())).decode(),
+        ),
+        (
+            "import marshal, base64\nexec(marshal.loads(base64.b64decode(input())))",
+            base64.b64encode(marshal.dumps(code)).decode(),
+        ),
+    ]
+
+
+@pytest.mark.parametrize(
+    ("reference", "text"), _shell_pickle_marshal(), ids=["shell", "pickle", "marshal"]
+)
+def test_the_oracle_makes_no_code_out_of_data_in_other_ways(reference: str, text: str) -> None:
+    test = (TestCase(text + "\n", "ran"),)
+    oracle, own = CodeJudge(timeout=2).run_many(
+        [Suite(reference, test, oracle=True), Suite(reference, test)]
+    )
+    assert oracle.cases[0].status == "error" and "OracleRefusal" in oracle.cases[0].error
+    assert own.cases[0].status == "pass"  # the same program, as a coder's, runs it
+
+
+def test_every_builtin_reference_judges_its_own_tests_as_an_oracle() -> None:
+    """Honest tests are data: under the guard every reference still passes them."""
+    suites = [
+        Suite(p.reference_solution, p.tests + p.public_tests, p.fn_name, oracle=True)
+        for p in PROBLEMS
+    ]
+    results = CodeJudge().run_many(suites)
+    failing = {p.id: [c.status for c in r.cases] for p, r in zip(PROBLEMS, results)}
+    assert {k: v for k, v in failing.items() if set(v) != {"pass"}} == {}
 
 
 class RecordingSandbox:

@@ -22,7 +22,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any
 
-from masenvs.sandbox import Job, Sandbox, SandboxLimits, Verdict, default_sandbox
+from masenvs.sandbox import Sandbox, SandboxLimits, Verdict, default_sandbox
 from masenvs.tasks._verilog_harness import check_design
 
 Vector = tuple[int, ...]  # one value per stimulus input (every input but the clock)
@@ -338,15 +338,14 @@ class VerilogJudge:
         if not sims:
             return []
         self.sandbox.check_judging("simulate designs against hidden vectors")
-        groups = [[i for i, s in enumerate(sims) if s.trusted == t] for t in (True, False)]
-        groups = [g for g in groups if g]
-        markers = ["@" + secrets.token_hex(8) for _ in groups]
-        jobs = [
-            self._job([sims[i] for i in group], marker) for group, marker in zip(groups, markers)
-        ]
-        runs = self.sandbox.run_many(jobs, max_workers=len(jobs))
         results: list[SimResult] = [SimResult("error") for _ in sims]
-        for group, marker, run in zip(groups, markers, runs):
+        for trusted in (True, False):
+            group = [i for i, s in enumerate(sims) if s.trusted == trusted]
+            if not group:
+                continue
+            marker = "@" + secrets.token_hex(8)
+            request = self._request([sims[i] for i in group], marker)
+            run = self.sandbox.run(harness_source(), request, limits=self._limits(len(group)))
             if run.verdict != Verdict.OK:
                 status = {"timeout": "timeout", "output_limit": "output_limit"}.get(
                     run.verdict, "error"
@@ -358,8 +357,8 @@ class VerilogJudge:
                 results[i] = _parse_sim(raw, marker, len(sims[i].task.outputs))
         return results
 
-    def _job(self, sims: Sequence[Sim], marker: str) -> Job:
-        """One sandbox run of the harness for `sims`, each in its own directory."""
+    def _request(self, sims: Sequence[Sim], marker: str) -> str:
+        """The harness's request for `sims` in one run, each in its own directory."""
         request: dict[str, Any] = {"timeout": self.timeout, "max_output": self.max_output}
         request["sims"] = []
         for i, sim in enumerate(sims):
@@ -377,7 +376,7 @@ class VerilogJudge:
                     "marker": marker,
                 }
             )
-        return Job(harness_source(), json.dumps(request), (), self._limits(len(sims)))
+        return json.dumps(request)
 
     def golden_outputs(
         self, task: VerilogTask, sequences: Sequence[Sequence[Vector]]
