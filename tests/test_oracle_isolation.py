@@ -303,3 +303,18 @@ def _inverter() -> dict[str, Any]:
         "expected": [["1"], ["0"]],
         "examples": 1,
     }
+
+
+def test_no_reference_of_an_rtllm_folder_becomes_a_file_a_design_can_include(tmp_path) -> None:
+    """A folder with the golden twice (`.v` and `.sv`): neither is a task file."""
+    from masenvs.tasks.verilog_loaders import load_verilog_tasks
+
+    folder = tmp_path / "Logic" / "inv"
+    folder.mkdir(parents=True)
+    (folder / "design_description.txt").write_text("Module inv: out is the inverse of in.\n")
+    golden = "module inv(input in, output out);\n  assign out = ~in;\nendmodule\n"
+    (folder / "verified_inv.v").write_text(golden)
+    (folder / "verified_inv.sv").write_text(golden)
+    (folder / "defs.vh").write_text("`define WIDTH 1\n")
+    (task,) = load_verilog_tasks(f"rtllm:{tmp_path}")
+    assert set(task.files) == {"defs.vh"}

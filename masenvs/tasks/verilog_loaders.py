@@ -280,7 +280,7 @@ def load_rtllm(directory: str | Path) -> list[VerilogTask]:
             f.name: f.read_text(encoding="utf-8", errors="replace")
             for f in sorted(folder.iterdir())
             if f.suffix in (".v", ".vh", ".svh", ".sv")
-            and f != refs[0]
+            and f not in refs  # a second reference is a golden too: never a design's file
             and not f.name.startswith(("testbench", "tb"))
         }
         golden = refs[0].read_text(encoding="utf-8", errors="replace")
