@@ -22,6 +22,7 @@ from typing import Any
 from masenvs.env import MASEnv, Message
 from masenvs.registry import make
 
+LEVELS = ("process", "agent", "team")
 Player = Callable[[str, list[Message]], str]  # (role, its messages) -> the role's action
 
 
@@ -77,6 +78,7 @@ class TextEpisode:
             )
         self.id = uuid.uuid4().hex
         self.returns: dict[str, float] = {}
+        self.return_parts: dict[str, dict[str, float]] = {}  # returns by level (process/agent/team)
         self.steps = 0
         self.done = True
         self.success = False
@@ -94,6 +96,7 @@ class TextEpisode:
         self.env.reset(seed=seed, options=options)
         self.id = uuid.uuid4().hex
         self.returns = dict.fromkeys(self.env.possible_agents, 0.0)
+        self.return_parts = {role: dict.fromkeys(LEVELS, 0.0) for role in self.env.possible_agents}
         self.steps = 0
         self.done = False
         self.success = False
@@ -132,6 +135,16 @@ class TextEpisode:
         """The episode's return for the policy: its role's, or every role's summed."""
         return sum(r for role, r in self.returns.items() if self.trains(role))
 
+    @property
+    def reward_parts(self) -> dict[str, float]:
+        """`reward` by level (unweighted process / agent / team), summed over the same roles."""
+        return {
+            level: sum(
+                p.get(level, 0.0) for role, p in self.return_parts.items() if self.trains(role)
+            )
+            for level in LEVELS
+        }
+
     def public_state(self) -> dict[str, Any]:
         """What a trainer may read about the episode: no task data, no hidden tests."""
         return {
@@ -157,6 +170,9 @@ class TextEpisode:
         own = 0.0
         for agent, value in rewards.items():
             self.returns[agent] = self.returns.get(agent, 0.0) + value
+            totals = self.return_parts.setdefault(agent, dict.fromkeys(LEVELS, 0.0))
+            for level, v in infos[agent].get("reward_parts", {}).items():
+                totals[level] = totals.get(level, 0.0) + v
             if self.trains(agent) and (self.role is not None or agent == role):
                 own += value
                 for level, v in infos[agent].get("reward_parts", {}).items():
