@@ -1,7 +1,7 @@
 """`masenvs serve`: serve a (trained) policy as an OpenAI-compatible API.
 
 masenvs serve --model smollm2-135m --adapter tool=runs/x/adapters/tool --traces runs/served
-masenvs serve --backend vllm --vllm-url http://127.0.0.1:8001 --host 0.0.0.0 --api-key KEY
+masenvs serve --backend vllm --vllm-url http://127.0.0.1:8001 --host 0.0.0.0 --api-key-file key.txt
 """
 
 from __future__ import annotations
@@ -9,14 +9,21 @@ from __future__ import annotations
 import argparse
 import asyncio
 import ipaddress
-import os
 import socket
 import sys
 from typing import Any
 
 from masenvs.adapters.stack import StackError, make_backend
 from masenvs.engine.args import EngineArgs
-from masenvs.listeners import ListenerError, announce, listener_key
+from masenvs.listeners import (
+    API_KEY_ENV,
+    ListenerError,
+    add_key_arguments,
+    announce,
+    head_timeout_protocol,
+    key_from,
+    listener_key,
+)
 from masenvs.overrides import parse_pairs
 
 DEFAULT_MODEL = "smollm2-135m"
@@ -62,12 +69,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("MASENVS_API_KEY"),
-        help="required as 'Authorization: Bearer KEY' (default: $MASENVS_API_KEY); "
-        "mandatory when --host is not a loopback address",
-    )
+    add_key_arguments(parser, API_KEY_ENV)  # --api-key-file PATH or $MASENVS_API_KEY
     parser.add_argument(
         "--no-auth",
         action="store_true",
@@ -104,11 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
     try:
         args.api_key = listener_key(
-            args.host,
-            args.api_key,
-            what="the model",
-            no_auth=args.no_auth,
-            key_flag="--api-key KEY (or set MASENVS_API_KEY)",
+            args.host, key_from(args, API_KEY_ENV), what="the model", no_auth=args.no_auth
         )
     except ListenerError as exc:
         print(f"masenvs serve: {exc}", file=sys.stderr)
@@ -228,7 +226,13 @@ def _serve(args: argparse.Namespace, backend: Any, routes: dict[str, str]) -> in
     model = backend.model_names()[0]
     # The snippet asks for what a user came for: a trained adapter (or a route) when loaded.
     asked = next(iter([*routes, *(m for m in app.model_ids() if m not in (model, "base"))]), model)
-    key = repr(args.api_key) if args.api_key else '"unused"'
+    # The snippet names where the key is, never the key: a banner lands in logs and scrollback.
+    if not args.api_key:
+        key = '"unused"'
+    elif args.api_key_file:
+        key = f"open({args.api_key_file!r}).read().strip()"
+    else:
+        key = f"os.environ[{API_KEY_ENV!r}]"
     print(
         f"masenvs serve: {model} ({args.backend}) at {root}/v1\n"
         f"  models: {', '.join(app.model_ids())}\n"
@@ -236,13 +240,19 @@ def _serve(args: argparse.Namespace, backend: Any, routes: dict[str, str]) -> in
         f"  traces: {args.traces or 'off'}; rollouts: {root}/r/<rollout_id>/v1\n"
         f"  {announce('engine server' if args.engine else 'serve', root, args.api_key)}\n"
         "  call it with the openai client:\n"
-        "    from openai import OpenAI\n"
+        f"    {'import os; ' if 'os.environ' in key else ''}from openai import OpenAI\n"
         f"    client = OpenAI(base_url='{root}/v1', api_key={key})\n"
         f"    client.chat.completions.create(model='{asked}', "
         "messages=[{'role': 'user', 'content': 'Hello'}])",
         flush=True,
     )
-    config = uvicorn.Config(app, log_level=args.log_level, lifespan="off", access_log=False)
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        lifespan="off",
+        access_log=False,
+        http=head_timeout_protocol(),  # a connection that sends no request is closed
+    )
     uvicorn.Server(config).run(sockets=[sock])
     if store is not None:
         store.close()

@@ -1,26 +1,41 @@
-"""The rules every masenvs listener follows: a key beyond loopback, bounded request bodies.
+"""The rules every masenvs listener follows: a key beyond loopback and never on screen,
+request bodies bounded in bytes and in what they parse into, connections no idle client
+can use up.
 
 A port bound to anything but loopback needs an API key: `listener_key` gives the key to
 use (the one given, a generated one, or None on loopback) or refuses to start; only an
-explicit open flag skips it, with a warning. `announce` is the startup line naming the
-address and whether it is protected. `read_json_body` reads a request body that
-http.server's handlers receive, refusing a missing, negative or oversized length before
-reading a byte of it, and JSON nested deeper than any request needs.
+explicit open flag skips it, with a warning. Keys come from the environment or a file
+(`add_key_arguments`, `key_from`), never from argv (where `ps` shows them), and are never
+printed or logged: `announce` says only "key: set", `scrub_keys` masks `key=` in access
+logs. `parse_json` counts the objects, arrays and values a body would parse into before
+parsing it (a 30 MB `[{},{},...]` is ten million dicts), and `read_json_body` reads a body
+that http.server's handlers receive, refusing a missing, negative or oversized length
+before reading a byte of it. `ConnectionCap` bounds a threaded server's connections so
+that idle or trickling clients are closed to make room, never served before a request.
 """
 
 from __future__ import annotations
 
+import argparse
 import contextlib
 import hmac
 import ipaddress
 import json
+import logging
+import os
+import re
 import secrets
+import socket
 import sys
 import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, BinaryIO
 
 MAX_JSON_DEPTH = 64  # nesting no request of ours needs; deeper input is an attack
 API_KEY_ENV = "MASENVS_API_KEY"  # the key of `serve`, its engine servers and the trainer's endpoint
+HEAD_TIMEOUT = 10.0  # seconds a new connection to a uvicorn listener has to send its request head
 
 
 class ListenerError(ValueError):
@@ -33,6 +48,14 @@ class BodyError(ValueError):
     def __init__(self, status: int, message: str) -> None:
         super().__init__(message)
         self.status = status
+
+
+class JsonTooLarge(BodyError):
+    """A JSON body that would parse into more objects, values or levels than allowed (400:
+    no request needs them; 413 stays for bytes)."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(400, message)
 
 
 def is_loopback(host: str) -> bool:
@@ -52,7 +75,7 @@ def listener_key(
     what: str,
     no_auth: bool = False,
     generate: bool = False,
-    key_flag: str = "--api-key KEY",
+    key_flag: str = f"--api-key-file PATH (or set ${API_KEY_ENV})",
     open_flag: str = "--no-auth",
 ) -> str | None:
     """The key `what` listening on `host` requires: `api_key` if given; on loopback None;
@@ -78,10 +101,50 @@ def listener_key(
     )
 
 
+# -- keys: from the environment or a file, never argv, never printed ----------------------------
+
+
+def add_key_arguments(parser: argparse.ArgumentParser, env: str = API_KEY_ENV) -> None:
+    """`--api-key-file PATH`, and an `--api-key` that only refuses (`key_from` says why)."""
+    parser.add_argument(
+        "--api-key-file",
+        metavar="PATH",
+        help=f"file holding the key clients send as 'Authorization: Bearer KEY' (default: "
+        f"${env}); required when --host is not a loopback address",
+    )
+    # Kept only to refuse: without it argparse would take `--api-key X` as an abbreviation
+    # of --api-key-file and read a file named by the key.
+    parser.add_argument(
+        "--api-key", dest="api_key_argv", nargs="?", const="", help=argparse.SUPPRESS
+    )
+
+
+def key_from(args: argparse.Namespace, env: str = API_KEY_ENV) -> str | None:
+    """The key of `add_key_arguments`' flags: the file's (stripped), else $`env`, else None;
+    ListenerError for a key on the command line or a file that cannot be read."""
+    if getattr(args, "api_key_argv", None) is not None:
+        raise ListenerError(
+            "--api-key puts the key on the command line, where `ps` shows it to every user "
+            f"of this machine: write it to a file and give --api-key-file PATH, or set ${env}."
+        )
+    if args.api_key_file:
+        try:
+            key = Path(args.api_key_file).read_text().strip()
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ListenerError(
+                f"cannot read the API key from {args.api_key_file} ({exc}); give "
+                "--api-key-file a readable file holding only the key."
+            ) from None
+        if not key:
+            raise ListenerError(f"{args.api_key_file} is empty: write the API key into it.")
+        return key
+    return os.environ.get(env) or None
+
+
 def announce(what: str, url: str, api_key: str | None) -> str:
-    """The startup line naming a listening address and whether it is protected."""
+    """The startup line naming a listening address and whether it is protected (never the key)."""
     if api_key:
-        state = "protected (API key required)"
+        state = "protected (key: set; clients send 'Authorization: Bearer <key>')"
     elif is_loopback(_host_of(url)):
         state = "loopback only, no key"
     else:
@@ -96,6 +159,31 @@ def _host_of(url: str) -> str:
     return netloc.rsplit(":", 1)[0]
 
 
+_KEY_IN_QUERY = re.compile(r"([?&](?:api_?)?key=)[^&\s\"]*", re.IGNORECASE)
+
+
+class _ScrubKeys(logging.Filter):
+    """Masks `key=` query values in a log record's message and arguments."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if isinstance(record.msg, str):
+            record.msg = _KEY_IN_QUERY.sub(r"\1***", record.msg)
+        if isinstance(record.args, tuple):
+            record.args = tuple(
+                _KEY_IN_QUERY.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args
+            )
+        return True
+
+
+def scrub_keys(*loggers: str) -> None:
+    """Mask `key=` in what `loggers` write (default: uvicorn's access and error logs); call
+    after uvicorn.Config, which configures them."""
+    for name in loggers or ("uvicorn.access", "uvicorn.error"):
+        logger = logging.getLogger(name)
+        if not any(isinstance(f, _ScrubKeys) for f in logger.filters):
+            logger.addFilter(_ScrubKeys())
+
+
 def key_matches(header: str | None, api_key: str) -> bool:
     """Whether an Authorization header carries `Bearer <api_key>` (constant-time compare)."""
     scheme, _, given = (header or "").partition(" ")
@@ -104,33 +192,92 @@ def key_matches(header: str | None, api_key: str) -> bool:
     )
 
 
-def read_json_body(
-    headers: Any, stream: BinaryIO, limit: int, max_depth: int = MAX_JSON_DEPTH
-) -> Any:
+# -- request bodies: bounded in bytes and in what they parse into ------------------------------
+
+
+@dataclass(frozen=True)
+class JsonLimits:
+    """What one request body may hold. Bytes alone do not bound memory: each `{}` of a
+    `[{},{},...]` body is 3 bytes on the wire and a 64-byte dict once parsed."""
+
+    max_bytes: int
+    max_containers: int = 10_000  # objects and arrays
+    max_items: int = 100_000  # values and keys (a list of a million token ids is a million)
+    max_depth: int = MAX_JSON_DEPTH
+
+
+_STRING = re.compile(rb'"[^"]*"')  # a JSON string once its escaped quotes are removed
+
+
+def json_size(raw: bytes) -> tuple[int, int]:
+    """(objects and arrays, values and keys) that `raw` would parse into, counted without
+    parsing: `{[,:` outside strings (each starts a value or key) plus the root."""
+    outside = _STRING.sub(b"", raw.replace(b"\\\\", b"").replace(b'\\"', b""))
+    containers = outside.count(b"{") + outside.count(b"[")
+    return containers, containers + outside.count(b",") + outside.count(b":") + 1
+
+
+def check_json_size(raw: bytes, limits: JsonLimits) -> None:
+    """BodyError if `raw` is over `limits`: 413 over its bytes, JsonTooLarge (400) if it
+    would parse into more objects or values. Counting bytes runs at memory speed; strings
+    are skipped only when a raw count is over a limit, and only once their number is known
+    to be within it."""
+    if len(raw) > limits.max_bytes:
+        raise BodyError(413, f"request too large: at most {limits.max_bytes} bytes")
+    containers = raw.count(b"{") + raw.count(b"[")  # brackets in strings counted too
+    items = containers + raw.count(b",") + raw.count(b":") + 1
+    if containers <= limits.max_containers and items <= limits.max_items:
+        return
+    unescaped = raw.replace(b"\\\\", b"")
+    strings = (unescaped.count(b'"') - unescaped.count(b'\\"')) // 2  # each a value or key
+    if strings <= limits.max_items:
+        containers, items = json_size(raw)
+    if containers > limits.max_containers:
+        opening = raw.lstrip(b"[{ \t\r\n")  # `[[[[...`: say what it is
+        if len(raw) - len(opening) > limits.max_depth:
+            raise JsonTooLarge(f"the JSON body is nested deeper than {limits.max_depth} levels")
+        raise JsonTooLarge(
+            f"the JSON body holds {containers} objects and arrays; at most "
+            f"{limits.max_containers} are accepted"
+        )
+    if max(items, strings) > limits.max_items:
+        raise JsonTooLarge(
+            f"the JSON body holds {max(items, strings)} values; at most {limits.max_items} "
+            "are accepted"
+        )
+
+
+def parse_json(raw: bytes | str, limits: JsonLimits) -> Any:
+    """`raw` as JSON, or BodyError: 413 over `limits.max_bytes`, 400 if it would parse into
+    more than `limits` allow (counted before parsing), is not JSON or nests too deep."""
+    data = raw.encode() if isinstance(raw, str) else raw
+    check_json_size(data, limits)
+    try:
+        value = json.loads(data)
+    except RecursionError:  # deeper than the interpreter's recursion limit
+        raise BodyError(
+            400, f"the JSON body is nested deeper than {limits.max_depth} levels"
+        ) from None
+    except (ValueError, UnicodeDecodeError):
+        raise BodyError(400, "the body is not JSON") from None
+    if json_depth(value) > limits.max_depth:
+        raise BodyError(400, f"the JSON body is nested deeper than {limits.max_depth} levels")
+    return value
+
+
+def read_json_body(headers: Any, stream: BinaryIO, limits: JsonLimits) -> Any:
     """A request's JSON body from an http.server handler (`headers`, `rfile`), or BodyError:
-    411 without a valid Content-Length (chunked, missing, negative), 413 over `limit`
-    (before reading), 400 if it is not JSON or nests deeper than `max_depth`."""
+    411 without a valid Content-Length (chunked, missing, negative), 413 over
+    `limits.max_bytes` (before reading), 400 if it would parse into more than `limits`
+    allow, is not JSON or nests deeper than `limits.max_depth`."""
     if headers.get("transfer-encoding"):
         raise BodyError(411, "chunked bodies are not accepted: send Content-Length")
     length = (headers.get("content-length") or "").strip()
     if not length.isdigit():
         raise BodyError(411, "a POST needs a Content-Length: a non-negative number of bytes")
-    if int(length) > limit:
-        raise BodyError(413, f"request too large: at most {limit} bytes")
-    return parse_json(stream.read(int(length)), max_depth)
-
-
-def parse_json(raw: bytes | str, max_depth: int = MAX_JSON_DEPTH) -> Any:
-    """`raw` as JSON, or BodyError(400): not JSON, or nested deeper than `max_depth`."""
-    try:
-        value = json.loads(raw)
-    except RecursionError:  # deeper than the interpreter's recursion limit
-        raise BodyError(400, f"the JSON body is nested deeper than {max_depth} levels") from None
-    except (ValueError, UnicodeDecodeError):
-        raise BodyError(400, "the body is not JSON") from None
-    if json_depth(value) > max_depth:
-        raise BodyError(400, f"the JSON body is nested deeper than {max_depth} levels")
-    return value
+    if int(length) > limits.max_bytes:
+        raise BodyError(413, f"request too large: at most {limits.max_bytes} bytes")
+    return parse_json(stream.read(int(length)), limits)
 
 
 def json_depth(value: Any) -> int:
@@ -145,20 +292,46 @@ def json_depth(value: Any) -> int:
     return deepest
 
 
+# -- connections: no idle client can use them up ------------------------------------------------
+
+
 class ConnectionCap:
-    """socketserver mixin: a thread per connection, at most `max_connections` at once; a
-    connection past them gets `busy_body` with a 503 at once, so idle sockets held open by
-    one client cannot make the server start thousands of threads."""
+    """socketserver mixin: a thread per connection, at most `max_connections` at once.
+
+    A connection is *waiting* until its request has arrived (and again between keep-alive
+    requests), then *answered*. When every slot is taken, a new connection closes the
+    connection that has waited longest, so idle or trickling sockets make room for clients
+    that send a request; only when every slot is answering does a new one get `busy_body`
+    with a 503. A connection waiting longer than `request_timeout` is closed. Handlers
+    derive from `CappedHandler`, which says when a request has arrived.
+    """
 
     max_connections = 64
+    request_timeout = 30.0  # seconds to deliver a request's head and body, or to send the next
     busy_body = b'{"error": "too many connections; retry shortly"}'
 
     def server_activate(self) -> None:
-        self._slots = threading.BoundedSemaphore(self.max_connections)
+        self._cap_lock = threading.Lock()
+        self._waiting: dict[Any, float] = {}  # connection -> since when, oldest first
+        self._closing: set[Any] = set()  # closed to make room, their threads not yet done
+        self._serving = 0
         super().server_activate()  # type: ignore[misc]
 
     def process_request(self, request: Any, client_address: Any) -> None:
-        if not self._slots.acquire(blocking=False):
+        with self._cap_lock:
+            room = self._serving - len(self._closing) < self.max_connections
+            victim = None
+            if not room and self._waiting and len(self._closing) < self.max_connections:
+                victim = next(iter(self._waiting))
+                del self._waiting[victim]
+                self._closing.add(victim)
+            admitted = room or victim is not None
+            if admitted:
+                self._serving += 1
+                self._waiting[request] = time.monotonic()
+        if victim is not None:
+            _hang_up(victim)
+        if not admitted:
             with contextlib.suppress(OSError):
                 request.sendall(
                     b"HTTP/1.1 503 Service Unavailable\r\nContent-Type: application/json\r\n"
@@ -167,10 +340,112 @@ class ConnectionCap:
                 )
             self.shutdown_request(request)  # type: ignore[attr-defined]
             return
-        super().process_request(request, client_address)  # type: ignore[misc]
+        try:
+            super().process_request(request, client_address)  # type: ignore[misc]
+        except BaseException:
+            self._forget(request)
+            raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
         try:
             super().process_request_thread(request, client_address)  # type: ignore[misc]
         finally:
-            self._slots.release()
+            self._forget(request)
+
+    def request_arrived(self, request: Any) -> None:
+        """`request`'s connection has sent its whole request: it is being answered."""
+        with self._cap_lock:
+            self._waiting.pop(request, None)
+
+    def request_answered(self, request: Any) -> None:
+        """`request`'s connection waits for its next request (keep-alive)."""
+        with self._cap_lock:
+            if request not in self._closing:
+                self._waiting.pop(request, None)
+                self._waiting[request] = time.monotonic()  # now the newest
+
+    def service_actions(self) -> None:
+        """Between accepts (serve_forever's loop): close connections that waited too long."""
+        deadline = time.monotonic() - self.request_timeout
+        with self._cap_lock:
+            late = [c for c, since in self._waiting.items() if since < deadline]
+            for conn in late:
+                del self._waiting[conn]
+                self._closing.add(conn)
+        for conn in late:
+            _hang_up(conn)
+        super().service_actions()  # type: ignore[misc]
+
+    def _forget(self, request: Any) -> None:
+        with self._cap_lock:
+            self._serving -= 1
+            self._waiting.pop(request, None)
+            self._closing.discard(request)
+
+
+def _hang_up(conn: socket.socket) -> None:
+    """End a connection another thread may be reading: its read returns at once."""
+    with contextlib.suppress(OSError):  # closed meanwhile (the object, never a reused fd)
+        conn.shutdown(socket.SHUT_RDWR)
+
+
+class CappedHandler:
+    """http.server handler mixin for a `ConnectionCap` server: a request counts as arrived
+    once its head is parsed (a GET) or its body is read (`read_json`)."""
+
+    def handle_one_request(self) -> None:
+        super().handle_one_request()  # type: ignore[misc]
+        self.server.request_answered(self.request)  # type: ignore[attr-defined]
+
+    def parse_request(self) -> bool:
+        parsed = super().parse_request()  # type: ignore[misc]
+        if parsed and self.command != "POST":  # type: ignore[attr-defined]
+            self.server.request_arrived(self.request)  # type: ignore[attr-defined]
+        return parsed
+
+    def read_json(self, limits: JsonLimits) -> Any:
+        """The request's JSON body (`read_json_body`); the request has then arrived."""
+        value = read_json_body(self.headers, self.rfile, limits)  # type: ignore[attr-defined]
+        self.server.request_arrived(self.request)  # type: ignore[attr-defined]
+        return value
+
+
+# -- uvicorn listeners ----------------------------------------------------------------------------
+
+
+def head_timeout_protocol() -> type:
+    """uvicorn's h11 protocol, but a connection must send each request head within
+    HEAD_TIMEOUT (after a response: within its keep-alive time plus HEAD_TIMEOUT). uvicorn
+    times out only keep-alive connections that send nothing, and any byte resets that
+    timer: a socket that sends nothing, or a head a byte at a time, would be held for good."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    class HeadTimeoutH11(H11Protocol):
+        _head_timer: Any = None
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm(HEAD_TIMEOUT)
+
+        def on_response_complete(self) -> None:
+            super().on_response_complete()
+            self._arm(self.timeout_keep_alive + HEAD_TIMEOUT)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            super().connection_lost(exc)
+
+        def _arm(self, seconds: float) -> None:
+            if self._head_timer is not None:
+                self._head_timer.cancel()
+            self._head_timer = self.loop.call_later(seconds, self._head_late)
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            # IDLE: no complete request head since the connection or the last response.
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
+                self.transport.close()
+
+    return HeadTimeoutH11

@@ -180,8 +180,8 @@ def test_a_design_cannot_make_its_gate_start_a_thread_per_connection(gate_proces
     try:
         time.sleep(1)
         assert threads(proc.pid) <= before + cap, threads(proc.pid)
-        with unix(path) as sock:
-            assert post_raw(sock, "/v1/chat/completions", b"{}") == 503
+        with unix(path) as sock:  # an idle connection made room for it (issue 41)
+            assert post_raw(sock, "/v1/chat/completions", b"{}") == 400
     finally:
         for sock in idle:
             sock.close()
@@ -356,8 +356,8 @@ def test_search_serve_bounds_idle_connections(corpus: Path) -> None:
         try:
             time.sleep(1)
             assert threads(proc.pid) <= cap + 8  # not one per idle socket
-            busy = httpx.post(url, json={"queries": ["mentor"]}, timeout=30)
-            assert busy.status_code == 503
+            served = httpx.post(url, json={"queries": ["mentor"]}, timeout=30)
+            assert served.status_code == 200  # an idle connection made room (issue 41)
         finally:
             for sock in idle:
                 sock.close()

@@ -9,6 +9,8 @@ from typing import Any
 
 import uvicorn
 
+from masenvs.listeners import head_timeout_protocol
+
 
 class EndpointServer:
     """Runs an ASGI app with uvicorn in a background thread (loopback, free port by default)."""
@@ -43,6 +45,7 @@ class EndpointServer:
             access_log=False,
             lifespan="off",
             timeout_keep_alive=30,
+            http=head_timeout_protocol(),  # a connection that sends no request is closed
         )
         self._server = uvicorn.Server(config)
         self._thread = threading.Thread(

@@ -11,9 +11,12 @@ from starlette.responses import JSONResponse, Response
 
 from masenvs.adapters.openai_schema import APIError
 from masenvs.engine.protocol import BackendError
-from masenvs.listeners import MAX_JSON_DEPTH, BodyError, parse_json
+from masenvs.listeners import BodyError, JsonLimits, JsonTooLarge, parse_json
 
 MAX_BODY_BYTES = 32 << 20
+# What one body may parse into: a chat of 100k messages or a prompt of 1M token ids, not
+# the ten million dicts of 30 MB of `[{},...]` (+1.4 GB and 15 s of CPU before this count).
+LIMITS = JsonLimits(max_bytes=MAX_BODY_BYTES, max_containers=100_000, max_items=1_000_000)
 MAX_BUFFERED_BYTES = 256 << 20  # bodies held while they arrive, all requests together
 
 
@@ -94,12 +97,16 @@ BODIES = BodyBudget()
 
 
 def json_body(raw: bytes) -> Any:
-    """`raw` parsed as JSON, or a 400 APIError: not JSON, or nested deeper than any request."""
+    """`raw` parsed as JSON, or a 400 APIError: it would parse into more objects or values
+    than any request needs (counted before parsing), it is not JSON or it nests too deep."""
     try:
-        return parse_json(raw)
+        return parse_json(raw, LIMITS)
+    except JsonTooLarge as exc:
+        raise APIError(400, f"The request body is refused before parsing: {exc}.") from None
     except BodyError as exc:
         raise APIError(
             400,
             f"We could not parse the JSON body of your request ({exc}). The body must be "
-            f"JSON, nested at most {MAX_JSON_DEPTH} levels, with 'Content-Type: application/json'.",
+            f"JSON, nested at most {LIMITS.max_depth} levels, with 'Content-Type: "
+            "application/json'.",
         ) from None

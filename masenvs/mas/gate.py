@@ -8,7 +8,9 @@ the trace records as the call's step) and counting the call against the
 design's budget. `POST /v1/tools/python` runs the Python tool of tool-using nodes in a
 fresh sandbox process (`masenvs.mas.tools`), within its own budget. Everything else is refused: other paths and rollouts (403/404), unknown
 models and streaming (400), calls over the budget (429), bodies without a length or over
-`MAX_BODY` (411/413, before they are read).
+`MAX_BODY` (411/413, before they are read) or that would parse into more than `LIMITS`
+(413, counted before parsing). Connections that send no request are closed to make room
+for the design's calls (`ConnectionCap`).
 
 The gate also enforces the env's sampling settings: a design's calls become the executor's
 training samples, so they must be drawn as the env says (n=1, its max_tokens and
@@ -30,11 +32,14 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
-from masenvs.listeners import ConnectionCap
+from masenvs.listeners import BodyError, CappedHandler, ConnectionCap, JsonLimits, parse_json
 
 GATE_DIR = Path(os.environ.get("MASENVS_GATE_DIR", "/var/tmp/masenvs-gates"))
 MAX_BODY = 4 << 20  # bytes of one request
 MAX_CONNECTIONS = 64  # connections one gate serves at once (a design's parallel calls)
+# A chat request: its messages, tools and their schemas, not the million dicts of 4 MB of
+# `[{},...]` (+109 MB each before this count, 64 connections at once).
+LIMITS = JsonLimits(max_bytes=MAX_BODY, max_containers=20_000, max_items=200_000)
 _NODE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 GATE_HEADER = "X-Masenvs-Gate"  # what the gate changed in a request, as JSON
 # Request fields a design may set: none of them changes how tokens are drawn. Everything
@@ -63,11 +68,13 @@ def _http() -> Any:
 
 class _Server(ConnectionCap, socketserver.ThreadingMixIn, socketserver.UnixStreamServer):
     """A thread per connection, at most MAX_CONNECTIONS at once: a design that opens
-    thousands of connections must not start thousands of threads in the trainer."""
+    thousands of connections must not start thousands of threads in the trainer, and idle
+    ones make room for calls."""
 
     daemon_threads = True
     request_queue_size = 256
     max_connections = MAX_CONNECTIONS
+    request_timeout = 60.0
     busy_body = b'{"error": {"message": "too many connections to the gate", "code": 503}}'
     gate: Gate
 
@@ -142,12 +149,12 @@ class Gate:
                 404, f"the gate forwards only POST /v1/chat/completions, not {path}"
             )
         try:
-            request = json.loads(body)
-            model = request["model"]
-        except (ValueError, KeyError, TypeError, RecursionError):  # deep nesting: RecursionError
+            request = parse_json(body, LIMITS)
+        except BodyError as exc:
+            return self._refuse(exc.status, f"{exc}: send a JSON chat request with a model")
+        if not isinstance(request, dict) or "model" not in request:
             return self._refuse(400, "the body must be a JSON chat request with a model")
-        if not isinstance(request, dict):
-            return self._refuse(400, "the body must be a JSON chat request with a model")
+        model = request["model"]
         name, _, node = str(model).partition("@")
         if name not in self.models or (node and not _NODE.fullmatch(node)):
             return self._refuse(
@@ -187,9 +194,10 @@ class Gate:
         from masenvs.mas.tools import run_python
 
         try:
-            code = json.loads(body)["code"]
-        except (ValueError, KeyError, TypeError, RecursionError):
-            code = None
+            request = parse_json(body, LIMITS)
+        except BodyError as exc:
+            return self._refuse(exc.status, f'{exc}: send JSON {{"code": "..."}}')
+        code = request.get("code") if isinstance(request, dict) else None
         if not isinstance(code, str):
             return self._refuse(400, 'the body must be JSON {"code": "..."}')
         with self._lock:
@@ -237,7 +245,7 @@ def _short(value: Any) -> Any:
     return text if len(text) <= 200 else text[:200] + "..."
 
 
-class _Handler(BaseHTTPRequestHandler):
+class _Handler(CappedHandler, BaseHTTPRequestHandler):
     protocol_version = "HTTP/1.1"
     server: _Server
     timeout = 60  # seconds a design may stall mid-request before its connection is closed
@@ -258,8 +266,9 @@ class _Handler(BaseHTTPRequestHandler):
             status, message = refusal
             self._answer(*self.server.gate._refuse(status, message))
             return
-        status, body = self.server.gate.forward(self.path, self.rfile.read(int(length)))
-        self._answer(status, body)
+        body = self.rfile.read(int(length))
+        self.server.request_arrived(self.request)
+        self._answer(*self.server.gate.forward(self.path, body))
 
     def do_GET(self) -> None:  # noqa: N802
         self._answer(*self.server.gate.forward(self.path, b""))

@@ -3,14 +3,16 @@
 
 Every request is bounded: a Content-Length is required and capped (411/413 before the body
 is read), JSON nests at most 64 levels, `topk` is 1..--max-topk, queries are counted and
-capped. Beyond loopback it needs `--api-key` (or $MASENVS_SEARCH_API_KEY), or `--no-auth`.
+capped, and the body is counted before it is parsed (at most a few objects and 1k values).
+Beyond loopback it needs a key, from `--api-key-file PATH` or $MASENVS_SEARCH_API_KEY (never
+the command line), or `--no-auth`. Idle or trickling connections are closed to make room
+for clients that send a request (`ConnectionCap`).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -18,12 +20,15 @@ from typing import Any
 
 from masenvs.listeners import (
     BodyError,
+    CappedHandler,
     ConnectionCap,
+    JsonLimits,
     ListenerError,
+    add_key_arguments,
     announce,
+    key_from,
     key_matches,
     listener_key,
-    read_json_body,
 )
 from masenvs.search.backends import API_KEY_ENV, BM25Backend, SearchBackend
 from masenvs.search.data import load_corpus_jsonl
@@ -32,7 +37,10 @@ MAX_BODY = 1 << 20  # bytes of one /retrieve request
 MAX_QUERIES = 256  # queries in one request
 MAX_QUERY_CHARS = 4096  # characters of one query
 MAX_TOPK = 100  # documents per query, unless the server is started with another --max-topk
-MAX_CONNECTIONS = 128  # connections served at once (a thread each); more get 503 at once
+MAX_CONNECTIONS = 128  # connections served at once (a thread each; idle ones make room)
+# {"queries": [...], "topk": k, "return_scores": b}: two containers and MAX_QUERIES strings,
+# with room for a client's extra fields; 1 MB of `[{},...]` would be 350k dicts.
+LIMITS = JsonLimits(max_bytes=MAX_BODY, max_containers=16, max_items=2 * MAX_QUERIES + 64)
 
 
 def make_server(
@@ -47,7 +55,7 @@ def make_server(
     `api_key`, /retrieve answers 401 unless the request sends `Authorization: Bearer KEY`."""
     lock = threading.Lock()  # bm25s indexes are not documented as thread-safe
 
-    class Handler(BaseHTTPRequestHandler):
+    class Handler(CappedHandler, BaseHTTPRequestHandler):
         protocol_version = "HTTP/1.1"
         timeout = 30  # a client that stalls mid-request loses its connection
 
@@ -77,7 +85,7 @@ def make_server(
                 self._send(401, {"error": "send 'Authorization: Bearer <key>'"}, close=True)
                 return
             try:
-                request = read_json_body(self.headers, self.rfile, MAX_BODY)
+                request = self.read_json(LIMITS)
                 queries, topk, scores = parse_request(request, max_topk)
             except BodyError as exc:
                 self._send(exc.status, {"error": str(exc)}, close=exc.status != 400)
@@ -103,7 +111,7 @@ def make_server(
 
 class _Server(ConnectionCap, ThreadingHTTPServer):
     """A thread per connection, at most MAX_CONNECTIONS at once: idle sockets held open by
-    one client cannot make the server start thousands of threads."""
+    one client can neither make the server start thousands of threads nor lock others out."""
 
     request_queue_size = 1024  # socketserver's 5 drops bursts of connects (1-7 s SYN retries)
     max_connections = MAX_CONNECTIONS
@@ -138,12 +146,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("corpus", help='JSONL of {"id","contents"} or {"id","title","text"}')
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get(API_KEY_ENV),
-        help=f"required as 'Authorization: Bearer KEY' (default: ${API_KEY_ENV}); "
-        "mandatory when --host is not a loopback address",
-    )
+    add_key_arguments(parser, API_KEY_ENV)  # --api-key-file PATH or $MASENVS_SEARCH_API_KEY
     parser.add_argument(
         "--no-auth",
         action="store_true",
@@ -154,7 +157,13 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     try:
-        key = listener_key(args.host, args.api_key, what="the search server", no_auth=args.no_auth)
+        key = listener_key(
+            args.host,
+            key_from(args, API_KEY_ENV),
+            what="the search server",
+            no_auth=args.no_auth,
+            key_flag=f"--api-key-file PATH (or set ${API_KEY_ENV})",
+        )
     except ListenerError as exc:
         print(f"masenvs search-serve: {exc}", file=sys.stderr)
         return 2

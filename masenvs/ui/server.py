@@ -3,7 +3,9 @@
 Server-rendered pages (Starlette + Jinja2, autoescaped: model output is shown as text, never
 run as HTML) with two vendored scripts: htmx, which re-fetches the page of a live run and
 swaps in what changed, and uPlot for the curves. Loopback by default; any other address
-needs an API key (the same rule as `masenvs serve`).
+needs an API key (the same rule as `masenvs serve`), from $MASENVS_API_KEY or
+`--api-key-file`, never the command line, and `key=` never reaches the access log. Every
+route is a GET: a request with a body is refused (413) before any of it is read.
 """
 
 from __future__ import annotations
@@ -12,7 +14,6 @@ import argparse
 import hashlib
 import hmac
 import logging
-import os
 import sys
 import threading
 import time
@@ -30,6 +31,15 @@ from starlette.routing import Mount, Route
 from starlette.staticfiles import StaticFiles
 from starlette.templating import Jinja2Templates
 
+from masenvs.listeners import (
+    API_KEY_ENV,
+    ListenerError,
+    add_key_arguments,
+    head_timeout_protocol,
+    is_loopback,
+    key_from,
+    scrub_keys,
+)
 from masenvs.ui import charts, evals, workflows
 from masenvs.ui.calls import Tokens, conversation
 from masenvs.ui.runs import EvalReport, Run, RunError, discover, step_stats, step_summary
@@ -269,8 +279,8 @@ def create_app(
     app = Starlette(routes=routes, middleware=middleware, exception_handlers={NotFound: not_found})
     app.state.catalog = catalog
     if api_key:
-        return _KeyGate(app, api_key)  # type: ignore[return-value]
-    return app
+        return _NoBodies(_KeyGate(app, api_key))  # type: ignore[return-value]
+    return _NoBodies(app)  # type: ignore[return-value]
 
 
 class _CachedStatic(StaticFiles):
@@ -303,6 +313,29 @@ class _Combined:
 
     def status(self) -> str:
         return "running" if any(r.status() == "running" for r in self.runs) else "finished"
+
+
+class _NoBodies:
+    """Answers 413 to a request that announces a body, before reading any of it: every page
+    is a GET, so a body can only be an attempt to make the server hold one."""
+
+    def __init__(self, app: Any) -> None:
+        self.app = app
+        self.state = getattr(app, "state", None)
+
+    async def __call__(self, scope: Any, receive: Any, send: Any) -> None:
+        if scope["type"] == "http":
+            headers = dict(scope.get("headers") or [])
+            length = headers.get(b"content-length", b"0").strip()
+            if b"transfer-encoding" in headers or length not in (b"", b"0"):
+                response = HTMLResponse(
+                    "the ui takes no request bodies",
+                    status_code=413,
+                    headers={"Connection": "close"},
+                )
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class _KeyGate:
@@ -339,8 +372,8 @@ class _KeyGate:
 
 _KEY_FORM = """<!doctype html><html><head><meta charset="utf-8"><title>masenvs ui: key</title>
 <link rel="stylesheet" href="/static/app.css"></head><body><main class="narrow">
-<h1>masenvs ui</h1><p>This server needs its API key (the one given with --api-key or
-MASENVS_API_KEY).</p><form method="get"><input type="password" name="key" autofocus
+<h1>masenvs ui</h1><p>This server needs its API key (the one in the server's
+MASENVS_API_KEY or --api-key-file).</p><form method="get"><input type="password" name="key" autofocus
 aria-label="API key"> <button>Open</button></form></main></body></html>"""
 
 
@@ -358,8 +391,6 @@ def _num(value: Any, digits: int = 3) -> str:
 
 
 def _is_loopback(host: str) -> bool:
-    from masenvs.adapters.serve import is_loopback
-
     return is_loopback(host)
 
 
@@ -377,23 +408,23 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--host", default="127.0.0.1")
     parser.add_argument("--port", type=int, default=8765, help="0 picks a free port")
-    parser.add_argument(
-        "--api-key",
-        default=os.environ.get("MASENVS_API_KEY"),
-        help="required from every browser (default: $MASENVS_API_KEY); mandatory when --host "
-        "is not a loopback address",
-    )
+    add_key_arguments(parser, API_KEY_ENV)  # --api-key-file PATH or $MASENVS_API_KEY
     parser.add_argument("--log-level", default="warning")
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(sys.argv[1:] if argv is None else argv)
+    try:
+        args.api_key = key_from(args, API_KEY_ENV)
+    except ListenerError as exc:
+        print(f"masenvs ui: {exc}", file=sys.stderr)
+        return 2
     if not _is_loopback(args.host) and not args.api_key:
         print(
             f"masenvs ui: refusing to listen on {args.host} without an API key; anyone who can "
-            "reach this machine could read your runs. Pass --api-key KEY (or set "
-            "MASENVS_API_KEY), or bind to 127.0.0.1 and use an SSH port forward.",
+            "reach this machine could read your runs. Set MASENVS_API_KEY or give "
+            "--api-key-file PATH, or bind to 127.0.0.1 and use an SSH port forward.",
             file=sys.stderr,
         )
         return 2
@@ -419,9 +450,15 @@ def main(argv: list[str] | None = None) -> int:
     shown = "localhost" if _is_loopback(args.host) else args.host
     url = f"http://{shown}:{port}/"
     if args.api_key:
-        url += "?key=<your key>"
-    print(f"masenvs ui: {url}  ({', '.join(str(p) for p in paths)})", flush=True)
-    config = uvicorn.Config(app, log_level=args.log_level)
+        url += "?key=<your key>"  # a placeholder: the key itself is never printed
+    key = "key: set" if args.api_key else "no key"
+    print(f"masenvs ui: {url}  ({', '.join(str(p) for p in paths)}; {key})", flush=True)
+    config = uvicorn.Config(
+        app,
+        log_level=args.log_level,
+        http=head_timeout_protocol(),  # a connection that sends no request is closed
+    )
+    scrub_keys()  # `?key=` opens the ui once: the access log shows `key=***`
     uvicorn.Server(config).run(sockets=[sock])
     return 0
 
