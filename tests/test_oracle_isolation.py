@@ -159,6 +159,7 @@ READER = "import sys\nSALT = 'k3y'\nprint(eval(sys.stdin.readline()))\n"
         "(lambda: 0).__code__",
         "[f for f in ()]",
         "__ｉｍｐｏｒｔ__('gc')",  # NFKC: the names checked are the parser's
+        "  sys.modules",  # eval drops leading blanks
     ],
 )
 def test_the_oracle_refuses_code_even_made_of_its_own_names(text: str) -> None:
@@ -189,11 +190,17 @@ def _shell_pickle_marshal() -> list[tuple[str, str]]:
             "import marshal, base64\nexec(marshal.loads(base64.b64decode(input())))",
             base64.b64encode(marshal.dumps(code)).decode(),
         ),
+        # Bytes obey a coding declaration, text does not: as UTF-8 this is one string
+        # literal, as UTF-7 (+ACI- is a quote, +ACM- a hash) a call.
+        (
+            "import sys\nexec(sys.stdin.buffer.read())",
+            "# coding: utf-7\n\"+ACI-,print('ran')+ACM-\"",
+        ),
     ]
 
 
 @pytest.mark.parametrize(
-    ("reference", "text"), _shell_pickle_marshal(), ids=["shell", "pickle", "marshal"]
+    ("reference", "text"), _shell_pickle_marshal(), ids=["shell", "pickle", "marshal", "utf-7"]
 )
 def test_the_oracle_makes_no_code_out_of_data_in_other_ways(reference: str, text: str) -> None:
     test = (TestCase(text + "\n", "ran"),)

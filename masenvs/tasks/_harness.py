@@ -25,6 +25,7 @@ import itertools  # noqa: F401
 import json
 import math
 import os
+import re
 import resource
 import select
 import signal
@@ -122,6 +123,8 @@ TRUSTED_COMPILERS = ("ast", "collections", "dataclasses")
 REFUSED = frozenset({"os.system", "os.exec", "os.spawn", "os.posix_spawn", "subprocess.Popen"})
 REFUSED_FROM_CODE = frozenset({"marshal.loads", "code.__new__", "pickle.find_class"})
 _NAME_FIELDS = ("id", "attr", "name", "asname", "arg", "module", "rest")
+NAMELESS, NAMELESS_BYTES = re.compile(r"[^A-Za-z_]*"), re.compile(rb"[^A-Za-z_]*")
+CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=]", re.MULTILINE)  # PEP 263
 
 
 class OracleRefusal(Exception):
@@ -157,9 +160,14 @@ class OracleGuard:
         sys.addaudithook(self.hook)
 
     def hook(self, event, args) -> None:
-        if event in REFUSED:
+        if event == "compile":
+            source = args[0]  # `eval(str)` gives bytes
+            nameless = NAMELESS_BYTES if isinstance(source, bytes) else NAMELESS
+            if isinstance(source, str | bytes) and source.isascii() and nameless.fullmatch(source):
+                return  # no identifier in it: literals and operators only (the common `eval`)
+        elif event in REFUSED:
             raise OracleRefusal(f"the reference may not run {event} while judging an input")
-        if event != "compile" and event not in REFUSED_FROM_CODE:
+        elif event not in REFUSED_FROM_CODE:
             return
         thread = threading.get_ident()
         if thread in self.checking:
@@ -175,15 +183,7 @@ class OracleGuard:
             return
         if event != "compile":
             raise OracleRefusal(f"the reference may not use {event} while judging an input")
-        source = args[0]
-        if isinstance(source, bytes):
-            source = source.decode("utf-8", "replace")
-        try:
-            tree = source if isinstance(source, ast.AST) else ast.parse(source)
-        except (SyntaxError, ValueError) as exc:  # compile would fail too; never run it
-            raise SyntaxError(f"invalid syntax ({exc})") from None
-        except (RecursionError, MemoryError):
-            raise OracleRefusal("the text to evaluate is too deep to check") from None
+        tree = parsed(args[0])
         unknown = names_in(tree, depth=0) - self.allowed
         if unknown:
             shown = ", ".join(sorted(unknown)[:5])
@@ -191,6 +191,31 @@ class OracleGuard:
                 f"the reference does not run code from its input (it names {shown}): a test "
                 "input must be data"
             )
+
+
+def parsed(source):
+    """The syntax tree `compile` would build from `source`, or a refusal.
+
+    Bytes are read as UTF-8 (what `eval(str)` passes on); a coding declaration, which bytes
+    given to `compile` obey and text does not, is refused rather than guessed."""
+    if isinstance(source, ast.AST):
+        return source
+    if isinstance(source, bytes):
+        if CODING.search(b"\n".join(source.splitlines()[:2])):
+            raise OracleRefusal("the text to evaluate declares its own encoding")
+        try:
+            source = source.decode("utf-8")
+        except UnicodeDecodeError:
+            raise SyntaxError("the text to evaluate is not UTF-8") from None
+    try:
+        try:
+            return ast.parse(source)
+        except SyntaxError:  # `eval` drops leading spaces and tabs, module code does not
+            return ast.parse(source.lstrip(" \t"))
+    except (SyntaxError, ValueError) as exc:  # compile would fail too: nothing runs
+        raise SyntaxError(f"invalid syntax ({exc})") from None
+    except (RecursionError, MemoryError):
+        raise OracleRefusal("the text to evaluate is too deep to check") from None
 
 
 def trusted(frame) -> bool:
