@@ -3,10 +3,18 @@ costs; optionally against another tree's sandbox (e.g. the commit before the all
 and against a fresh bubblewrap + interpreter per run, on the same machine, in one run.
 
 Run: python bench/sandbox.py [--runs 100] [--repeats 5] [--before /tmp/old-worktree]
-     [--bwrap-per-run]
+     [--bwrap-per-run] [--channels]
 The target (docs/sandbox.md): at least 50 short programs/s serially on 2 cores. Each tree
 runs in its own process (its own `masenvs`); repeats alternate between trees, so load on a
 shared machine hits both alike. Compare rows of one run, not across runs.
+
+`--channels` measures the best covert channels we could build from one run to the next
+(a sender run, then a receiver run, as a hidden-test run and the next visible run would be):
+the timing of a read of a shared file (a page the sender loaded is fast; the host evicts the
+files first, as memory pressure does to files nobody reads), and the timing of a lookup of
+a missing name in a shared dir (the sender's lookup leaves a negative dentry). Each message
+starts with a known preamble that the receiver calibrates on; the rate is
+bits x (1 - H(bit error rate)) / the seconds of both runs.
 """
 
 from __future__ import annotations
@@ -71,6 +79,104 @@ def measure(tree: Path, runs: int, mode: str) -> dict:
     return result
 
 
+# Runs in a child process whose PYTHONPATH starts with the tree under test: sender and
+# receiver runs, one after the other, for each channel; prints their bit errors and times.
+CHANNEL_WORKER = r"""
+import json, math, os, random, sys, sysconfig, time
+from pathlib import Path
+from masenvs.sandbox import Sandbox, SandboxLimits
+pairs, nbits = int(sys.argv[1]), int(sys.argv[2])
+stdlib = Path(sysconfig.get_paths()["stdlib"])
+skip = {"test", "site-packages", "__pycache__", "lib-dynload"}
+files = [p for p in stdlib.rglob("*.py") if not skip & set(p.parts) and p.stat().st_size > 8 * 4096]
+CHUNK = 4 * 4096  # a one-byte read at a random offset loads its page (no readahead)
+slots = [(str(f), k * CHUNK) for f in files for k in range(1, f.stat().st_size // CHUNK)]
+PRE = "0101010101010101"
+SEND_READ = '''
+import os, sys, json
+for (f, off), b in zip(json.loads(sys.argv[1]), sys.argv[2]):
+    if b == "1":
+        fd = os.open(f, os.O_RDONLY); os.pread(fd, 1, off); os.close(fd)
+'''
+RECV_READ = '''
+import os, sys, json, time
+ts = []
+for f, off in json.loads(sys.argv[1]):
+    fd = os.open(f, os.O_RDONLY)
+    t = time.perf_counter_ns(); os.pread(fd, 1, off); ts.append(time.perf_counter_ns() - t)
+    os.close(fd)
+print(json.dumps(ts))
+'''
+SEND_NAME = '''
+import os, sys, json
+for p, b in zip(json.loads(sys.argv[1]), sys.argv[2]):
+    if b == "1":
+        os.path.exists(p)
+'''
+RECV_NAME = '''
+import os, sys, json, time
+ts = []
+for p in json.loads(sys.argv[1]):
+    t = time.perf_counter_ns(); os.path.exists(p); ts.append(time.perf_counter_ns() - t)
+print(json.dumps(ts))
+'''
+def evict(slots):
+    for f in {f for f, _ in slots}:
+        fd = os.open(f, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
+def decode(ts):
+    lt = [math.log(max(t, 1)) for t in ts]
+    zero = [lt[i] for i in range(0, len(PRE), 2)]; one = [lt[i] for i in range(1, len(PRE), 2)]
+    cut = (sum(zero) / len(zero) + sum(one) / len(one)) / 2
+    fast_is_one = sum(one) < sum(zero)
+    return "".join("1" if (t < cut) == fast_is_one else "0" for t in lt)
+sandbox = Sandbox(SandboxLimits(wall_seconds=20, cpu_seconds=20))
+sandbox.run("print(1)")
+out = {}
+for name in ("read timing", "lookup timing"):
+    errors = bits = 0
+    seconds = 0.0
+    for pair in range(pairs):
+        message = PRE + "".join(random.choice("01") for _ in range(nbits))
+        if name == "read timing":
+            chosen = random.sample(slots, len(message))
+            evict(chosen)
+            send, recv, where = SEND_READ, RECV_READ, chosen
+        else:
+            tag = f"{os.getpid()}-{pair}-{random.getrandbits(48):x}"
+            where = [str(stdlib / f".masenvs-channel-{tag}-{i}") for i in range(len(message))]
+            send, recv = SEND_NAME, RECV_NAME
+        start = time.perf_counter()
+        s = sandbox.run(send, args=[json.dumps(where), message])
+        r = sandbox.run(recv, args=[json.dumps(where)])
+        seconds += time.perf_counter() - start
+        if not (s.ok and r.ok):
+            raise SystemExit(f"{name}: {s.stderr[-300:]} {r.stderr[-300:]}")
+        got = decode(json.loads(r.stdout))
+        errors += sum(a != b for a, b in zip(got[len(PRE):], message[len(PRE):]))
+        bits += nbits
+    p = errors / bits
+    h = 0.0 if p in (0.0, 1.0) else -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
+    out[name] = {"error": p, "bits_per_s": bits * (1 - h) / seconds, "bits_per_pair": nbits * (1 - h)}
+sandbox.close()
+print(json.dumps(out))
+"""
+
+
+def channels(tree: Path, pairs: int, nbits: int) -> dict:
+    """Bit error rate and capacity of each covert channel between two runs of `tree`."""
+    out = subprocess.run(
+        [sys.executable, "-c", CHANNEL_WORKER, str(pairs), str(nbits)],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "PYTHONPATH": str(tree)},
+        cwd=tree,
+        timeout=900,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"the channel bench of {tree} failed: {out.stderr[-2000:]}")
+    return json.loads(out.stdout.splitlines()[-1])
+
+
 def bwrap_per_run(runs: int) -> float:
     """Runs/s of a fresh bubblewrap root (the same allow-list) and interpreter per program."""
     from masenvs.sandbox.client import bwrap_command
@@ -96,11 +202,29 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--before", type=Path, help="another tree to compare (a git worktree)")
     parser.add_argument("--bwrap-per-run", action="store_true", help="also time bwrap per run")
+    parser.add_argument("--channels", action="store_true", help="covert channels between runs")
+    parser.add_argument("--pairs", type=int, default=20, help="--channels: sender/receiver pairs")
+    parser.add_argument("--bits", type=int, default=256, help="--channels: bits per message")
     args = parser.parse_args()
     trees = {"this tree": ROOT}
     if args.before:
         trees = {"before": args.before.resolve(), **trees}
     console = Console()
+    if args.channels:
+        table = Table(title=f"covert channels, run to next run: {args.pairs} x {args.bits} bits")
+        for column in ("tree", "channel", "bit errors", "bits/pair", "bits/s"):
+            table.add_column(column, justify="left" if column in ("tree", "channel") else "right")
+        for name, tree in trees.items():
+            for channel, row in channels(tree, args.pairs, args.bits).items():
+                table.add_row(
+                    name,
+                    channel,
+                    f"{row['error']:.1%}",
+                    f"{row['bits_per_pair']:.1f}",
+                    f"{row['bits_per_s']:.1f}",
+                )
+        console.print(table)
+        return
     results: dict[tuple[str, str], list[dict]] = {}
     for _ in range(args.repeats):
         for mode in ("serial", "parallel"):

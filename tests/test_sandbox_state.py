@@ -147,6 +147,39 @@ def test_probing_syscalls_are_refused(sb: Sandbox) -> None:
     assert res.stdout.strip() == "[]", res.stdout
 
 
+LOOKUP_SENDER = """
+import os, sys
+for i, bit in enumerate(sys.argv[2]):
+    if bit == "1":
+        os.path.exists(f"{sys.argv[1]}{i}")  # leaves a negative dentry in the directory
+print("sent")
+"""
+LOOKUP_RECEIVER = """
+import os, sys, time
+times = []
+for i in range(int(sys.argv[2])):
+    t = time.perf_counter_ns()
+    os.path.exists(f"{sys.argv[1]}{i}")
+    times.append(time.perf_counter_ns() - t)
+zeros, ones = sorted(times[2:16:2]), sorted(times[3:16:2])  # the preamble 0101..., warm
+cut = (zeros[3] * ones[3]) ** 0.5
+print("".join("1" if t < cut else "0" for t in times))
+"""
+
+
+def test_a_missing_name_looked_up_carries_nothing_to_the_next_run(sb: Sandbox) -> None:
+    """A lookup of a name that does not exist leaves a negative dentry where the directory
+    lives; in a host file system the next lookup of that name is faster."""
+    where = Path(sysconfig.get_paths()["stdlib"])  # every run sees it, a large directory
+    prefix = f"{where}/.masenvs-probe-{random.getrandbits(40):x}-"
+    message = "01" * 8 + "".join(random.choice("01") for _ in range(112))
+    assert sb.run(LOOKUP_SENDER, args=[prefix, message]).stdout == "sent\n"
+    got = sb.run(LOOKUP_RECEIVER, args=[prefix, str(len(message))])
+    assert got.ok, got.stderr
+    errors = sum(a != b for a, b in zip(got.stdout.strip()[16:], message[16:]))
+    assert errors > len(message[16:]) // 5, (errors, got.stdout, message)  # a coin, not a wire
+
+
 KEYRING = """
 import ctypes, sys
 libc = ctypes.CDLL(None, use_errno=True)

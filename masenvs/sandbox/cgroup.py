@@ -52,6 +52,7 @@ def server_cgroup(notes: list[str]) -> tuple[str, int] | None:
             continue
         parent = os.path.join(mount, own.lstrip("/"))
         path = os.path.join(parent, name)
+        _remove_orphans(parent)
         try:
             if version == 2:
                 with open(os.path.join(parent, "cgroup.controllers")) as f:
@@ -69,6 +70,16 @@ def server_cgroup(notes: list[str]) -> tuple[str, int] | None:
         return path, version
     notes.append("no memory cgroup for runs (" + "; ".join(reasons) + ")")
     return None
+
+
+def _remove_orphans(parent: str) -> None:
+    """Remove the cgroups of servers whose process died without removing them."""
+    with contextlib.suppress(OSError):
+        for entry in os.scandir(parent):
+            parts = entry.name.split("-")
+            ours = entry.name.startswith("masenvs-sandbox-") and len(parts) == 4
+            if ours and parts[2].isdigit() and not os.path.exists(f"/proc/{parts[2]}"):
+                remove_server_cgroup(entry.path)
 
 
 def remove_server_cgroup(path: str) -> None:

@@ -130,6 +130,7 @@ class Isolation:
     ipc_namespace: bool = False  # System V IPC of its own, gone with the run
     memory_cgroup: bool = False  # memory_mb bounds all of a run's processes together
     page_cache_pinned: bool = False  # no run can change which pages of shared files are cached
+    files_in_ram: bool = False  # runs read a tmpfs copy: no dentry cache shared with the host
     task_data: tuple[str, ...] = ()  # paths of masenvs task data a run could read (judges refuse)
 
     @property
@@ -158,6 +159,7 @@ class Isolation:
                 "ipc_namespace",
                 "memory_cgroup",
                 "page_cache_pinned",
+                "files_in_ram",
             )
             if getattr(self, name)
         ]
@@ -518,6 +520,7 @@ def bwrap_command(
     needed |= layout.third_party_imports(modules.values())
     stage = layout.stage(server_sources(), modules)
     root = layout.build_layout(sorted(needed), stage)
+    in_ram = layout.copy_to_ram(root, notes)
     # Hidden from runs, which get single files of them (Sandbox.run's binds).
     root.hidden = [(path, f"{BIND_DIRS_MOUNT}/{i}") for i, path in enumerate(bind_dirs)]
     # Not --die-with-parent: the parent death signal follows the thread that started bwrap,
@@ -535,7 +538,7 @@ def bwrap_command(
     command += ["--cap-add", "ALL", *root.bwrap_args(), "--chdir", "/", "--"]
     command += [sys.executable, "-I", "-c", SERVER_BOOT, f"{layout.STAGE_MOUNT}/server"]
     paths = [f"{layout.STAGE_MOUNT}/lib"] if modules else []
-    extra = {"allow_list": True, "userns": userns, "path": paths}
+    extra = {"allow_list": True, "userns": userns, "path": paths, "in_ram": in_ram}
     if cgroup is not None:
         extra |= {"cgroup": cgroup[1], "cgroup_path": cgroup[0]}
     return command, extra

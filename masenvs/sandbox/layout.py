@@ -20,9 +20,11 @@ import functools
 import glob
 import hashlib
 import importlib.util
+import mmap
 import os
 import re
 import shutil
+import struct
 import sys
 import sysconfig
 import tempfile
@@ -51,6 +53,9 @@ RUNTIME_LIBS = ("libgcc_s.so.1",)
 LOCALE_DIRS = ("/usr/lib/locale/C.utf8", "/usr/lib/locale/C.UTF-8")
 # Standard-library dirs no program needs, left out: CPython's own test suite and static lib.
 STDLIB_LEFT_OUT = ("test", "config-*")
+# Where the copies in RAM of what runs see live (a tmpfs: no page to evict, no negative
+# dentry kept), one per bound path and content, shared by every sandbox of this machine.
+RAM_COPIES = "/dev/shm/masenvs-sandbox-root"
 # Never staged nor bound: masenvs' task data (hidden tests, golden modules and vectors).
 NEVER_STAGED = ("masenvs.tasks",)
 
@@ -73,6 +78,7 @@ class Layout:
     # server only: each run covers them and gets single files of them (Sandbox.bind_dirs)
     writable: list[tuple[str, str]] = field(default_factory=list)  # (host dir, where), for
     # the server only: its memory cgroup, which each run covers
+    sources: dict[str, str] = field(default_factory=dict)  # bound path -> its copy in RAM
 
     def covered(self, path: str) -> bool:
         """`path` lies in a bound tree (so it is there already, read-only)."""
@@ -93,21 +99,91 @@ class Layout:
             if path not in self.links:
                 args += ["--perms", "0755", "--dir", path]
         for path in self.binds:
-            args += ["--ro-bind", path, path]
+            args += ["--ro-bind", self.sources.get(path, path), path]
         for link, target in self.links.items():
             args += ["--symlink", target, link]
         for path in self.masks:
             args += ["--perms", "0755", "--tmpfs", path]
         for path in self.late_binds:
-            args += ["--ro-bind", path, path]
+            args += ["--ro-bind", self.sources.get(path, path), path]
         for path in self.masks:
             args += ["--remount-ro", path]
         for source, dest in self.hidden:
             args += ["--ro-bind", source, dest]
         for source, dest in self.writable:
             args += ["--bind", source, dest]
-        args += ["--ro-bind", self.stage, STAGE_MOUNT, "--remount-ro", "/"]
+        args += ["--ro-bind", self.sources.get(self.stage, self.stage), STAGE_MOUNT]
+        args += ["--remount-ro", "/"]
         return args
+
+
+def copy_to_ram(layout: Layout, notes: list[str]) -> bool:
+    """Serve every path of `layout` from a copy in RAM (RAM_COPIES, a tmpfs), so that runs
+    share no page cache and no dentry cache with the host's file systems: a page a run
+    reads is always resident, a name it looks up and misses leaves nothing behind. False,
+    with a note, where there is no such tmpfs or no room in it."""
+    if not _is_tmpfs(os.path.dirname(RAM_COPIES)):
+        notes.append(f"{os.path.dirname(RAM_COPIES)} is not a tmpfs: runs read the host's files")
+        return False
+    try:
+        os.makedirs(RAM_COPIES, 0o755, exist_ok=True)
+        for path in [*layout.binds, *layout.late_binds, layout.stage]:
+            left_out = tuple(sorted(m for m in layout.masks if _under(m, path) and m != path))
+            layout.sources[path] = _ram_copy(path, left_out)
+    except OSError as exc:
+        layout.sources.clear()
+        notes.append(f"could not copy what runs see to {RAM_COPIES} ({exc}): they read the host's")
+        return False
+    return True
+
+
+def _is_tmpfs(path: str) -> bool:
+    try:
+        with open("/proc/self/mountinfo") as f:
+            return any(
+                line.split()[4] == path and line.split(" - ")[1].split()[0] == "tmpfs" for line in f
+            )
+    except (OSError, IndexError):
+        return False
+
+
+@functools.cache
+def _ram_copy(path: str, left_out: tuple[str, ...]) -> str:
+    """The copy of `path` (a file or a tree, without the dirs `left_out`, which stay as
+    empty dirs for their covers) under RAM_COPIES, made once per content."""
+    digest = hashlib.sha256(f"{path}\0{left_out}".encode())
+    entries = [(path, os.stat(path))]
+    if os.path.isdir(path):
+        for d, dirs, files in os.walk(path):
+            dirs[:] = sorted(x for x in dirs if os.path.join(d, x) not in left_out)
+            entries += [
+                (os.path.join(d, x), os.lstat(os.path.join(d, x))) for x in dirs + sorted(files)
+            ]
+    for name, st in entries:
+        digest.update(f"{name}\0{st.st_size}\0{st.st_mtime_ns}\0{st.st_mode}\n".encode())
+    final = os.path.join(RAM_COPIES, digest.hexdigest()[:32])
+    if not os.path.isdir(final):
+        tmp = tempfile.mkdtemp(prefix=".copy-", dir=RAM_COPIES)
+        dest = tmp + path
+        os.makedirs(os.path.dirname(dest), 0o755)
+        try:
+            if os.path.isdir(path):
+                skip = lambda d, names: [n for n in names if os.path.join(d, n) in left_out]  # noqa: E731
+                shutil.copytree(path, dest, symlinks=True, ignore=skip)
+                for mask in left_out:
+                    os.makedirs(tmp + mask, 0o755, exist_ok=True)
+            else:
+                shutil.copy2(path, dest)
+            parent = os.path.dirname(dest)
+            while _under(parent, tmp):  # the copy's parents (mkdtemp made tmp 0700)
+                os.chmod(parent, 0o755)
+                parent = os.path.dirname(parent)
+            os.rename(tmp, final)
+        except OSError:
+            shutil.rmtree(tmp, ignore_errors=True)
+            if not os.path.isdir(final):  # not another process's copy of the same content
+                raise
+    return final + path
 
 
 def _resolve(path: str, layout: Layout, depth: int = 0) -> str:
@@ -243,15 +319,20 @@ def _library_dirs() -> tuple[str, ...]:
 def _elf_dependencies(path: str) -> tuple[str | None, list[str], list[str]]:
     """(program interpreter, DT_NEEDED names, DT_RPATH + DT_RUNPATH dirs) of a 64-bit
     little-endian ELF file; nothing for anything else."""
-    import struct
 
     try:
         with open(path, "rb") as f:
             if f.read(6) != b"\x7fELF\x02\x01":
                 return None, [], []
-            data = b"\x7fELF\x02\x01" + f.read()
-    except OSError:
+            data = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)  # reads only the headers
+    except (OSError, ValueError):
         return None, [], []
+    with data:
+        return _parse_elf(path, data)
+
+
+def _parse_elf(path: str, data: mmap.mmap) -> tuple[str | None, list[str], list[str]]:
+
     phoff, shoff = struct.unpack_from("<QQ", data, 0x20)
     phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", data, 0x36)
     interp = None
@@ -272,7 +353,7 @@ def _elf_dependencies(path: str) -> tuple[str | None, list[str], list[str]]:
             tag, value = struct.unpack_from("<qQ", data, offset + j)
             if tag not in (1, 15, 29):  # DT_NEEDED, DT_RPATH, DT_RUNPATH
                 continue
-            end = data.index(b"\0", strtab + value)
+            end = data.find(b"\0", strtab + value)
             text = data[strtab + value : end].decode()
             origin = os.path.dirname(path)
             if tag == 1:

@@ -99,6 +99,7 @@ class ServerState:
     cap_last: int = 63
     cgroup: int = 0  # version of the memory cgroup each run gets (0: none, rlimits split)
     page_cache_pinned: bool = False  # every file a run can read is locked in memory
+    files_in_ram: bool = False  # ... and served from a tmpfs copy (no shared dentry cache)
     task_data: list[str] = field(default_factory=list)  # visible paths of masenvs task data
     notes: list[str] = field(default_factory=list)
     slots: dict[int, int] = field(default_factory=dict)  # supervisor pid -> uid slot
@@ -119,6 +120,7 @@ class ServerState:
             "ipc_namespace": self.pidns,  # unshared with the PID namespace, probed together
             "memory_cgroup": bool(self.cgroup),
             "page_cache_pinned": self.page_cache_pinned,
+            "files_in_ram": self.files_in_ram,
             "task_data": self.task_data,
         }
 

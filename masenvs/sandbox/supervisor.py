@@ -71,7 +71,7 @@ def server_main(ctrl_fd: int, config_json: str) -> None:
         except Exception as exc:
             srv.notes.append(f"preload of {name!r} failed: {exc!r}")
     if pinner is not None:
-        _note_pinned(srv, read_report(pinner[1]))
+        _note_pinned(srv, read_report(pinner[1]), config.get("in_ram", False))
     else:
         srv.notes.append(
             "page cache NOT pinned (no allow-list root): runs can tell which "
@@ -131,13 +131,19 @@ def server_main(ctrl_fd: int, config_json: str) -> None:
         srv.slots[pid] = slot
 
 
-def _note_pinned(srv: ServerState, report: dict) -> None:
+def _note_pinned(srv: ServerState, report: dict, in_ram: bool) -> None:
     srv.task_data = list(report.get("task_data", []))
     if srv.task_data:
         srv.notes.append(
             "task data of a masenvs copy is visible from a run: " + ", ".join(srv.task_data)
         )
     size = f"{report.get('files', 0)} files, {report.get('bytes', 0) / 2**20:.0f} MB"
+    srv.files_in_ram = in_ram
+    if in_ram:
+        srv.notes.append(
+            f"what runs see ({size}) is a copy in RAM (a tmpfs): no page of it to evict, "
+            "no dentry of a missing name kept"
+        )
     if report.get("locked"):
         srv.page_cache_pinned = True
         srv.notes.append(f"page cache: every file a run can read is locked in memory ({size})")
