@@ -101,7 +101,8 @@ def test_a_testers_input_cannot_read_the_reference_it_is_judged_by(call_based: b
 
 def test_the_oracle_still_evaluates_data_and_its_own_code() -> None:
     """Honest references keep working: `eval` of literals and arithmetic, code they build
-    from their own text, `ast.literal_eval`, namedtuples and dataclasses."""
+    from their own text, `ast.literal_eval`, namedtuples and dataclasses, libraries that
+    generate code as they load (mpmath under sympy)."""
     references = {
         "literal": "print(sum(eval(input())))",
         "wrapped": "print(eval('max(' + input() + ')') - max(eval(input())))",
@@ -113,6 +114,10 @@ def test_the_oracle_still_evaluates_data_and_its_own_code() -> None:
             "P = namedtuple('P', input().split())\n@dataclass\nclass Q:\n    v: int\n"
             "print(sum(P(*map(int, input().split()))) + Q(0).v)"
         ),
+        "libraries": (
+            "import numpy as np\nfrom sympy import Rational\n"
+            "print(Rational(int(np.array(eval(input())).sum()), 2))"
+        ),
     }
     inputs = {
         "literal": ("[1, 2, 3]\n", "6"),
@@ -121,6 +126,7 @@ def test_the_oracle_still_evaluates_data_and_its_own_code() -> None:
         "own exec": ("1 2 3\n", "6"),
         "literal_eval": ("[1, 2, 3]\n", "6"),
         "structures": ("ab cd\n2 4\n", "6"),
+        "libraries": ("[5, 7]\n", "6"),
     }
     suites = [
         Suite(code, (TestCase(*inputs[name]),), oracle=True) for name, code in references.items()

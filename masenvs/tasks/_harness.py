@@ -118,7 +118,8 @@ def run_candidate(code, preamble, fn_name, args) -> int:
 # ways to make code out of data (marshal, code objects, pickle, a shell) are refused outright.
 
 # Stdlib callers that compile only text they built from checked identifiers or parse without
-# running: module imports, namedtuple, dataclasses, ast.parse (and so ast.literal_eval).
+# running: namedtuple, dataclasses, ast.parse (and so ast.literal_eval). Imports are trusted
+# too (see `trusted`); a library that evaluates what it is given (sympify) is not.
 TRUSTED_COMPILERS = ("ast", "collections", "dataclasses")
 REFUSED = frozenset({"os.system", "os.exec", "os.spawn", "os.posix_spawn", "subprocess.Popen"})
 REFUSED_FROM_CODE = frozenset({"marshal.loads", "code.__new__", "pickle.find_class"})
@@ -219,13 +220,17 @@ def parsed(source):
 
 
 def trusted(frame) -> bool:
-    """True when `frame` is in the import system or a stdlib module of TRUSTED_COMPILERS."""
-    filename = frame.f_code.co_filename
-    if filename.startswith("<frozen importlib"):
-        return True
+    """True when `frame` is a stdlib module of TRUSTED_COMPILERS, or runs inside an import:
+    a module's own code generating code as it loads (mpmath under sympy does)."""
     name = frame.f_globals.get("__name__")
     module = sys.modules.get(name) if name in TRUSTED_COMPILERS else None
-    return module is not None and getattr(module, "__file__", None) == filename
+    if module is not None and getattr(module, "__file__", None) == frame.f_code.co_filename:
+        return True
+    while frame is not None:
+        if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
+            return True
+        frame = frame.f_back
+    return False
 
 
 def memfile(name: str, data: bytes = b"") -> int:
