@@ -80,6 +80,7 @@ class TextEpisode:
         self.returns: dict[str, float] = {}
         self.return_parts: dict[str, dict[str, float]] = {}  # returns by level (process/agent/team)
         self.steps = 0
+        self.actions: list[tuple[str, str]] = []  # every (role, action) this episode, in order
         self.done = True
         self.success = False
 
@@ -98,6 +99,7 @@ class TextEpisode:
         self.returns = dict.fromkeys(self.env.possible_agents, 0.0)
         self.return_parts = {role: dict.fromkeys(LEVELS, 0.0) for role in self.env.possible_agents}
         self.steps = 0
+        self.actions = []
         self.done = False
         self.success = False
         played: list[tuple[str, str]] = []
@@ -167,6 +169,7 @@ class TextEpisode:
         _, rewards, terms, truncs, infos = self.env.step({role: action})
         self.steps += 1
         played.append((role, action))
+        self.actions.append((role, action))
         own = 0.0
         for agent, value in rewards.items():
             self.returns[agent] = self.returns.get(agent, 0.0) + value
