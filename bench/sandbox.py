@@ -88,10 +88,11 @@ from masenvs.sandbox import Sandbox, SandboxLimits
 pairs, nbits = int(sys.argv[1]), int(sys.argv[2])
 stdlib = Path(sysconfig.get_paths()["stdlib"])
 skip = {"test", "site-packages", "__pycache__", "lib-dynload"}
-files = [p for p in stdlib.rglob("*.py") if not skip & set(p.parts) and p.stat().st_size > 8 * 4096]
-CHUNK = 4 * 4096  # a one-byte read at a random offset loads its page (no readahead)
+files = [p for p in stdlib.rglob("*") if p.is_file() and not skip & set(p.parts)
+         and p.suffix != ".so" and p.stat().st_size > 4 * 4096 and "config-" not in str(p)]
+CHUNK = 2 * 4096  # a one-byte read at a random offset of a new open file loads its page
 slots = [(str(f), k * CHUNK) for f in files for k in range(1, f.stat().st_size // CHUNK)]
-PRE = "0101010101010101"
+PRE = "01" * 16
 SEND_READ = '''
 import os, sys, json
 for (f, off), b in zip(json.loads(sys.argv[1]), sys.argv[2]):
@@ -124,11 +125,12 @@ def evict(slots):
     for f in {f for f, _ in slots}:
         fd = os.open(f, os.O_RDONLY); os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED); os.close(fd)
 def decode(ts):
+    # Calibrate on the warm half of the preamble (its first reads pay for warming up code).
     lt = [math.log(max(t, 1)) for t in ts]
-    zero = [lt[i] for i in range(0, len(PRE), 2)]; one = [lt[i] for i in range(1, len(PRE), 2)]
-    cut = (sum(zero) / len(zero) + sum(one) / len(one)) / 2
-    fast_is_one = sum(one) < sum(zero)
-    return "".join("1" if (t < cut) == fast_is_one else "0" for t in lt)
+    zero = sorted(lt[i] for i in range(len(PRE) // 2, len(PRE), 2))
+    one = sorted(lt[i] for i in range(len(PRE) // 2 + 1, len(PRE), 2))
+    z, o = zero[len(zero) // 2], one[len(one) // 2]
+    return "".join("1" if abs(t - o) < abs(t - z) else "0" for t in lt)
 sandbox = Sandbox(SandboxLimits(wall_seconds=20, cpu_seconds=20))
 sandbox.run("print(1)")
 out = {}
