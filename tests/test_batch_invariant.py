@@ -192,6 +192,7 @@ def _train_invariant(run_dir, *overrides: str) -> list[dict]:
     return [r for r in records if r["type"] == "call"]
 
 
+@pytest.mark.learning
 def test_training_with_it_validates_the_same_weights_to_the_same_answers(
     kernels: str, tmp_path, monkeypatch
 ) -> None:
@@ -231,6 +232,7 @@ def test_training_with_it_validates_the_same_weights_to_the_same_answers(
         assert started[-1] is expected
 
 
+@pytest.mark.learning
 def test_a_seeded_run_repeats_bit_for_bit(kernels: str, tmp_path) -> None:
     """Two 2-step training runs, seeded calls on a batch-invariant engine: every training
     call (step 2's come from step 1's update) and the final adapters are identical."""

@@ -4,8 +4,6 @@ runs as a user runs it, in a subprocess, and no `--help` or config error loads t
 from __future__ import annotations
 
 import os
-import resource
-import statistics
 import subprocess
 import sys
 from pathlib import Path
@@ -119,25 +117,17 @@ def test_python_dash_m_masenvs_works() -> None:
 
 
 COMMANDS = ["", "list", "play", "rollout", "serve", "train", "eval", "mas-graph", "ui"]
-HELP_LIMIT_S = 1.5
-
-
-def cpu_seconds(args: list[str]) -> float:
-    """CPU time (user + system) of one child process: what the command costs, whatever
-    else this shared machine is doing (wall time would measure the neighbours)."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN)
-    done = subprocess.run(args, capture_output=True, text=True, timeout=120)
-    after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    assert done.returncode == 0, done.stderr
-    return (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 @pytest.mark.parametrize("command", COMMANDS)
-def test_help_returns_in_under_1_5_s_and_loads_no_torch(command: str) -> None:
-    args = [*MASENVS, *command.split(), "--help"]
-    median = statistics.median(cpu_seconds(args) for _ in range(3))
-    assert median < HELP_LIMIT_S, f"masenvs {command} --help: {median:.2f} s of CPU"
-    # The cause of slow help, checked directly: nothing heavy is imported before parsing.
+def test_help_exits_cleanly_and_loads_no_torch(command: str) -> None:
+    done = subprocess.run(
+        [*MASENVS, *command.split(), "--help"], capture_output=True, text=True, timeout=120
+    )
+    assert done.returncode == 0 and "usage:" in done.stdout, done.stderr
+    # What makes help slow, checked directly rather than timed (a time limit's verdict would
+    # rest on the CPU and its neighbours; bench/ measures speed): nothing heavy is imported
+    # before the arguments are parsed.
     probe = (
         "import sys\nfrom masenvs.cli import main\n"
         f"try:\n    main({[*command.split(), '--help']!r})\nexcept SystemExit:\n    pass\n"

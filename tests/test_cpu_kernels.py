@@ -166,7 +166,9 @@ def test_auto_reads_4bit_and_8bit_weights_natively_and_stays_faithful(kernels: s
     # kernels read the grid itself, not its bfloat16 rounding.
     native_gap = (native.log_softmax(-1) - exact.log_softmax(-1)).abs()
     dense_gap = (dense.log_softmax(-1) - exact.log_softmax(-1)).abs()
-    assert native_gap.max() < 0.05, native_gap.max()
+    # The largest gap is bfloat16 activations' rounding, ~0.04-0.055 for both forms, which the
+    # instruction set's float order moves: measured against the dense form's, not a constant.
+    assert native_gap.max() < 1.5 * dense_gap.max(), (native_gap.max(), dense_gap.max())
     assert native_gap.mean() <= 1.3 * dense_gap.mean(), (native_gap.mean(), dense_gap.mean())
 
 

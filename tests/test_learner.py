@@ -260,6 +260,7 @@ def test_micro_batch_size_does_not_change_the_update(loader: Any) -> None:
     )
 
 
+@pytest.mark.learning
 def test_positive_advantage_raises_the_completions_probability(loader: Any) -> None:
     cfg = config("optim.lr=5e-3", "optim.grad_clip=null")
     learner = Learner(cfg, ["coder"], loader)

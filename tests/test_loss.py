@@ -200,6 +200,7 @@ def hand_learner(loader: Any) -> Learner:
     return Learner(cfg, ["coder"], loader)
 
 
+@pytest.mark.learning
 def test_a_hand_computed_batch_gets_the_hand_computed_update(loader: Any) -> None:
     samples, _ = hand_batch()
     learner = hand_learner(loader)

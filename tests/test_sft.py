@@ -25,6 +25,7 @@ def adapter(run: Path, step: int, policy: str) -> dict:
     return load_file(str(path / "adapter_model.safetensors"))
 
 
+@pytest.mark.learning
 def test_sft_lowers_the_loss_and_train_resumes_from_its_adapters(tmp_path, capsys) -> None:
     lines = EXAMPLE.read_text().splitlines()
     # Two designer and three executor conversations of the shipped example set.
@@ -68,6 +69,7 @@ def test_sft_lowers_the_loss_and_train_resumes_from_its_adapters(tmp_path, capsy
     assert all(bool((designer[k] == v).all()) for k, v in tuned_designer.items())
 
 
+@pytest.mark.learning
 def test_full_sft_learns_the_replies(tmp_path) -> None:
     from masenvs.trainer.config import load_config
     from masenvs.trainer.sft import sft
