@@ -331,3 +331,50 @@ def test_no_reference_of_an_rtllm_folder_becomes_a_file_a_design_can_include(tmp
     (folder / "defs.vh").write_text("`define WIDTH 1\n")
     (task,) = load_verilog_tasks(f"rtllm:{tmp_path}")
     assert set(task.files) == {"defs.vh"}
+
+
+# --- Verilog: the verifier's code never holds the hidden vectors where its output is shown -----
+
+SNOOP = """```python
+import sys
+
+class RefModel:
+    def __init__(self):
+        pass
+    def step(self, inputs):
+        return {"y": inputs["a"]}
+
+def stimulus():
+    # the hidden vectors, where the driver keeps them, as this round's stimulus
+    for depth in range(1, 6):
+        req = sys._getframe(depth).f_locals.get("req")
+        if req and req["sequences"]:
+            return [{"a": v[0]} for v in req["sequences"][0][1:]]
+    return [{"a": 0}]
+```"""
+
+
+def _copy_task(hidden: list[int]) -> dict[str, Any]:
+    return {
+        "id": "copy",
+        "spec": "y equals a.",
+        "module": "top_module",
+        "ports": [["a", "input", 8], ["y", "output", 8]],
+        "golden": "module top_module(input [7:0] a, output [7:0] y);\n  assign y = a;\nendmodule\n",
+        "vectors": [[v] for v in hidden],
+        "expected": [[format(v, "08b")] for v in hidden],
+        "examples": 1,
+    }
+
+
+def test_the_verifiers_stimulus_and_feedback_never_depend_on_the_hidden_vectors() -> None:
+    """Two tasks that differ only in hidden vectors past the examples look the same to both
+    agents, whatever the verifier's code does with what its run holds."""
+    design = "```verilog\nmodule top_module(input [7:0] a, output [7:0] y);\nassign y = 0;\nendmodule\n```"
+    seen = []
+    for hidden in ([1, 200, 77, 133], [1, 9, 10, 11]):
+        env = masenvs.make("verilog")
+        env.reset(seed=0, options={"task": _copy_task(hidden)})
+        masenvs.play_round(env, {"designer": design, "verifier": SNOOP})
+        seen.append((env.observe("verifier"), env.observe("designer"), env.state.stimulus))
+    assert seen[0] == seen[1]

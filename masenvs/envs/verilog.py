@@ -23,6 +23,7 @@ from masenvs.parsing import clip_text, last_code_block
 from masenvs.tasks.verilog_judge import (
     MAX_STIMULUS,
     Check,
+    ModelRun,
     Outputs,
     Sim,
     SimResult,
@@ -301,13 +302,20 @@ class VerilogEnv(MASEnv):
         if code is None:
             self.last_feedback["verifier"] = "No ```python block found. " + MODEL_FORMAT
             return RewardParts(agent=verifier_reward(None, False, cfg))
-        run = self.judge.run_models(task, code, [task.vectors])
+        # Two runs: its stimulus and its model on it and on the examples, shown back, from a
+        # run that holds no hidden vector; then its model on the hidden vectors, of which only
+        # the agreement count comes back (a stimulus or message from that run could carry them).
+        run = self.judge.run_models(task, code, [task.vectors[: task.examples]])
         state.model = code
+        if run.status == "ok":
+            hidden = self.judge.run_models(task, code, [task.vectors], stimulus=False)
+            if hidden.status != "ok":
+                run = ModelRun(hidden.status, "on the hidden vectors")
         if run.status != "ok":
             state.agreement = None
             self.last_feedback["verifier"] = f"Your model failed ({run.status}): {run.message}"
             return RewardParts(agent=verifier_reward(None, True, cfg))
-        rows = run.outputs[0]
+        rows = hidden.outputs[0]
         agree = sum(
             all(bits_match(g, w) for g, w in zip(got, want))
             for got, want in zip(rows, task.expected)

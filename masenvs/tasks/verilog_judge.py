@@ -398,17 +398,27 @@ class VerilogJudge:
         return compare(result, 0, task.vectors, task.expected)
 
     def run_models(
-        self, task: VerilogTask, code: str, sequences: Sequence[Sequence[Vector]]
+        self,
+        task: VerilogTask,
+        code: str,
+        sequences: Sequence[Sequence[Vector]],
+        stimulus: bool = True,
     ) -> ModelRun:
-        """A verifier's Python: its `stimulus()` and its `RefModel` on `sequences` plus that
-        stimulus (last). Every failure of the code is a `ModelRun` with `status` != "ok", never
-        a raise (a machine whose sandbox cannot hide the hidden vectors raises SandboxError)."""
+        """A verifier's Python: its `stimulus()` (unless `stimulus` is False) and its
+        `RefModel` on `sequences` plus that stimulus (last). Every failure of the code is a
+        `ModelRun` with `status` != "ok", never a raise (a machine whose sandbox cannot hide
+        the hidden vectors raises SandboxError).
+
+        The run holds `sequences`: where they are hidden, what it returns besides the model's
+        outputs on them (its stimulus, its messages) must not reach a prompt; run it once
+        without them for that (the env does)."""
         self.sandbox.check_judging("run a verifier's model on hidden vectors")
         request = {
             "inputs": [[p.name, p.width] for p in task.inputs],
             "outputs": [[p.name, p.width] for p in task.outputs],
             "sequences": [[list(v) for v in s] for s in sequences],
             "max_stimulus": MAX_STIMULUS,
+            "stimulus": stimulus,
         }
         limits = replace(
             self.sandbox.limits,
@@ -488,7 +498,7 @@ def _masenvs_main():
     if "RefModel" not in globals():
         fail("no class RefModel defined")
     stim = []
-    if "stimulus" in globals():
+    if req["stimulus"] and "stimulus" in globals():
         raw = stimulus()
         if not isinstance(raw, (list, tuple)):
             fail("stimulus() must return a list of dicts of input values")
