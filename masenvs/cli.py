@@ -37,6 +37,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
     ),
     "mas-graph": ("masenvs.mas.cli:main", "draw or export an auto-MAS design (designs.jsonl)"),
     "ui": ("masenvs.ui.server:main", "browse runs, trees, conversations and designs in a browser"),
+    "openenv-serve": (
+        "masenvs.integrations.openenv_serve:main",
+        "serve an env as an OpenEnv environment server (reset/step/state sessions)",
+    ),
     "search-serve": (
         "masenvs.search.server:main",
         "serve BM25 over a corpus at FlashRAG's /retrieve",
