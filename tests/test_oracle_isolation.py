@@ -47,15 +47,17 @@ def sum_task(secret: str, call_based: bool = False) -> dict[str, Any]:
 
 def probes(secret: str) -> list[str]:
     """Test inputs that, evaluated by the reference, give [1] when `secret` is in its source
-    and [0] otherwise: through gc, the stack's locals, the caller's constants, the harness."""
+    and [0] otherwise: through gc, the harness's request, the caller's constants, the code
+    object the harness runs."""
     s = repr(secret)
+    stack = "__import__('traceback').walk_stack(__import__('sys')._getframe())"
     return [
         f"[int(any({s} in o.get('code', '') for o in __import__('gc').get_objects() "
         "if type(o) is dict and type(o.get('code')) is str))]",
-        f"[int(any({s} in repr(f.f_locals) for f, _ in __import__('traceback').walk_stack(None)))]",
+        f"[int(any({s} in str(f.f_locals.get('request', {{}}).get('code')) for f, _ in {stack}))]",
         f"[int({s} in __import__('sys')._getframe(1).f_code.co_consts)]",
-        f"[int(any({s} in repr(f.f_code.co_consts) for f, _ in "
-        "__import__('traceback').walk_stack(None)))]",
+        f"[int(any({s} in repr(getattr(f.f_locals.get('code'), 'co_consts', ())) "
+        f"for f, _ in {stack}))]",
     ]
 
 
