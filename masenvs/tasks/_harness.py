@@ -125,6 +125,7 @@ REFUSED = frozenset({"os.system", "os.exec", "os.spawn", "os.posix_spawn", "subp
 REFUSED_FROM_CODE = frozenset({"marshal.loads", "code.__new__", "pickle.find_class"})
 _NAME_FIELDS = ("id", "attr", "name", "asname", "arg", "module", "rest")
 NAMELESS, NAMELESS_BYTES = re.compile(r"[^A-Za-z_]*"), re.compile(rb"[^A-Za-z_]*")
+IMPORT_DEPTH = 256  # frames between a compile and the import it belongs to, at most
 CODING = re.compile(rb"^[ \t\f]*#.*?coding[:=]", re.MULTILINE)  # PEP 263
 
 
@@ -226,7 +227,9 @@ def trusted(frame) -> bool:
     module = sys.modules.get(name) if name in TRUSTED_COMPILERS else None
     if module is not None and getattr(module, "__file__", None) == frame.f_code.co_filename:
         return True
-    while frame is not None:
+    for _ in range(IMPORT_DEPTH):  # bounded: a deep recursion pays no more than this
+        if frame is None:
+            return False
         if frame.f_code.co_filename.startswith("<frozen importlib._bootstrap"):
             return True
         frame = frame.f_back
