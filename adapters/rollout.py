@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import time
 import warnings
 from pathlib import Path
@@ -36,6 +35,7 @@ from rich.text import Text
 from masenvs.adapters import episodes
 from masenvs.adapters.policy import ChatPolicy, Sampling, server_root
 from masenvs.adapters.stack import add_engine_arguments, with_endpoint
+from masenvs.listeners import API_KEY_ENV, ListenerError, add_key_arguments, key_from
 from masenvs.overrides import RenamedFlag
 from masenvs.registry import env_class, make
 
@@ -120,9 +120,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="a running `masenvs serve` (its /v1 URL as printed, or its root): no model is "
         "loaded here, and the server records the traces",
     )
-    parser.add_argument(
-        "--api-key", default=os.environ.get("MASENVS_API_KEY"), help="for --url servers"
-    )
+    add_key_arguments(parser, API_KEY_ENV, "the API key of the --url server", required="")
     workflow = parser.add_argument_group("workflow mode (your own LangGraph/AutoGen/LlamaIndex)")
     workflow.add_argument(
         "--workflow", metavar="MODULE:FUNCTION", help="factory: WorkflowContext -> program"
@@ -175,6 +173,11 @@ def main(argv: list[str]) -> int:
 
     args = build_parser().parse_args(argv)
     console = Console()
+    try:
+        args.api_key = key_from(args, API_KEY_ENV)
+    except ListenerError as exc:
+        console.print(f"[red]masenvs rollout: {escape(str(exc))}[/red]")
+        return 2
     spec = None
     if args.workflow:
         try:

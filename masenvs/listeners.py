@@ -104,13 +104,16 @@ def listener_key(
 # -- keys: from the environment or a file, never argv, never printed ----------------------------
 
 
-def add_key_arguments(parser: argparse.ArgumentParser, env: str = API_KEY_ENV) -> None:
-    """`--api-key-file PATH`, and an `--api-key` that only refuses (`key_from` says why)."""
+def add_key_arguments(
+    parser: Any,
+    env: str = API_KEY_ENV,
+    what: str = "the key clients send as 'Authorization: Bearer KEY'",
+    required: str = "; required when --host is not a loopback address",
+) -> None:
+    """`--api-key-file PATH`, and an `--api-key` that only refuses (`key_from` says why);
+    `parser` is an ArgumentParser or one of its groups."""
     parser.add_argument(
-        "--api-key-file",
-        metavar="PATH",
-        help=f"file holding the key clients send as 'Authorization: Bearer KEY' (default: "
-        f"${env}); required when --host is not a loopback address",
+        "--api-key-file", metavar="PATH", help=f"file holding {what} (default: ${env}){required}"
     )
     # Kept only to refuse: without it argparse would take `--api-key X` as an abbreviation
     # of --api-key-file and read a file named by the key.

@@ -20,7 +20,6 @@ import argparse
 import asyncio
 import contextlib
 import json
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -30,6 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from masenvs.adapters.policy import ChatPolicy, Sampling
+from masenvs.listeners import add_key_arguments, key_from
 from masenvs.registry import make
 from masenvs.tasks.records import TaskSourceError
 from masenvs.traces import TraceStore
@@ -116,9 +116,7 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="NAME|AGENT=NAME",
         help="model name the --url servers get (default: the agent's name)",
     )
-    policies.add_argument(
-        "--api-key", default=os.environ.get("OPENAI_API_KEY", "-"), help="for --url servers"
-    )
+    add_key_arguments(policies, "OPENAI_API_KEY", "the API key of the --url servers", required="")
     policies.add_argument(
         "--swap",
         action="append",
@@ -164,6 +162,7 @@ def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
     try:
+        args.api_key = key_from(args, "OPENAI_API_KEY") or "-"
         return _main(args, console)
     except ValueError as exc:
         console.print(f"[red]{exc}[/red]")
