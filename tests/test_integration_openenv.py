@@ -463,12 +463,10 @@ def openenv_url() -> Iterator[str]:
 
 
 @pytest.fixture
-def registered() -> Iterator[str]:
-    from masenvs import registry
+def registered() -> str:
+    import masenvs.integrations.from_openenv  # noqa: F401 - registers the env as "openenv"
 
-    registry.register("openenv_say", "masenvs.integrations.from_openenv:OpenEnvEnv")
-    yield "openenv_say"
-    registry._ENVS.pop("openenv_say", None)
+    return "openenv"
 
 
 def test_an_openenv_env_is_a_masenvs_env(openenv_url: str, registered: str) -> None:

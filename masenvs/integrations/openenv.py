@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import asyncio
 import base64
+import contextlib
 import functools
 import hmac
 import json
@@ -34,6 +35,7 @@ from openenv.core.env_server.types import (
     State,
 )
 from pydantic import Field
+from starlette.websockets import WebSocketDisconnect
 
 from masenvs.env import MAX_TEXT
 from masenvs.integrations.episode import EpisodeOver, Player, StepResult, TextEpisode, Turn
@@ -262,7 +264,9 @@ class Guard:
             )
         if scope["type"] == "http":
             return await self._http(scope, receive, send)
-        return await self.app(scope, self._messages(receive, send), send)
+        # openenv-core closes the socket of a client that already left: not an error.
+        with contextlib.suppress(WebSocketDisconnect):
+            await self.app(scope, self._messages(receive, send), send)
 
     async def _http(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
         """Read the whole body, refusing it once it is over the limit, then replay it."""
