@@ -369,7 +369,19 @@ def _copy_task(hidden: list[int]) -> dict[str, Any]:
     }
 
 
-def test_the_verifiers_stimulus_and_feedback_never_depend_on_the_hidden_vectors() -> None:
+LOUD = """```python
+class RefModel:
+    def step(self, inputs):
+        if inputs["a"] != 1:  # past the example: say what it saw
+            raise ValueError(f"saw {inputs['a']}")
+        return {"y": 1}
+```"""
+
+
+@pytest.mark.parametrize("verifier", [SNOOP, LOUD], ids=["stimulus", "message"])
+def test_the_verifiers_stimulus_and_feedback_never_depend_on_the_hidden_vectors(
+    verifier: str,
+) -> None:
     """Two tasks that differ only in hidden vectors past the examples look the same to both
     agents, whatever the verifier's code does with what its run holds."""
     design = "```verilog\nmodule top_module(input [7:0] a, output [7:0] y);\nassign y = 0;\nendmodule\n```"
@@ -377,6 +389,6 @@ def test_the_verifiers_stimulus_and_feedback_never_depend_on_the_hidden_vectors(
     for hidden in ([1, 200, 77, 133], [1, 9, 10, 11]):
         env = masenvs.make("verilog")
         env.reset(seed=0, options={"task": _copy_task(hidden)})
-        masenvs.play_round(env, {"designer": design, "verifier": SNOOP})
+        masenvs.play_round(env, {"designer": design, "verifier": verifier})
         seen.append((env.observe("verifier"), env.observe("designer"), env.state.stimulus))
     assert seen[0] == seen[1]

@@ -23,7 +23,6 @@ from masenvs.parsing import clip_text, last_code_block
 from masenvs.tasks.verilog_judge import (
     MAX_STIMULUS,
     Check,
-    ModelRun,
     Outputs,
     Sim,
     SimResult,
@@ -305,15 +304,18 @@ class VerilogEnv(MASEnv):
         # Two runs: its stimulus and its model on it and on the examples, shown back, from a
         # run that holds no hidden vector; then its model on the hidden vectors, of which only
         # the agreement count comes back (a stimulus or message from that run could carry them).
-        run = self.judge.run_models(task, code, [task.vectors[: task.examples]])
+        shown = self.judge.run_models(task, code, [task.vectors[: task.examples]])
         state.model = code
-        if run.status == "ok":
+        hidden = shown
+        if shown.status == "ok":
             hidden = self.judge.run_models(task, code, [task.vectors], stimulus=False)
-            if hidden.status != "ok":
-                run = ModelRun(hidden.status, "on the hidden vectors")
-        if run.status != "ok":
+        if hidden.status != "ok":
             state.agreement = None
-            self.last_feedback["verifier"] = f"Your model failed ({run.status}): {run.message}"
+            self.last_feedback["verifier"] = (
+                f"Your model failed ({shown.status}): {shown.message}"
+                if shown.status != "ok"
+                else f"Your model failed on the hidden vectors ({hidden.status})."
+            )
             return RewardParts(agent=verifier_reward(None, True, cfg))
         rows = hidden.outputs[0]
         agree = sum(
@@ -325,7 +327,7 @@ class VerilogEnv(MASEnv):
             f"Your model agrees with a correct design on {agree} of {len(task.vectors)} "
             "hidden vectors."
         ]
-        lines += self._simulate_stimulus(run.stimulus, run.stimulus_outputs)
+        lines += self._simulate_stimulus(shown.stimulus, shown.stimulus_outputs)
         self.last_feedback["verifier"] = "\n".join(lines)
         return RewardParts(agent=verifier_reward(state.agreement, True, cfg))
 
