@@ -428,7 +428,7 @@ def shrink(code: str, tmp_path: Path, **more: str) -> str:
     swaps = {
         'load_model("smollm2-135m")': 'load_model("tiny")',
         '"runs/trl-plan-path"': repr(str(tmp_path / "out")),
-        "max_steps=100": "max_steps=2, use_cpu=True, bf16=False, save_strategy='no'",
+        "max_steps=100": "max_steps=2, use_cpu=True, save_strategy='no'",
         "per_device_train_batch_size=8": "per_device_train_batch_size=2",
         "num_generations=4": "num_generations=2",
         "max_completion_length=512": "max_completion_length=16",
