@@ -176,7 +176,11 @@ class OracleGuard:
             return
         self.checking.add(thread)
         try:
-            self.check(event, args, sys._getframe(1))
+            try:
+                caller = sys._getframe(1)
+            except ValueError:  # raised from C with no Python frame above
+                caller = None
+            self.check(event, args, caller)
         finally:
             self.checking.discard(thread)
 
@@ -223,6 +227,8 @@ def parsed(source):
 def trusted(frame) -> bool:
     """True when `frame` is a stdlib module of TRUSTED_COMPILERS, or runs inside an import:
     a module's own code generating code as it loads (mpmath under sympy does)."""
+    if frame is None:
+        return False
     name = frame.f_globals.get("__name__")
     module = sys.modules.get(name) if name in TRUSTED_COMPILERS else None
     if module is not None and getattr(module, "__file__", None) == frame.f_code.co_filename:
