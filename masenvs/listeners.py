@@ -162,26 +162,30 @@ def _host_of(url: str) -> str:
     return netloc.rsplit(":", 1)[0]
 
 
-_KEY_IN_QUERY = re.compile(r"([?&](?:api_?)?key=)[^&\s\"]*", re.IGNORECASE)
+# `key=` (or `api_key=`, `apikey=`) in a query string, a URL or a logged ASGI scope.
+_KEY_IN_QUERY = re.compile(r"\b((?:api_?)?key=)[^&\s\"'\\]*", re.IGNORECASE)
 
 
 class _ScrubKeys(logging.Filter):
-    """Masks `key=` query values in a log record's message and arguments."""
+    """Masks `key=` values in a log record: in its string arguments (the access log keeps
+    its argument tuple, which its formatter unpacks), else in the formatted message."""
 
     def filter(self, record: logging.LogRecord) -> bool:
-        if isinstance(record.msg, str):
-            record.msg = _KEY_IN_QUERY.sub(r"\1***", record.msg)
-        if isinstance(record.args, tuple):
+        args = record.args if isinstance(record.args, tuple) else ()
+        if all(isinstance(a, (str, int, float)) for a in args):
+            record.msg = _KEY_IN_QUERY.sub(r"\1***", str(record.msg))
             record.args = tuple(
-                _KEY_IN_QUERY.sub(r"\1***", a) if isinstance(a, str) else a for a in record.args
+                _KEY_IN_QUERY.sub(r"\1***", a) if isinstance(a, str) else a for a in args
             )
+        else:  # e.g. uvicorn's trace log of a whole ASGI scope (its query_string)
+            record.msg, record.args = _KEY_IN_QUERY.sub(r"\1***", record.getMessage()), ()
         return True
 
 
 def scrub_keys(*loggers: str) -> None:
-    """Mask `key=` in what `loggers` write (default: uvicorn's access and error logs); call
-    after uvicorn.Config, which configures them."""
-    for name in loggers or ("uvicorn.access", "uvicorn.error"):
+    """Mask `key=` in what `loggers` write (default: uvicorn's access, error and ASGI trace
+    logs); call after uvicorn.Config, which configures them."""
+    for name in loggers or ("uvicorn.access", "uvicorn.error", "uvicorn.asgi"):
         logger = logging.getLogger(name)
         if not any(isinstance(f, _ScrubKeys) for f in logger.filters):
             logger.addFilter(_ScrubKeys())

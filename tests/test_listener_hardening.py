@@ -324,8 +324,9 @@ def test_search_serve_reads_its_key_from_a_file(corpus: Path, tmp_path: Path) ->
         assert KEY not in "".join(out) and "key: set" in "".join(out)
 
 
-def test_the_ui_logs_no_key(tmp_path: Path) -> None:
-    args = cli("ui", str(tmp_path), "--port", "0", "--log-level", "info")
+@pytest.mark.parametrize("level", ["info", "trace"])
+def test_the_ui_logs_no_key(tmp_path: Path, level: str) -> None:
+    args = cli("ui", str(tmp_path), "--port", "0", "--log-level", level)
     ready = r"(http://localhost:\d+/)"
     with server(args, ready, {"MASENVS_API_KEY": KEY}) as (proc, found, out):
         url = found.group(1).replace("localhost", "127.0.0.1")

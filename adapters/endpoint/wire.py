@@ -14,9 +14,9 @@ from masenvs.engine.protocol import BackendError
 from masenvs.listeners import BodyError, JsonLimits, JsonTooLarge, parse_json
 
 MAX_BODY_BYTES = 32 << 20
-# What one body may parse into: a chat of 100k messages or a prompt of 1M token ids, not
+# What one body may parse into: a chat of 50k messages or a prompt of 250k token ids, not
 # the ten million dicts of 30 MB of `[{},...]` (+1.4 GB and 15 s of CPU before this count).
-LIMITS = JsonLimits(max_bytes=MAX_BODY_BYTES, max_containers=100_000, max_items=1_000_000)
+LIMITS = JsonLimits(max_bytes=MAX_BODY_BYTES, max_containers=50_000, max_items=250_000)
 MAX_BUFFERED_BYTES = 256 << 20  # bodies held while they arrive, all requests together
 
 

@@ -39,7 +39,7 @@ MAX_BODY = 4 << 20  # bytes of one request
 MAX_CONNECTIONS = 64  # connections one gate serves at once (a design's parallel calls)
 # A chat request: its messages, tools and their schemas, not the million dicts of 4 MB of
 # `[{},...]` (+109 MB each before this count, 64 connections at once).
-LIMITS = JsonLimits(max_bytes=MAX_BODY, max_containers=20_000, max_items=200_000)
+LIMITS = JsonLimits(max_bytes=MAX_BODY, max_containers=10_000, max_items=50_000)
 _NODE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 GATE_HEADER = "X-Masenvs-Gate"  # what the gate changed in a request, as JSON
 # Request fields a design may set: none of them changes how tokens are drawn. Everything
