@@ -397,15 +397,16 @@ def test_the_command_serves_an_env(tmp_path: Path) -> None:
     assert got["rewards"] == want["rewards"]
 
 
-def docs_section(name: str) -> str:
+def python_blocks() -> list[str]:
+    """The python examples of docs/integrations.md's OpenEnv section."""
     text = (ROOT / "docs" / "integrations.md").read_text()
-    section = text.split(f"## {name}\n", 1)[1].split("\n## ", 1)[0]
-    return section
+    section = text.split("## OpenEnv\n", 1)[1].split("\n## ", 1)[0]
+    return re.findall(r"```python\n(.*?)```", section, re.S)
 
 
+@pytest.mark.timeout(120)  # two fresh interpreters import openenv-core (seconds each)
 def test_docs_example_runs(tmp_path: Path) -> None:
-    blocks = re.findall(r"```python\n(.*?)```", docs_section("OpenEnv"), re.S)
-    client_example = next(b for b in blocks if "GenericEnvClient" in b and "GRPO" not in b)
+    client_example = python_blocks()[0]
     with cli_server("plan_path") as url:
         script = tmp_path / "example.py"
         script.write_text(client_example.replace("http://127.0.0.1:8000", url))
@@ -414,6 +415,33 @@ def test_docs_example_runs(tmp_path: Path) -> None:
         )
     assert done.returncode == 0, done.stderr
     assert "reward" in done.stdout
+
+
+# Importing TRL alone takes 7 s of CPU, and 25 s of wall time on a loaded box: a margin.
+@pytest.mark.timeout(120)
+def test_trl_trains_on_the_server_as_the_docs_say(tmp_path: Path) -> None:
+    pytest.importorskip("trl")
+    (example,) = [b for b in python_blocks() if "GRPOTrainer" in b]
+    swaps = {
+        'load_model("smollm2-135m")': 'load_model("tiny")',
+        '"runs/trl-openenv"': repr(str(tmp_path / "out")),
+        "max_steps=100": "max_steps=2, use_cpu=True, save_strategy='no'",
+        "per_device_train_batch_size=8": "per_device_train_batch_size=2",
+        "num_generations=4": "num_generations=2",
+        "max_completion_length=512": "max_completion_length=16",
+        "rows = 400": "rows = 4",
+    }
+    with masenvs_server("plan_path", options={"size": 4}) as url:
+        swaps['"http://127.0.0.1:8000"'] = repr(url)
+        for old, new in swaps.items():
+            assert old in example, f"the docs example no longer has {old!r}"
+            example = example.replace(old, new)
+        scope: dict[str, Any] = {}
+        exec(example, scope)
+    trainer = scope["trainer"]
+    assert trainer.state.global_step == 2
+    logged = [h for h in trainer.state.log_history if "rewards/PlanPath/mean" in h]
+    assert len(logged) == 2  # the env's reward, read back from the server, reached TRL
 
 
 # --- the other way round: an OpenEnv env trained by `masenvs train` ----------------------------------
@@ -499,32 +527,16 @@ def obs_of(env: Any, agent: str) -> str:
 def test_masenvs_train_trains_an_openenv_env_as_a_role_of_a_team(
     openenv_url: str, registered: str, tmp_path: Path
 ) -> None:
-    from masenvs.trainer.config import load_config
     from masenvs.trainer.metrics import read_metrics
-    from masenvs.trainer.train import train
 
-    cfg = load_config(
-        None,
-        [
-            f"run_dir={tmp_path / 'run'}",
-            "model.name=tiny",
-            f"env.name={registered}",
-            f"env.options={{url: '{openenv_url}', team: [coach, player], observation_field: prompt}}",
-            "steps=2",
-            "rollout.branches=2",
-            "rollout.tasks_per_step=2",
-            "rollout.max_rounds=1",
-            "rollout.max_tokens=2",
-            "lora.rank=4",
-            "validation.every=0",
-            "checkpoint.every=100",
-            "logging.tensorboard=false",
-            "logging.plot_every=0",
-            "backend.dtype=float32",
-        ],
-    )
-    train(cfg)
-    records = [r for r in read_metrics(tmp_path / "run" / "metrics.jsonl") if "train/success" in r]
+    (example,) = [b for b in python_blocks() if "from_openenv" in b]
+    run_dir = tmp_path / "run"
+    swaps = {"http://127.0.0.1:8001": openenv_url, "runs/openenv-team": str(run_dir)}
+    for old, new in swaps.items():
+        assert old in example, f"the docs example no longer has {old!r}"
+        example = example.replace(old, new)
+    exec(example, {})
+    records = [r for r in read_metrics(run_dir / "metrics.jsonl") if "train/success" in r]
     assert len(records) == 2
     # Both roles of the team were sampled and trained with AT-GRPO on the OpenEnv env's reward.
     assert {"train/reward/coach", "train/reward/player"} <= set(records[-1])
