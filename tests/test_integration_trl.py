@@ -11,6 +11,9 @@ from __future__ import annotations
 
 import json
 import re
+import socket
+import subprocess
+import sys
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,6 +28,7 @@ from trl import GRPOConfig, GRPOTrainer  # noqa: E402
 
 import masenvs  # noqa: E402
 from masenvs.engine.loading import load_model  # noqa: E402
+from masenvs.integrations.episode import openai_player  # noqa: E402
 from masenvs.integrations.trl import environment, tool_tokenizer  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -441,13 +445,47 @@ def shrink(code: str, tmp_path: Path, **more: str) -> str:
     return code
 
 
-def test_docs_examples_run(tmp_path: Path, openai_server: Any) -> None:
+@pytest.fixture
+def masenvs_serve() -> Any:
+    """`masenvs serve --model tiny --route tool=base` on a free loopback port, as the docs say."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command = ["masenvs", "serve", "--model", "tiny", "--route", "tool=base", "--port", str(port)]
+    server = subprocess.Popen(
+        [sys.executable, "-m", *command],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    try:
+        assert server.stdout is not None
+        for line in server.stdout:
+            if "listening:" in line:
+                break
+        else:
+            pytest.fail("masenvs serve exited before listening")
+        yield f"http://127.0.0.1:{port}/v1"
+    finally:
+        server.terminate()
+        server.wait(timeout=30)
+
+
+def test_docs_examples_run(tmp_path: Path, masenvs_serve: str) -> None:
     every_role, one_role = trl_examples()
     scope: dict[str, Any] = {}
     exec(shrink(every_role, tmp_path), scope)
     assert scope["trainer"].state.global_step == 2
-    url, seen = openai_server
     scope = {}
+    url = masenvs_serve
     exec(shrink(one_role, tmp_path, **{'"http://127.0.0.1:8000/v1"': repr(url)}), scope)
-    assert scope["trainer"].state.global_step == 2
-    assert set(seen) == {"tool"}  # masenvs serve routes by role name
+    trainer = scope["trainer"]
+    assert trainer.state.global_step == 2
+    # The served model played `tool`: the rewards are still the env's for those moves.
+    for row in logged_rows(trainer, "plan_path"):
+        options = {"size": 4, "tool_task": "propose"}
+        expected, _, first = replay(
+            "plan_path", options, row["seed"], row["completion"], "plan", openai_player(url)
+        )
+        assert row["reward"] == pytest.approx(expected, abs=1e-5)
+        assert row["prompt"][-1]["content"] == first
