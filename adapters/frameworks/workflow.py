@@ -459,7 +459,7 @@ async def check_server(server_url: str, api_key: str = "masenvs") -> str:
     if response.status_code == 401:
         raise PermissionError(
             f"the server at {root} refused the API key; pass the key it was started with "
-            "(--api-key, ClientSettings(api_key=...))"
+            "($MASENVS_API_KEY or --api-key-file, ClientSettings(api_key=...))"
         )
     if response.status_code != 200:
         raise ValueError(
