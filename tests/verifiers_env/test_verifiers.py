@@ -211,25 +211,43 @@ def test_a_malformed_action_gets_the_env_penalty_not_an_error() -> None:
     assert result.reward == pytest.approx(mirror.returns["tool"]) and result.reward < 0
 
 
-def docs_example(section: str) -> str:
-    """The first ```bash block of docs/integrations.md's `## <section>` section."""
+def docs_blocks(section: str) -> list[tuple[str, str]]:
+    """The code blocks of docs/integrations.md's `## <section>`, as (language, code)."""
     text = (ROOT / "docs" / "integrations.md").read_text()
     body = text.split(f"## {section}\n", 1)[1].split("\n## ", 1)[0]
-    return re.search(r"```bash\n(.*?)```", body, re.S).group(1)
+    return re.findall(r"```(\w+)\n(.*?)```", body, re.S)
 
 
-def test_the_docs_vf_eval_example_runs(served: str, tmp_path: Path) -> None:
-    script = docs_example("verifiers")
-    script = script.replace("http://127.0.0.1:8000/v1", served)
-    script = script.replace("-m tiny", f"-m {base_model(served)}")
-    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}:{os.environ['PATH']}"}
-    done = subprocess.run(
-        ["bash", "-ec", script], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300
-    )
+def run_example(code: str, language: str, cwd: Path, url: str) -> None:
+    """Run a docs block in `cwd` as a user would, against `url` (the docs say port 8000)."""
+    assert base_model(url) == "tiny"  # the model the examples name
+    code = code.replace("http://127.0.0.1:8000/v1", url)
+    bin_dir = Path(sys.executable).parent
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}", "PYTHONPATH": str(cwd)}
+    args = ["bash", "-ec", code] if language == "bash" else [sys.executable, "-c", code]
+    done = subprocess.run(args, cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    (traces,) = tmp_path.rglob("traces.jsonl")
-    records = [json.loads(line) for line in traces.read_text().splitlines()]
-    assert records and all("masenvs" in json.dumps(r) for r in records)
+
+
+def test_the_docs_verifiers_examples_run(served: str, tmp_path: Path) -> None:
+    """vf-eval in both modes, the same from Python, a taskset written for verifiers trained
+    by masenvs (docs/integrations.md, ## verifiers), each as a user copies it."""
+    blocks = docs_blocks("verifiers")
+    assert [lang for lang, _ in blocks] == ["bash", "python", "python", "python"]
+    run_example(blocks[0][1], "bash", tmp_path, served)
+    traces = list((tmp_path / "outputs").rglob("traces.jsonl"))
+    assert len(traces) == 2  # one run per mode
+    for path in traces:
+        for line in path.read_text().splitlines():
+            episode = json.loads(line)  # one episode a line, its traces inside
+            assert episode["ok"] and "masenvs" in episode["traces"][0]["rewards"]
+    run_example(blocks[1][1], "python", tmp_path, served)
+    (tmp_path / "say_taskset.py").write_text(blocks[2][1])
+    run_example(blocks[3][1], "python", tmp_path, served)
+    records = [
+        json.loads(x) for x in (tmp_path / "runs/say/metrics.jsonl").read_text().splitlines()
+    ]
+    assert sum("train/reward/solver" in r for r in records) == 2
 
 
 # --- verifiers -> masenvs ----------------------------------------------------------------------
