@@ -139,9 +139,9 @@ class OpenEnvEnv(MASEnv):
         return OpenEnvTask(int(rng.integers(0, 2**31 - 1)) if seed is None else seed)
 
     def load_task(self, task: Any) -> OpenEnvTask:
-        seed = task.get("seed") if isinstance(task, dict) else task
         if isinstance(task, OpenEnvTask):
             return task
+        seed = task.get("seed") if isinstance(task, dict) else task
         if isinstance(seed, bool) or not isinstance(seed, int) or seed < 0:
             raise ValueError(f"an openenv task is a seed or {{'seed': ...}}, got {task!r}")
         return OpenEnvTask(seed)

@@ -104,7 +104,12 @@ def main(argv: list[str] | None = None) -> int:
             message += " (on the command line: --others-url URL)"
         return fail(message)
 
-    from masenvs.integrations.openenv import create_server, uvicorn_config
+    try:
+        from masenvs.integrations.openenv import create_server, uvicorn_config
+    except ImportError as exc:
+        return fail(
+            f"needs openenv-core ({exc.name} is missing): pip install 'masenvs[integrations]'"
+        )
 
     app = create_server(
         args.env,
