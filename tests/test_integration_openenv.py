@@ -229,7 +229,7 @@ def test_malformed_requests_get_errors_and_the_server_stays_up() -> None:
                 json.dumps({"type": "reset", "data": {"seed": -3}}),
                 json.dumps({"type": "reset", "data": {"seed": 0, "colour": "red"}}),
                 "[" * 100_000 + "]" * 100_000,  # deeper than any parser should go
-                json.dumps({"type": "step", "data": {"message": "x" * 2_000_000}}),  # too long
+                json.dumps({"type": "step", "data": {"message": "x" * 1_060_000}}),  # too long
                 "[" + "{}," * 200_000 + "{}]",  # small on the wire, huge once parsed
                 json.dumps({"type": "step", "data": {"message": "hello"}}),  # still served
             ]:
@@ -257,6 +257,18 @@ def test_malformed_requests_get_errors_and_the_server_stays_up() -> None:
             assert stateless.status_code == 409 and "/ws" in stateless.json()["detail"]
             assert http.get("/health").json()["status"] == "healthy"
         assert run(play(url, 0, ["hello"]))["rewards"]
+        # A frame far over the limit is not even buffered: the connection is closed (1009).
+        assert run(oversized(url)) == 1009
+        assert run(play(url, 0, ["hello"]))["rewards"]
+
+
+async def oversized(url: str) -> int | None:
+    async with ws_connect(url.replace("http", "ws") + "/ws", max_size=None) as ws:
+        await ws.send(json.dumps({"type": "step", "data": {"message": "x" * 3_000_000}}))
+        with contextlib.suppress(Exception):
+            await ws.recv()
+        await ws.wait_closed()
+        return ws.close_code
 
 
 def test_a_step_after_the_episode_ended_is_a_clear_error() -> None:

@@ -215,7 +215,7 @@ def create_server(
     app.router.routes = [r for r in app.router.routes if getattr(r, "path", "") != "/mcp"]
     app.add_exception_handler(EpisodeOver, _episode_over)
     app.add_exception_handler(SessionError, _bad_request)
-    limits = JsonLimits(max_bytes=max_message_bytes, max_containers=1_000, max_items=10_000)
+    limits = JsonLimits(max_bytes=max_message_bytes)  # 10k objects and arrays, 100k values
     return Guard(app, api_key, limits, idle_timeout, max_sessions)
 
 
@@ -357,14 +357,15 @@ async def _respond(send: Any, status: int, detail: str) -> None:
 
 
 def uvicorn_config(app: Guard, log_level: str = "warning") -> Any:
-    """uvicorn settings that keep the server's memory bounded: frames a few times the message
-    limit, connections a few times the session cap, no connection that sends nothing."""
+    """uvicorn settings that keep the server's memory bounded: a message over the limit gets
+    an error reply, a frame 64 KiB past it closes the connection (1009) unbuffered; at most
+    twice as many connections as sessions; a connection that sends no request is closed."""
     import uvicorn
 
     return uvicorn.Config(
         app,
         log_level=log_level,
-        ws_max_size=4 * app.limits.max_bytes,
+        ws_max_size=app.limits.max_bytes + (64 << 10),
         limit_concurrency=2 * app.max_sessions + 16,
         http=head_timeout_protocol(),  # a connection that sends no request is closed
     )
