@@ -418,6 +418,32 @@ def test_a_move_after_the_end_is_an_error_message_not_a_crash() -> None:
         environment("say").factory().answer("hi")
 
 
+def test_a_failing_fixed_player_stops_with_the_role_and_url() -> None:
+    with socket.socket() as s:  # a port nothing listens on
+        s.bind(("127.0.0.1", 0))
+        url = f"http://127.0.0.1:{s.getsockname()[1]}/v1"
+    env = environment("say", role="second", others=url).factory()
+    with pytest.raises(RuntimeError, match=f"the fixed player of 'first' at {url} failed"):
+        env.reset(seed=0)
+
+    calls: list[str] = []
+
+    def fails_second_time(role: str, messages: list[dict[str, str]]) -> str:
+        calls.append(role)
+        if len(calls) > 1:
+            raise ConnectionError("server went away")
+        return "nope"
+
+    env = environment("say", role="second", others=fails_second_time).factory()
+    env.reset(seed=0)
+    with pytest.raises(ConnectionError):
+        env.answer("nope")  # played; then `first` cannot move
+    with pytest.raises(RuntimeError, match="first has not moved yet"):
+        env.answer("again")  # never played as `first`'s move
+    game_reward = environment("say", role="second", others=fails_second_time).reward
+    assert game_reward([env], [[{"role": "assistant", "content": "x"}]]) == [0.0]
+
+
 # --- docs/integrations.md ------------------------------------------------------------------
 
 

@@ -23,9 +23,14 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
+from masenvs.env import Message
 from masenvs.integrations.episode import LEVELS, EpisodeOver, Player, TextEpisode, openai_player
+
+if TYPE_CHECKING:
+    from datasets import Dataset
+    from transformers import PreTrainedTokenizerBase
 
 RewardFunction = Callable[..., list[float]]
 
@@ -79,6 +84,11 @@ class Game:
             raise ValueError(f"{self._spec.env}: no episode is running; call reset(seed=...) first")
         if self._episode.done:
             raise ValueError("The episode is over: no more moves are played. Stop here.")
+        if not self._policy_moves():
+            raise RuntimeError(
+                f"{self._episode.env.acting} has not moved yet (its player failed): this "
+                "episode cannot go on"
+            )
         result = self._episode.step(str(text))
         return self._ending() if result.next is None else result.next.text
 
@@ -107,6 +117,11 @@ class Game:
         outcome = "solved" if self._episode.success else "not solved"
         return f"The episode is over: {outcome}. Your return: {self._episode.reward:.4g}."
 
+    def _policy_moves(self) -> bool:
+        """Whether the acting role is the policy's (not so after the fixed player failed)."""
+        acting = self._episode.env.acting
+        return acting is not None and self._episode.trains(acting)
+
     def _score(self, completion: list[dict[str, Any]]) -> None:
         """Play the rollout's last reply if it called no tool and the episode still runs."""
         if self._scored:
@@ -116,6 +131,7 @@ class Game:
         if (
             self._started
             and not self._episode.done
+            and self._policy_moves()
             and last is not None
             and last.get("role") == "assistant"
             and not last.get("tool_calls")
@@ -132,7 +148,7 @@ class TRLEnvironment:
     reward: RewardFunction
     instructions: str
 
-    def dataset(self, n: int, seed_start: int = 0) -> Any:
+    def dataset(self, n: int, seed_start: int = 0) -> Dataset:
         """`n` rows for `train_dataset`: the same instruction as the prompt, and the task seed
         (`seed_start`, `seed_start + 1`, ...). No task data: `reset` renders each task."""
         from datasets import Dataset
@@ -163,7 +179,7 @@ def environment(
             f"others plays the roles you do not train; pass role= (one of {name}'s roles) "
             "to train one role, or drop others to play every role"
         )
-    player = openai_player(others) if isinstance(others, str) else others
+    player = _served_player(others) if isinstance(others, str) else others
     probe = TextEpisode(name, options, role, player)  # fails on bad names, options and roles
     roles = probe.env.possible_agents
     camel = "".join(part.title() for part in name.split("_"))
@@ -184,6 +200,22 @@ def environment(
         "The tool returns your next prompt, until it says the episode is over."
     )
     return TRLEnvironment(name, factory, _reward_function(name), instructions)
+
+
+def _served_player(url: str) -> Player:
+    """`openai_player(url)`, whose failures name the role and the URL."""
+    play = openai_player(url)
+
+    def served(role: str, messages: list[Message]) -> str:
+        try:
+            return play(role, messages)
+        except Exception as exc:
+            raise RuntimeError(
+                f"the fixed player of {role!r} at {url} failed ({exc}); start the server "
+                "(e.g. `masenvs serve`) or fix others="
+            ) from exc
+
+    return served
 
 
 def _reward_function(name: str) -> RewardFunction:
@@ -216,7 +248,7 @@ def _reward_function(name: str) -> RewardFunction:
     return reward
 
 
-def tool_tokenizer(model: str | Path) -> Any:
+def tool_tokenizer(model: str | Path) -> PreTrainedTokenizerBase:
     """The tokenizer of the local model `model`, ready for TRL's tool calls: left padding, and
     where the model's own chat template cannot render tool calls but is ChatML (SmolLM2, the
     tiny test model), TRL's Qwen2.5 template, the same markers plus tool calls."""
