@@ -216,7 +216,7 @@ class JsonLimits:
 _STRING = re.compile(rb'"[^"]*"')  # a JSON string once its escaped quotes are removed
 
 
-def json_size(raw: bytes) -> tuple[int, int]:
+def json_size(raw: bytes | bytearray) -> tuple[int, int]:
     """(objects and arrays, values and keys) that `raw` would parse into, counted without
     parsing: `{[,:` outside strings (each starts a value or key) plus the root."""
     outside = _STRING.sub(b"", raw.replace(b"\\\\", b"").replace(b'\\"', b""))
@@ -224,7 +224,7 @@ def json_size(raw: bytes) -> tuple[int, int]:
     return containers, containers + outside.count(b",") + outside.count(b":") + 1
 
 
-def check_json_size(raw: bytes, limits: JsonLimits) -> None:
+def check_json_size(raw: bytes | bytearray, limits: JsonLimits) -> None:
     """BodyError if `raw` is over `limits`: 413 over its bytes, JsonTooLarge (400) if it
     would parse into more objects or values. Counting bytes runs at memory speed; strings
     are skipped only when a raw count is over a limit, and only once their number is known
@@ -235,13 +235,14 @@ def check_json_size(raw: bytes, limits: JsonLimits) -> None:
     items = containers + raw.count(b",") + raw.count(b":") + 1
     if containers <= limits.max_containers and items <= limits.max_items:
         return
-    unescaped = raw.replace(b"\\\\", b"")
-    strings = (unescaped.count(b'"') - unescaped.count(b'\\"')) // 2  # each a value or key
-    if strings <= limits.max_items:
-        containers, items = json_size(raw)
+    strings = 0
+    if b'"' in raw:  # else the counts are exact already
+        unescaped = raw.replace(b"\\\\", b"")
+        strings = (unescaped.count(b'"') - unescaped.count(b'\\"')) // 2  # values or keys
+        if strings <= limits.max_items:
+            containers, items = json_size(raw)
     if containers > limits.max_containers:
-        opening = raw.lstrip(b"[{ \t\r\n")  # `[[[[...`: say what it is
-        if len(raw) - len(opening) > limits.max_depth:
+        if re.match(rb"(?:\s*[\[{]){%d}" % (limits.max_depth + 1), raw):  # `[[[[...`
             raise JsonTooLarge(f"the JSON body is nested deeper than {limits.max_depth} levels")
         raise JsonTooLarge(
             f"the JSON body holds {containers} objects and arrays; at most "
@@ -254,7 +255,7 @@ def check_json_size(raw: bytes, limits: JsonLimits) -> None:
         )
 
 
-def parse_json(raw: bytes | str, limits: JsonLimits) -> Any:
+def parse_json(raw: bytes | bytearray | str, limits: JsonLimits) -> Any:
     """`raw` as JSON, or BodyError: 413 over `limits.max_bytes`, 400 if it would parse into
     more than `limits` allow (counted before parsing), is not JSON or nests too deep."""
     data = raw.encode() if isinstance(raw, str) else raw
