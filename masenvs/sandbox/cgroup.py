@@ -98,46 +98,63 @@ def remove_server_cgroup(path: str) -> None:
 
 class RunCgroup:
     """The memory cgroup of one concurrent run (slot): set its limit, let init join, then
-    tell whether the kernel killed a process of it for memory."""
+    tell whether the kernel killed a process of it for memory. The cgroup stays for the
+    next run of the slot (its counters are read before and after)."""
 
     def __init__(self, version: int, slot: int, memory_mb: int) -> None:
         self.version = version
         self.path = f"{CGROUP_MOUNT}/run-{slot}"
-        os.makedirs(self.path, 0o755, exist_ok=True)
+        with contextlib.suppress(FileExistsError):
+            os.mkdir(self.path, 0o755)
+        # Read and written through a descriptor: the run's init covers CGROUP_MOUNT in the
+        # mount namespace it shares with its supervisor.
+        self.dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         limit = str(memory_mb << 20)
         if version == 2:
-            self._write("memory.max", limit)
-            self._write("memory.swap.max", "0", optional=True)
-            self._write("memory.oom.group", "1", optional=True)
-        else:
+            if self._read("memory.max").strip() != limit:
+                self._write("memory.max", limit)
+                self._write("memory.swap.max", "0", optional=True)
+                self._write("memory.oom.group", "1", optional=True)
+        elif self._read("memory.limit_in_bytes").strip() != limit:
             # memsw (memory + swap) may never be below memory: raising, it goes first.
             self._write("memory.memsw.limit_in_bytes", limit, optional=True)
             self._write("memory.limit_in_bytes", limit)
             self._write("memory.memsw.limit_in_bytes", limit, optional=True)
-        # Read through a descriptor: the run's init covers CGROUP_MOUNT in the mount
-        # namespace it shares with its supervisor.
-        self.dir_fd = os.open(self.path, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
         self.kills_before = self.oom_kills()
         # Opened now, written by the run's init ("0": the writer) before it starts anything.
-        self.procs_fd = os.open(f"{self.path}/cgroup.procs", os.O_WRONLY | os.O_CLOEXEC)
+        # v1's `tasks` moves the one thread that writes (init has no other), which spares
+        # the kernel the global lock of moving a whole thread group.
+        procs = "cgroup.procs" if version == 2 else "tasks"
+        self.procs_fd = os.open(procs, os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
+
+    def _read(self, name: str) -> str:
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
+        except OSError:
+            return ""
+        try:
+            return os.read(fd, 4096).decode()
+        finally:
+            os.close(fd)
 
     def _write(self, name: str, value: str, optional: bool = False) -> None:
         try:
-            with open(f"{self.path}/{name}", "w") as f:
-                f.write(value)
+            fd = os.open(name, os.O_WRONLY | os.O_CLOEXEC, dir_fd=self.dir_fd)
+            try:
+                os.write(fd, value.encode())
+            finally:
+                os.close(fd)
         except OSError:
             if not optional:
                 raise
 
     def oom_kills(self) -> int:
         """How many processes of this cgroup the kernel killed for memory, ever."""
-        name = "memory.events" if self.version == 2 else "memory.oom_control"
-        opener = lambda path, flags: os.open(path, flags, dir_fd=self.dir_fd)  # noqa: E731
-        with contextlib.suppress(OSError, ValueError), open(name, opener=opener) as f:
-            for line in f:
-                key, _, value = line.partition(" ")
-                if key == "oom_kill":
-                    return int(value)
+        text = self._read("memory.events" if self.version == 2 else "memory.oom_control")
+        for line in text.splitlines():
+            key, _, value = line.partition(" ")
+            if key == "oom_kill" and value.strip().isdigit():
+                return int(value)
         return 0
 
     def over_budget(self) -> bool:
