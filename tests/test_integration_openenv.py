@@ -388,27 +388,70 @@ def test_a_key_is_required_beyond_loopback() -> None:
 
 
 @contextlib.contextmanager
-def cli_server(*args: str, env: dict[str, str] | None = None) -> Iterator[str]:
+def cli_server(*args: str) -> Iterator[tuple[str, int]]:
+    """`masenvs openenv-serve ARGS` in a subprocess: its URL (from the first line it prints)
+    and its pid."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "masenvs", "openenv-serve", *args, "--port", "0"],
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
-        env=env,
     )
     try:
         assert proc.stdout is not None
         line = proc.stdout.readline()
         match = re.search(r"at (http://\S+)", line)
         assert match, line + proc.stdout.read()
-        yield match.group(1)
+        # Drain what it prints later, so a full pipe never blocks the server.
+        threading.Thread(target=proc.stdout.read, daemon=True).start()
+        yield match.group(1), proc.pid
     finally:
         proc.terminate()
         proc.wait(10)
 
 
+def rss_mib(pid: int) -> float:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) / 1024
+    raise AssertionError("no VmRSS")
+
+
+def test_the_command_stays_up_with_bounded_memory_under_100_hostile_sessions() -> None:
+    """100 sessions at once, each sending a body that would parse into 300,000 dicts (3 bytes
+    each on the wire, ~64 bytes once parsed), a message over the size limit and a frame far
+    over it, then playing on: every one gets its errors, the server's memory barely moves."""
+    bomb = "[" + "{}," * 300_000 + "{}]"
+
+    async def hostile(url: str, seed: int) -> float:
+        async with ws_connect(url.replace("http", "ws") + "/ws", max_size=None) as ws:
+            await ws.send(bomb)
+            assert json.loads(await ws.recv())["data"]["code"] == "VALIDATION_ERROR"
+            await ws.send(json.dumps({"type": "reset", "data": {"seed": seed}}))
+            assert json.loads(await ws.recv())["type"] == "observation"
+            await asyncio.sleep(0.2)  # all 100 open at once
+            await ws.send(json.dumps({"type": "step", "data": {"message": "x" * 1_100_000}}))
+            assert json.loads(await ws.recv())["type"] == "error"
+            await ws.send(json.dumps({"type": "step", "data": {"message": "Yes"}}))
+            return json.loads(await ws.recv())["data"]["reward"]
+
+    async def all_of(url: str) -> list[float]:
+        return await asyncio.gather(*(hostile(url, seed) for seed in range(100)))
+
+    with cli_server("say", "--set", "task=fixed", "--max-sessions", "128") as (url, pid):
+        run(play(url, 0, ["Yes"]))  # warm: the env's modules are loaded
+        before = rss_mib(pid)
+        rewards = run(all_of(url))
+        assert run(oversized(url)) == 1009
+        after = rss_mib(pid)
+        assert rewards == [1.0] * 100  # every session still played its own episode
+        assert httpx.get(f"{url}/health").json()["status"] == "healthy"
+    # Parsed, the bombs alone would be 100 x 300,000 dicts, about 2 GB.
+    assert after - before < 250, (before, after)
+
+
 def test_the_command_serves_an_env(tmp_path: Path) -> None:
-    with cli_server("sudoku", "--set", "size=4") as url:
+    with cli_server("sudoku", "--set", "size=4") as (url, _):
         got = run(play(url, 5, ["hello"]))
     want = local("sudoku", 5, ["hello"], options={"size": 4})
     assert got["observations"][0]["prompt"] == want["prompts"][0]
@@ -425,7 +468,7 @@ def python_blocks() -> list[str]:
 @pytest.mark.timeout(120)  # two fresh interpreters import openenv-core (seconds each)
 def test_docs_example_runs(tmp_path: Path) -> None:
     client_example = python_blocks()[0]
-    with cli_server("plan_path") as url:
+    with cli_server("plan_path") as (url, _):
         script = tmp_path / "example.py"
         script.write_text(client_example.replace("http://127.0.0.1:8000", url))
         done = subprocess.run(
