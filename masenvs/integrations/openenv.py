@@ -122,13 +122,14 @@ class MasenvsEnvironment(Environment[MasenvsAction, MasenvsObservation, MasenvsS
         self,
         seed: int | None = None,
         episode_id: str | None = None,
-        task: Any = None,
         **unknown: Any,
     ) -> MasenvsObservation:
+        # No `task`: a task sent by a client (a huge grid, a puzzle to solve) would cost the
+        # server what no seed does. Seeds name the env's own tasks.
         if unknown:
             raise SessionError(
                 f"unknown reset option(s) {', '.join(map(repr, sorted(unknown)))}: reset takes "
-                "seed, episode_id and task"
+                "seed and episode_id"
             )
         if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or seed < 0):
             raise SessionError(f"seed must be a non-negative integer, got {seed!r}")
@@ -136,7 +137,7 @@ class MasenvsEnvironment(Environment[MasenvsAction, MasenvsObservation, MasenvsS
             raise SessionError("episode_id must be a string of at most 255 characters")
         if self.episode is None:
             self.episode = self.served.episode()
-        turn = self.episode.reset(seed=seed, task=task)
+        turn = self.episode.reset(seed=seed)
         if episode_id:
             self.episode.id = episode_id
         return _observation(turn)
