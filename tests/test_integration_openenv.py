@@ -189,6 +189,25 @@ def test_one_role_trained_while_a_url_plays_the_others(openai_url: str) -> None:
     assert ["tool", FixedOpenAI.REPLY] in got["observations"][1]["played"]
 
 
+def test_an_unreachable_url_for_the_others_stops_the_episode_clearly() -> None:
+    dead = socket.socket()
+    dead.bind(("127.0.0.1", 0))  # bound, never listening: connections are refused
+    url_of_nobody = f"http://127.0.0.1:{dead.getsockname()[1]}/v1"
+
+    async def episode(url: str) -> None:
+        async with GenericEnvClient(base_url=url) as client:
+            with pytest.raises(RuntimeError, match="the episode stopped.*call reset"):
+                await client.reset(seed=0)  # `tool` moves first, from the dead URL
+            # Nothing is played as `tool` by the policy: the episode is over.
+            with pytest.raises(RuntimeError, match="episode is over"):
+                await client.step({"message": "hello"})
+
+    with masenvs_server("plan_path", role="plan", others=url_of_nobody) as url:
+        run(episode(url))
+        assert httpx.get(f"{url}/health").json()["status"] == "healthy"
+    dead.close()
+
+
 # --- many sessions, bad input, bounded memory ------------------------------------------------------
 
 

@@ -137,7 +137,8 @@ class MasenvsEnvironment(Environment[MasenvsAction, MasenvsObservation, MasenvsS
             raise SessionError("episode_id must be a string of at most 255 characters")
         if self.episode is None:
             self.episode = self.served.episode()
-        turn = self.episode.reset(seed=seed)
+        with self._stop_on_failure():
+            turn = self.episode.reset(seed=seed)
         if episode_id:
             self.episode.id = episode_id
         return _observation(turn)
@@ -147,8 +148,25 @@ class MasenvsEnvironment(Environment[MasenvsAction, MasenvsObservation, MasenvsS
     ) -> MasenvsObservation:
         if self.episode is None:
             raise EpisodeOver(f"{self.served.env}: no episode yet; call reset() first")
-        result = self.episode.step(action.message)
+        with self._stop_on_failure():
+            result = self.episode.step(action.message)
         return _observation(result.next, result)
+
+    @contextlib.contextmanager
+    def _stop_on_failure(self) -> Any:
+        """A failure mid-step (the others' URL down) leaves the env at another role's turn:
+        end the episode there, so no later action is played as that role's."""
+        assert self.episode is not None
+        try:
+            yield
+        except EpisodeOver:
+            raise
+        except Exception as exc:
+            self.episode.done = True
+            raise RuntimeError(
+                f"{self.served.env}: the episode stopped ({type(exc).__name__}: {exc}); "
+                "call reset() to start another"
+            ) from exc
 
     @property
     def state(self) -> MasenvsState:
