@@ -21,18 +21,16 @@ import concurrent.futures
 import inspect
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
-import verifiers.v1 as vf
 from pydantic import Field
-from verifiers.v1.dialects import parse_message
-from verifiers.v1.errors import TaskError
-from verifiers.v1.state import state_cls
-from verifiers.v1.types import content_text
 
 from masenvs.env import EnvConfig, EpisodeState, MASEnv, Message, RewardParts
 from masenvs.registry import register
+
+if TYPE_CHECKING:  # imported where used: verifiers lives in a venv of its own
+    import verifiers.v1 as vf
 
 
 class VerifiersConfig(EnvConfig):
@@ -54,6 +52,11 @@ class VerifiersConfig(EnvConfig):
 
 def rubric_reward(task: vf.Task, messages: list[Message], answer: str) -> float:
     """verifiers' `trace.reward` for `answer` to `messages`: the task's rewards, weighted."""
+    import verifiers.v1 as vf
+    from verifiers.v1.dialects import parse_message
+    from verifiers.v1.errors import TaskError
+    from verifiers.v1.state import state_cls
+
     nodes: list[vf.MessageNode] = []
     for message in [*messages, {"role": "assistant", "content": answer}]:
         nodes.append(
@@ -101,7 +104,13 @@ def offline_problems(task: vf.Task) -> list[str]:
 
 
 def load_rows(config: VerifiersConfig) -> list[vf.Task]:
-    from verifiers.v1.utils.loaders import load_taskset, taskset_config_type
+    try:
+        from verifiers.v1.utils.loaders import load_taskset, taskset_config_type
+    except ModuleNotFoundError as exc:
+        raise ModuleNotFoundError(
+            f"the {VerifiersEnv.name} env needs verifiers 0.4 ({exc}): install "
+            "'masenvs[verifiers]' in a venv of its own (scripts/verifiers_env.sh builds one)"
+        ) from None
 
     options = {**config.taskset_options, "id": config.taskset}
     taskset = load_taskset(taskset_config_type(config.taskset).model_validate(options))
@@ -119,6 +128,8 @@ def load_rows(config: VerifiersConfig) -> list[vf.Task]:
 
 def prompt_messages(task: vf.Task) -> list[Message]:
     """The row's system prompt and prompt as chat messages (text only)."""
+    from verifiers.v1.types import content_text
+
     data = task.data
     messages: list[Message] = []
     if data.system_prompt:
