@@ -14,7 +14,9 @@ the timing of a read of a shared file (a page the sender loaded is fast; the hos
 files first, as memory pressure does to files nobody reads), and the timing of a lookup of
 a missing name in a shared dir (the sender's lookup leaves a negative dentry). Each message
 starts with a known preamble that the receiver calibrates on; the rate is
-bits x (1 - H(bit error rate)) / the seconds of both runs.
+bits x (1 - H(bit error rate)) / the seconds of both runs. A third, between two concurrent
+runs: the sender busy-loops in the 20 ms slots of its 1 bits, the receiver counts its own
+loop's turns in each slot.
 """
 
 from __future__ import annotations
@@ -84,7 +86,7 @@ def measure(tree: Path, runs: int, mode: str) -> dict:
 CHANNEL_WORKER = r"""
 import json, math, os, random, sys, sysconfig, time
 from pathlib import Path
-from masenvs.sandbox import Sandbox, SandboxLimits
+from masenvs.sandbox import Job, Sandbox, SandboxLimits
 pairs, nbits = int(sys.argv[1]), int(sys.argv[2])
 stdlib = Path(sysconfig.get_paths()["stdlib"])
 skip = {"test", "site-packages", "__pycache__", "lib-dynload"}
@@ -134,31 +136,64 @@ def decode(ts):
 sandbox = Sandbox(SandboxLimits(wall_seconds=20, cpu_seconds=20))
 sandbox.run("print(1)")
 out = {}
-for name in ("read timing", "lookup timing"):
+SEND_CPU = '''
+import sys, time
+start, SLOT = float(sys.argv[1]), 0.02
+while time.time() < start:
+    time.sleep(0.001)
+for i, b in enumerate(sys.argv[2]):
+    end = start + (i + 1) * SLOT
+    if b == "1":
+        while time.time() < end:
+            pass
+    else:
+        time.sleep(max(0.0, end - time.time()))
+'''
+RECV_CPU = '''
+import json, sys, time
+start, SLOT = float(sys.argv[1]), 0.02
+while time.time() < start:
+    time.sleep(0.001)
+counts = []
+for i in range(int(sys.argv[2])):
+    end, c = start + (i + 1) * SLOT, 0
+    while time.time() < end:
+        c += 1
+    counts.append(c)
+print(json.dumps(counts))
+'''
+for name in ("read timing", "lookup timing", "CPU contention (concurrent)"):
     errors = bits = 0
     seconds = 0.0
+    size = nbits if "timing" in name else nbits // 4  # 20 ms a bit
     for pair in range(pairs):
-        message = PRE + "".join(random.choice("01") for _ in range(nbits))
-        if name == "read timing":
-            chosen = random.sample(slots, len(message))
-            evict(chosen)
-            send, recv, where = SEND_READ, RECV_READ, chosen
-        else:
-            tag = f"{os.getpid()}-{pair}-{random.getrandbits(48):x}"
-            where = [str(stdlib / f".masenvs-channel-{tag}-{i}") for i in range(len(message))]
-            send, recv = SEND_NAME, RECV_NAME
+        message = PRE + "".join(random.choice("01") for _ in range(size))
         start = time.perf_counter()
-        s = sandbox.run(send, args=[json.dumps(where), message])
-        r = sandbox.run(recv, args=[json.dumps(where)])
-        seconds += time.perf_counter() - start
+        if name == "CPU contention (concurrent)":  # both at once, slots of wall-clock time
+            at = str(time.time() + 1.0)
+            s, r = sandbox.run_many([Job(SEND_CPU, args=[at, message]),
+                                     Job(RECV_CPU, args=[at, str(len(message))])], 2)
+            seconds += time.perf_counter() - start - 1.0
+        else:
+            if name == "read timing":
+                where = random.sample(slots, len(message))
+                evict(where)
+                send, recv = SEND_READ, RECV_READ
+            else:
+                tag = f"{os.getpid()}-{pair}-{random.getrandbits(48):x}"
+                where = [str(stdlib / f".masenvs-channel-{tag}-{i}") for i in range(len(message))]
+                send, recv = SEND_NAME, RECV_NAME
+            s = sandbox.run(send, args=[json.dumps(where), message])
+            r = sandbox.run(recv, args=[json.dumps(where)])
+            seconds += time.perf_counter() - start
         if not (s.ok and r.ok):
             raise SystemExit(f"{name}: {s.stderr[-300:]} {r.stderr[-300:]}")
         got = decode(json.loads(r.stdout))
         errors += sum(a != b for a, b in zip(got[len(PRE):], message[len(PRE):]))
-        bits += nbits
+        bits += size
     p = errors / bits
     h = 0.0 if p in (0.0, 1.0) else -(p * math.log2(p) + (1 - p) * math.log2(1 - p))
-    out[name] = {"error": p, "bits_per_s": bits * (1 - h) / seconds, "bits_per_pair": nbits * (1 - h)}
+    out[name] = {"error": p, "bits_per_s": bits * (1 - h) / seconds, "bits_per_pair": size * (1 - h)}
 sandbox.close()
 print(json.dumps(out))
 """
@@ -213,7 +248,7 @@ def main() -> None:
         trees = {"before": args.before.resolve(), **trees}
     console = Console()
     if args.channels:
-        table = Table(title=f"covert channels, run to next run: {args.pairs} x {args.bits} bits")
+        table = Table(title=f"covert channels between runs: {args.pairs} x {args.bits} bits")
         for column in ("tree", "channel", "bit errors", "bits/pair", "bits/s"):
             table.add_column(column, justify="left" if column in ("tree", "channel") else "right")
         for name, tree in trees.items():
