@@ -421,34 +421,86 @@ class CappedHandler:
 # -- uvicorn listeners ----------------------------------------------------------------------------
 
 
+def open_connections_cap() -> int:
+    """Open connections past which a uvicorn listener closes idle ones to make room: the
+    process's open-files limit (raised first to its hard limit, at most 64k, as Go servers
+    do) less room for one burst of accepts (asyncio accepts up to 2048 before any is seen),
+    at most 1024."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    want = 65536 if hard == resource.RLIM_INFINITY else min(hard, 65536)
+    if soft != resource.RLIM_INFINITY and soft < want:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (want, hard))
+            soft = want
+    if soft == resource.RLIM_INFINITY:
+        return 1024
+    return max(16, min(1024, (soft - 2048) // 2 if soft > 4096 else soft // 4))
+
+
 def head_timeout_protocol() -> type:
-    """uvicorn's h11 protocol, but a connection must send each request head within
-    HEAD_TIMEOUT (after a response: within its keep-alive time plus HEAD_TIMEOUT). uvicorn
-    times out only keep-alive connections that send nothing, and any byte resets that
-    timer: a socket that sends nothing, or a head a byte at a time, would be held for good."""
+    """uvicorn's h11 protocol with two guards against clients that never send a request.
+
+    A connection must send each request head within HEAD_TIMEOUT (after a response: within
+    its keep-alive time plus HEAD_TIMEOUT); uvicorn times out only keep-alive connections
+    that send nothing, and any byte resets that timer, so a socket that sends nothing, or a
+    head a byte at a time, would be held for good. And past `open_connections_cap()` open
+    connections (which also lifts the open-files limit), each new one closes the one that
+    has waited longest for its request head, so idle sockets cannot use up the file
+    descriptors and stop the server accepting.
+    """
     import h11
     from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    cap = open_connections_cap()
 
     class HeadTimeoutH11(H11Protocol):
         _head_timer: Any = None
 
         def connection_made(self, transport: Any) -> None:
             super().connection_made(transport)
-            self._arm(HEAD_TIMEOUT)
+            self._waiting_now()
+            if len(self.connections) > cap:
+                waiting = self._waiting()
+                oldest = next(iter(waiting))
+                if oldest is not self:
+                    del waiting[oldest]
+                    oldest.transport.close()
+
+        def data_received(self, data: bytes) -> None:
+            super().data_received(data)
+            if self.conn.their_state is not h11.IDLE:  # a request head is in
+                self._waiting().pop(self, None)
+                if self._head_timer is not None:
+                    self._head_timer.cancel()
+                    self._head_timer = None
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            self._arm(self.timeout_keep_alive + HEAD_TIMEOUT)
+            if not self.transport.is_closing():
+                self._waiting_now(self.timeout_keep_alive + HEAD_TIMEOUT)
 
         def connection_lost(self, exc: Exception | None) -> None:
+            self._waiting().pop(self, None)
             if self._head_timer is not None:
                 self._head_timer.cancel()
             super().connection_lost(exc)
 
-        def _arm(self, seconds: float) -> None:
+        def _waiting(self) -> dict[Any, None]:
+            """This server's connections waiting for a request head, oldest first."""
+            state = self.server_state
+            if not hasattr(state, "masenvs_waiting"):
+                state.masenvs_waiting = {}
+            return state.masenvs_waiting
+
+        def _waiting_now(self, seconds: float | None = None) -> None:
+            waiting = self._waiting()
+            waiting.pop(self, None)
+            waiting[self] = None  # the newest
             if self._head_timer is not None:
                 self._head_timer.cancel()
-            self._head_timer = self.loop.call_later(seconds, self._head_late)
+            self._head_timer = self.loop.call_later(seconds or HEAD_TIMEOUT, self._head_late)
 
         def _head_late(self) -> None:
             self._head_timer = None

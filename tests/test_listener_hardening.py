@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import os
 import re
+import resource
 import socket
 import subprocess
 import sys
@@ -57,9 +58,18 @@ def cpu_seconds(pid: int) -> float:
 
 
 @contextlib.contextmanager
-def server(args: list[str], ready: str, env: dict[str, str] | None = None) -> Iterator[Any]:
-    """A server process; yields (process, the match of `ready` in its output, output lines
-    so far: a list that keeps growing while the process prints)."""
+def server(
+    args: list[str], ready: str, env: dict[str, str] | None = None, max_files: int = 0
+) -> Iterator[Any]:
+    """A server process (with at most `max_files` open files, if given); yields (process,
+    the match of `ready` in its output, output lines so far: a list that keeps growing
+    while the process prints)."""
+
+    def limit_files() -> None:
+        if max_files:
+            hard = resource.getrlimit(resource.RLIMIT_NOFILE)[1]
+            resource.setrlimit(resource.RLIMIT_NOFILE, (max_files, hard))
+
     environ = {k: v for k, v in os.environ.items() if "API_KEY" not in k}
     proc = subprocess.Popen(
         args,
@@ -67,6 +77,7 @@ def server(args: list[str], ready: str, env: dict[str, str] | None = None) -> It
         stderr=subprocess.STDOUT,
         text=True,
         env={**environ, **(env or {})},
+        preexec_fn=limit_files,
     )
     lines: list[str] = []
     try:
@@ -395,3 +406,29 @@ def test_serve_closes_connections_that_send_no_request(serve: Any) -> None:
     finally:
         idle.close()
         trickle.close()
+
+
+def test_idle_connections_cannot_use_up_the_file_descriptors_of_serve() -> None:
+    # A server started with 256 open files allowed (many systems start processes with
+    # 1024): idle sockets would use them all up, and accept() would fail for everyone.
+    from masenvs.listeners import open_connections_cap
+
+    cap = open_connections_cap()
+    ready = r"at (http://127\.0\.0\.1:(\d+))/v1"
+    args = cli("serve", "--model", "tiny", "--port", "0")
+    with server(args, ready, max_files=256) as (proc, found, out):
+        url, port = found.group(1), int(found.group(2))
+        held = []
+        try:
+            for _ in range(cap + 200):
+                held.append(socket.create_connection(("127.0.0.1", port)))
+            time.sleep(1)
+            started = time.monotonic()
+            reply = httpx.get(f"{url}/v1/models", timeout=5)
+            assert reply.status_code == 200 and time.monotonic() - started < 3
+            files = len(list(Path(f"/proc/{proc.pid}/fd").iterdir()))
+            assert files < cap + 128, (files, cap)  # idle ones were closed to make room
+            assert "Too many open files" not in "".join(out)
+        finally:
+            for sock in held:
+                sock.close()
