@@ -381,8 +381,13 @@ class Sandbox:
         self._isolation = Isolation(
             **{**iso, "notes": tuple(iso["notes"]), "task_data": tuple(iso.get("task_data", ()))}
         )
-        if self.namespaces and not self._isolation.judging_safe:
-            log.warning("masenvs sandbox is weak on this machine: %s", self._isolation)
+        iso = self._isolation
+        if self.namespaces and not iso.judging_safe:
+            log.warning("masenvs sandbox is weak on this machine: %s", iso)
+        elif self.namespaces and not (
+            iso.memory_cgroup and (iso.page_cache_pinned or iso.files_in_ram)
+        ):
+            log.warning("masenvs sandbox: memory or page cache not isolated per run: %s", iso)
         return ours
 
     def _open_run(self) -> socket.socket:

@@ -65,8 +65,10 @@ def _holds_task_data(path: str, name: str) -> bool:
     return (name == ".git" or name.endswith(".git")) and os.path.isdir(f"{path}/objects")
 
 
-def start_pinner() -> tuple[int, int]:
-    """Fork the pinner; returns (its pid, the fd its one-line report arrives on)."""
+def start_pinner(rewarm: bool = True) -> tuple[int, int]:
+    """Fork the pinner; returns (its pid, the fd its one-line report arrives on).
+    `rewarm`: where it cannot lock, load the files again every few seconds (not needed
+    for a copy in RAM, which the kernel does not evict without swap)."""
     r, w = os.pipe()
     pid = os.fork()
     if pid:
@@ -79,14 +81,14 @@ def start_pinner() -> tuple[int, int]:
         libc.prctl(15, ctypes.addressof(name), 0, 0, 0)  # PR_SET_NAME
         os.closerange(3, w)
         os.closerange(w + 1, 4096)
-        _pin(w)
+        _pin(w, rewarm)
     except BaseException:
         code = 1
     finally:
         os._exit(code)
 
 
-def _pin(report_fd: int) -> None:
+def _pin(report_fd: int, rewarm: bool) -> None:
     libc.mmap.restype = ctypes.c_void_p
     libc.mmap.argtypes = [
         ctypes.c_void_p,
@@ -126,7 +128,7 @@ def _pin(report_fd: int) -> None:
     os.write(report_fd, json.dumps({**report, "task_data": task_data[:20]}).encode() + b"\n")
     os.close(report_fd)
     while True:  # hold the mappings until the server dies (PDEATHSIG)
-        if locked:
+        if locked or not rewarm:
             signal.pause()
             continue
         time.sleep(REWARM_SECONDS)

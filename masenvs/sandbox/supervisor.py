@@ -64,7 +64,7 @@ def server_main(ctrl_fd: int, config_json: str) -> None:
         ctrl.send(json.dumps({"error": f"setup failed: {exc!r}"}).encode())
         return
     # Pins what runs can read in the page cache while we import the preloaded modules.
-    pinner = start_pinner() if srv.allow_list else None
+    pinner = start_pinner(rewarm=not config.get("in_ram")) if srv.allow_list else None
     for name in config["preload"]:
         try:
             __import__(name)
@@ -147,7 +147,7 @@ def _note_pinned(srv: ServerState, report: dict, in_ram: bool) -> None:
     if report.get("locked"):
         srv.page_cache_pinned = True
         srv.notes.append(f"page cache: every file a run can read is locked in memory ({size})")
-    else:
+    elif not in_ram:
         srv.notes.append(
             f"page cache NOT pinned ({report.get('error')}): the {size} runs can read are "
             "loaded every few seconds instead, so a run can tell pages the host evicted since"
