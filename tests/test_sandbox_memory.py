@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import textwrap
 
+import pytest
+
 from masenvs.sandbox import Sandbox, SandboxLimits
 
 CHILDREN = textwrap.dedent(
@@ -47,3 +49,19 @@ def test_a_run_within_its_budget_is_ok_whatever_the_runs_before_it() -> None:
             limits = SandboxLimits(cpu_seconds=10, wall_seconds=10, memory_mb=memory_mb)
             res = sb.run(CHILDREN, args=[str(memory_mb // 16)], limits=limits)
             assert res.ok, (memory_mb, res.verdict, res.stdout, res.stderr)
+
+
+def test_without_a_cgroup_the_rlimits_split_the_budget(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Where no memory cgroup can be made, the six children cannot hold 6 x 120 MB either:
+    memory_mb is split between fewer processes, and the notes say so."""
+    from masenvs.sandbox import cgroup
+
+    monkeypatch.setattr(cgroup, "server_cgroup", lambda notes: None)
+    limits = SandboxLimits(cpu_seconds=10, wall_seconds=10, memory_mb=256)
+    with Sandbox(limits) as sb:
+        assert not sb.isolation.memory_cgroup
+        assert any("NO CGROUP" in note for note in sb.isolation.notes)
+        res = sb.run(CHILDREN, args=["120"])
+        assert not res.ok, (res.verdict, res.stdout, res.stderr)
+        numpy = sb.run("import numpy\nprint(numpy.ones(1000).sum())")  # still fits a process
+        assert numpy.ok and numpy.stdout == "1000.0\n", numpy.stderr

@@ -173,6 +173,7 @@ def join(procs_fd: int) -> None:
 
 def processes_for(memory_mb: int, max_processes: int) -> tuple[int, int]:
     """Without a cgroup: (RLIMIT_AS in MB, RLIMIT_NPROC) whose product fits `memory_mb`,
-    giving each process at least 64 MB (an interpreter with numpy needs about that)."""
-    nproc = max(1, min(max_processes, memory_mb // 64))
+    giving each process at least 128 MB of address space (a run that imported numpy
+    holds 106 MB of it)."""
+    nproc = max(1, min(max_processes, memory_mb // 128))
     return memory_mb // nproc, nproc

@@ -209,7 +209,7 @@ def _probe_cgroup(srv: ServerState, version: int) -> None:
     else:
         srv.notes.append(
             "memory per run: NO CGROUP; rlimits split memory_mb: RLIMIT_AS = memory_mb / n "
-            "per process with at most n = max(1, min(max_processes, memory_mb // 64)) processes"
+            "per process with at most n = max(1, min(max_processes, memory_mb // 128)) processes"
         )
 
 
