@@ -478,7 +478,8 @@ def head_timeout_protocol() -> type:
 
         def on_response_complete(self) -> None:
             super().on_response_complete()
-            if not self.transport.is_closing():
+            # IDLE unless a pipelined request is already being answered.
+            if self.conn.their_state is h11.IDLE and not self.transport.is_closing():
                 self._waiting_now(self.timeout_keep_alive + HEAD_TIMEOUT)
 
         def connection_lost(self, exc: Exception | None) -> None:
