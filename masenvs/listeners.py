@@ -10,8 +10,10 @@ printed or logged: `announce` says only "key: set", `scrub_keys` masks `key=` in
 logs. `parse_json` counts the objects, arrays and values a body would parse into before
 parsing it (a 30 MB `[{},{},...]` is ten million dicts), and `read_json_body` reads a body
 that http.server's handlers receive, refusing a missing, negative or oversized length
-before reading a byte of it. `ConnectionCap` bounds a threaded server's connections so
-that idle or trickling clients are closed to make room, never served before a request.
+before reading a byte of it. `ConnectionCap` (threaded servers) and
+`head_timeout_protocol` (uvicorn) close connections that have not sent a request, after a
+timeout or as soon as a new connection needs the room, so idle or trickling clients cannot
+lock others out.
 """
 
 from __future__ import annotations
