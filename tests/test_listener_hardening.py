@@ -10,6 +10,7 @@ auto-MAS gate, 1 MB to `search-serve`; each server's peak memory is read from /p
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import re
 import resource
@@ -124,6 +125,17 @@ def serve() -> Iterator[tuple[subprocess.Popen, str, list[str]]]:
 # -- bounded parsing ---------------------------------------------------------------------------
 
 
+def parsed_size(value: Any) -> tuple[int, int]:
+    """(objects and arrays, values and keys) of a parsed JSON value."""
+    if isinstance(value, dict):
+        inner = [parsed_size(v) for v in value.values()]
+        return 1 + sum(c for c, _ in inner), 1 + len(value) + sum(i for _, i in inner)
+    if isinstance(value, list):
+        inner = [parsed_size(v) for v in value]
+        return 1 + sum(c for c, _ in inner), 1 + sum(i for _, i in inner)
+    return 0, 1
+
+
 def test_the_size_of_a_body_is_counted_before_it_is_parsed() -> None:
     from masenvs.listeners import BodyError, JsonLimits, json_size, parse_json
 
@@ -133,6 +145,11 @@ def test_the_size_of_a_body_is_counted_before_it_is_parsed() -> None:
     text = b'{"content": "f(a, b) {return [a, b];} \\"{[,:\\" \\\\", "n": 1}'
     assert json_size(text) == (1, 5)
     assert parse_json(text, limits)["n"] == 1
+    # Exact for what json.loads builds, whatever the strings hold (escapes included).
+    tricky = ["\\", '\\"', 'a"b', "{[,:]}", "\\\\", "é\u2028", '\\\\"x']
+    for value in [*tricky, {"k": tricky, "m": [[1, {"z": None}], "s"]}, [tricky, {"q": 1}]]:
+        raw = json.dumps(value).encode()
+        assert json_size(raw) == parsed_size(json.loads(raw)), raw
     for body in (empty_objects(10_000), b"[" * 5000, b"[" + b"1," * 5000 + b"1]"):
         with pytest.raises(BodyError) as refused:
             parse_json(body, limits)
