@@ -99,9 +99,21 @@ def replay(env: str, options: dict[str, Any], seed: int, actions: list[list[str]
 # --- masenvs -> verifiers ----------------------------------------------------------------------
 
 
-def test_vf_eval_plays_every_role_and_pays_the_env_reward(served: str, tmp_path: Path) -> None:
-    options = {"size": 4, "max_rounds": 2}
-    episodes = evaluate(tmp_path, served, {"env": "plan_path", "options": options})
+ENVS = [
+    ("plan_path", {"size": 4, "max_rounds": 2}),
+    ("sudoku", {"size": 4, "max_rounds": 1}),
+    ("sokoban", {"max_rounds": 1}),
+    ("math", {"max_rounds": 1}),
+    ("code", {"max_rounds": 1}),
+    ("say", {}),
+]
+
+
+@pytest.mark.parametrize(("name", "options"), ENVS, ids=[name for name, _ in ENVS])
+def test_vf_eval_plays_every_role_and_pays_the_env_reward(
+    served: str, tmp_path: Path, name: str, options: dict[str, Any]
+) -> None:
+    episodes = evaluate(tmp_path, served, {"env": name, "options": options})
     assert len(episodes) == 2
     for episode in episodes:
         assert episode.ok, episode.errors
@@ -109,18 +121,21 @@ def test_vf_eval_plays_every_role_and_pays_the_env_reward(served: str, tmp_path:
         data = trace.task.data
         played = trace.info["masenvs"]["actions"]
         # one model call per env step, each role in turn order, through verifiers' interception
-        assert [role for role, _ in played][:2] == ["tool", "plan"]
-        assert len(trace.assistant_messages) == len(played)
+        roles = masenvs.make(name, **options).possible_agents
+        assert [role for role, _ in played] == [roles[i % len(roles)] for i in range(len(played))]
         assert [m.content for m in trace.assistant_messages] == [a for _, a in played]
-        mirror = replay("plan_path", options, data.seed, played)
+        mirror = replay(name, options, data.seed, played)
+        assert mirror.done  # the whole episode was played
         assert trace.rewards["masenvs"].value == pytest.approx(mirror.reward)
         assert trace.reward == pytest.approx(sum(mirror.returns.values()))
         assert trace.info["masenvs"]["returns"] == pytest.approx(mirror.returns)
+        for level, value in mirror.reward_parts.items():
+            assert trace.metrics[f"reward/{level}"] == pytest.approx(value)
         # each call saw the acting role's prompt exactly as the env rendered it
         prompts = [b.messages[:-1] for b in trace.branches]
-        mirror = TextEpisode("plan_path", options)
+        mirror = TextEpisode(name, options)
         turn = mirror.reset(seed=data.seed)
-        for prompt, (_, action) in zip(prompts, played):
+        for prompt, (_, action) in zip(prompts, played, strict=True):
             assert [{"role": m.role, "content": m.content} for m in prompt] == turn.messages
             turn = mirror.step(action).next
     assert {e.traces[0].task.data.seed for e in episodes} == {0, 1}
@@ -148,18 +163,36 @@ def test_vf_eval_trains_one_role_with_the_others_behind_an_openai_url(
     assert trace.rewards["masenvs"].value == pytest.approx(mirror.returns["plan"])
 
 
-def test_no_hidden_data_in_the_tasks_or_the_traces(served: str, tmp_path: Path) -> None:
-    taskset = {"env": "sudoku", "options": {"size": 4, "max_rounds": 1}}
-    (episode,) = evaluate(tmp_path, served, taskset, n=1)
-    env = masenvs.make("sudoku", size=4, max_rounds=1)
+def secrets(name: str, options: dict[str, Any]) -> list[str]:
+    """What the env keeps from the policy for seed 0, as it would appear in JSON."""
+    env = masenvs.make(name, **options)
     env.reset(seed=0)
-    grid = [list(row) for row in env.task.solution]
-    secrets = [json.dumps(grid), json.dumps(grid, separators=(",", ":")), "solution"]
+    if name == "sudoku":
+        grid = [list(row) for row in env.task.solution]
+        return [json.dumps(grid), json.dumps(grid, separators=(",", ":")), "solution"]
+    public = set(map(repr, env.task.public_tests))
+    hidden = [t for t in env.hidden_tests() if repr(t) not in public]
+    assert hidden
+    found = [json.dumps(t.input)[1:-1] for t in hidden] + [json.dumps(t.output) for t in hidden]
+    found += [json.dumps(env.task.reference_solution)[1:40], "reference_solution"]
+    return [text for text in found if len(text) >= 8]  # shorter ones ('""', '"a"') are anywhere
+
+
+@pytest.mark.parametrize(
+    ("name", "options"), [("sudoku", {"size": 4, "max_rounds": 1}), ("code", {"max_rounds": 1})]
+)
+def test_no_hidden_data_in_the_tasks_or_the_traces(
+    served: str, tmp_path: Path, name: str, options: dict[str, Any]
+) -> None:
+    taskset = {"env": name, "options": options}
+    (episode,) = evaluate(tmp_path, served, taskset, n=1)
+    assert episode.ok, episode.errors
     rows = [t.data.model_dump(exclude_none=True) for t in load_taskset(taskset).take(3)]
     assert {k for row in rows for k in row} <= PUBLIC_FIELDS
     written = [episode.model_dump_json(), *(p.read_text() for p in tmp_path.rglob("*.jsonl"))]
     for text in [json.dumps(rows), *written]:
-        assert not any(secret in text for secret in secrets)
+        leaked = [secret for secret in secrets(name, options) if secret in text]
+        assert not leaked
 
 
 # what a task row holds: which episode to play, nothing of its answer
