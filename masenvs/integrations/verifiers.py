@@ -137,7 +137,7 @@ def plugin() -> dict[str, type]:
                     config.task,
                 )
 
-    # --- the env: one masenvs episode per rollout ---------------------------------------------------
+    # --- the env: one masenvs episode per rollout ---
 
     class OthersConfig(vf.BaseConfig):
         """`--env.others.*`: the fixed player of the roles that are not trained."""
