@@ -135,6 +135,10 @@ def copy_to_ram(layout: Layout, notes: list[str]) -> bool:
                 continue  # files bound alone: their dirs are bundled below
             left_out = tuple(sorted(m for m in layout.masks if _under(m, path) and m != path))
             layout.sources[path] = _ram_copy(path, left_out)
+            if not os.path.exists(layout.sources[path]):  # removed since: copy again
+                _ram_copy.cache_clear()
+                _ram_bundle.cache_clear()
+                layout.sources[path] = _ram_copy(path, left_out)
         _bundle_files(layout)
     except OSError as exc:
         layout.sources.clear()
@@ -146,20 +150,35 @@ def copy_to_ram(layout: Layout, notes: list[str]) -> bool:
 def _bundle_files(layout: Layout) -> None:
     """Replace the files bound one by one in a dir (the libraries, `/etc`'s few files) by one
     bind of a RAM dir that holds them, their symlinks and the mount points of what is bound
-    below: a run's mount namespace, copied at every run, keeps a few mounts instead of 80."""
+    below: a run's mount namespace, copied at every run, keeps a few mounts instead of 80.
+    All bundles are made before the layout changes, so a failure leaves it as it was."""
     groups: dict[str, list[str]] = {}
     for path in layout.binds:
         if not os.path.isdir(path):
             groups.setdefault(os.path.dirname(path), []).append(path)
-    for parent, files in sorted(groups.items()):
-        if len(files) < 2 or any(_under(parent, b) for b in layout.binds if os.path.isdir(b)):
-            continue
+    bound_dirs = [p for p in layout.binds if os.path.isdir(p)]
+    chosen = sorted(
+        parent
+        for parent, files in groups.items()
+        if len(files) >= 2 and not any(_under(parent, d) for d in bound_dirs)
+    )
+    chosen = [p for p in chosen if not any(_under(p, q) and p != q for q in chosen)]  # outermost
+    bundles = []
+    for parent in chosen:
         below = lambda paths, top=parent: [p for p in paths if _under(p, top) and p != top]  # noqa: E731
+        files = groups[parent]
         links = {link: layout.links[link] for link in below(layout.links)}
-        dirs = below([p for p in layout.binds if os.path.isdir(p)] + layout.masks)
-        dirs += below(layout.late_binds)
-        spec = (parent, tuple(sorted(files)), tuple(sorted(links.items())), tuple(sorted(dirs)))
-        layout.sources[parent] = _ram_bundle(spec, tuple(os.stat(f).st_mtime_ns for f in files))
+        points = below([b for b in layout.binds if b not in files] + layout.masks)
+        points += below(layout.late_binds)
+        spec = (parent, tuple(sorted(files)), tuple(sorted(links.items())), tuple(sorted(points)))
+        stamp = tuple(os.stat(f).st_mtime_ns for f in files)
+        source = _ram_bundle(spec, stamp)
+        if not os.path.isdir(source):  # removed since: make it again
+            _ram_bundle.cache_clear()
+            source = _ram_bundle(spec, stamp)
+        bundles.append((parent, files, links, source))
+    for parent, files, links, source in bundles:
+        layout.sources[parent] = source
         layout.binds = [b for b in layout.binds if b not in files] + [parent]
         for link in links:
             del layout.links[link]

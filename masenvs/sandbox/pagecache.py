@@ -167,5 +167,5 @@ def read_report(fd: int, timeout: float = 120.0) -> dict:
             "bytes": 0,
             "locked": False,
             "error": "the pinner did not report",
-            "task_data": [],
+            "task_data": ["(unchecked: the pinner did not report)"],  # so judges refuse
         }
