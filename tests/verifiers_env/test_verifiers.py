@@ -12,11 +12,13 @@ import asyncio
 import json
 import os
 import re
+import socket
 import subprocess
 import sys
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -235,13 +237,54 @@ def test_bad_input_is_one_clear_error(
         vf.load_environment(config)
 
 
-def test_a_malformed_action_gets_the_env_penalty_not_an_error() -> None:
-    """The harness-free path: the env's `run()` steps whatever the policy said."""
-    mirror = replay("plan_path", {"size": 4, "max_rounds": 1}, 0, [["tool", "\x00{{{"]])
-    episode = TextEpisode("plan_path", {"size": 4, "max_rounds": 1})
-    episode.reset(seed=0)
-    result = episode.step("\x00{{{")
-    assert result.reward == pytest.approx(mirror.returns["tool"]) and result.reward < 0
+@contextmanager
+def scripted(reply: str) -> Iterator[str]:
+    """An OpenAI-compatible chat server on loopback that answers every call with `reply`."""
+    import uvicorn
+    from starlette.applications import Starlette
+    from starlette.responses import JSONResponse
+    from starlette.routing import Route
+
+    async def chat(request: Any) -> JSONResponse:
+        body = await request.json()
+        message = {"role": "assistant", "content": reply}
+        choice = {"index": 0, "message": message, "finish_reason": "stop"}
+        usage = {"prompt_tokens": 1, "completion_tokens": 1, "total_tokens": 2}
+        answer = {"id": "x", "object": "chat.completion", "created": 0, "model": body["model"]}
+        return JSONResponse({**answer, "choices": [choice], "usage": usage})
+
+    async def models(request: Any) -> JSONResponse:
+        return JSONResponse({"object": "list", "data": [{"id": "scripted", "object": "model"}]})
+
+    routes = [Route("/v1/chat/completions", chat, methods=["POST"]), Route("/v1/models", models)]
+    app = Starlette(routes=routes)
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    server = uvicorn.Server(uvicorn.Config(app, log_level="warning"))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    while not server.started:
+        time.sleep(0.05)
+    try:
+        yield f"http://127.0.0.1:{sock.getsockname()[1]}/v1"
+    finally:
+        server.should_exit = True
+        thread.join(10)
+
+
+def test_a_malformed_reply_is_the_env_invalid_move_with_its_penalty(tmp_path: Path) -> None:
+    """Whatever the policy says reaches the env as it was said: no error, the env's penalty."""
+    malformed = "  \x00{{{ not a move\n"
+    options = {"size": 4, "max_rounds": 1}
+    with scripted(malformed) as url:
+        (episode,) = evaluate(tmp_path, url, {"env": "plan_path", "options": options}, n=1)
+    assert episode.ok, episode.errors
+    (trace,) = episode.traces
+    assert trace.info["masenvs"]["actions"] == [["tool", malformed], ["plan", malformed]]
+    mirror = replay("plan_path", options, 0, [["tool", malformed], ["plan", malformed]])
+    assert mirror.reward < 0  # plan_path's format penalty, for each role
+    assert trace.rewards["masenvs"].value == pytest.approx(mirror.reward)
+    assert trace.info["masenvs"]["returns"] == pytest.approx(mirror.returns)
 
 
 def docs_blocks(section: str) -> list[tuple[str, str]]:
