@@ -5,6 +5,8 @@ The package front door: `Sandbox`, its limits and results. One file per process 
 - layout.py: the allow-list root (bubblewrap arguments) and the staged server copy;
 - supervisor.py: the zygote server and the supervisor it forks per run;
 - runsetup.py, seccomp.py: namespaces, mounts, capabilities and the seccomp filter;
+- cgroup.py: the memory cgroup of each run; pagecache.py: the pinner, which locks what runs
+  read in memory and finds task data they could read;
 - program.py: a run's namespace init and the program itself;
 - limits.py: `SandboxLimits`, verdicts and the rlimits behind them; wire.py: the messages.
 The server runs a staged copy of this package's modules with the standard library only (see
