@@ -135,6 +135,7 @@ def test_probing_syscalls_are_refused(sb: Sandbox) -> None:
                 "mincore": refused(lambda: sys_(27, ctypes.c_void_p(0), 4096, ctypes.c_void_p(0))),
                 "cachestat": refused(lambda: sys_(451, fd, ctypes.c_void_p(0), ctypes.c_void_p(0), 0)),
                 "io_uring": refused(lambda: sys_(425, 8, ctypes.c_void_p(0))),
+                "aio": refused(lambda: sys_(206, 8, ctypes.byref(ctypes.c_ulong(0)))),
             }
             # Reading normally still works, with or without the other preadv2 flags.
             assert os.preadv(fd, [bytearray(4)], 0) == 4

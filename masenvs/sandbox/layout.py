@@ -131,7 +131,7 @@ def copy_to_ram(layout: Layout, notes: list[str]) -> bool:
         if st.st_uid != os.geteuid() or st.st_mode & 0o022:
             raise OSError(f"{RAM_COPIES} is not ours alone")  # someone could plant files
         for path in [*layout.binds, *layout.late_binds, layout.stage]:
-            if not os.path.isdir(path):
+            if not os.path.isdir(path) and path not in layout.late_binds:
                 continue  # files bound alone: their dirs are bundled below
             left_out = tuple(sorted(m for m in layout.masks if _under(m, path) and m != path))
             layout.sources[path] = _ram_copy(path, left_out)
@@ -150,7 +150,8 @@ def copy_to_ram(layout: Layout, notes: list[str]) -> bool:
 def _bundle_files(layout: Layout) -> None:
     """Replace the files bound one by one in a dir (the libraries, `/etc`'s few files) by one
     bind of a RAM dir that holds them, their symlinks and the mount points of what is bound
-    below: a run's mount namespace, copied at every run, keeps a few mounts instead of 80.
+    below: a run's mount namespace, copied at every run, keeps a few mounts instead of 80,
+    and every file a run reads is in RAM.
     All bundles are made before the layout changes, so a failure leaves it as it was."""
     groups: dict[str, list[str]] = {}
     for path in layout.binds:
@@ -158,9 +159,7 @@ def _bundle_files(layout: Layout) -> None:
             groups.setdefault(os.path.dirname(path), []).append(path)
     bound_dirs = [p for p in layout.binds if os.path.isdir(p)]
     chosen = sorted(
-        parent
-        for parent, files in groups.items()
-        if len(files) >= 2 and not any(_under(parent, d) for d in bound_dirs)
+        parent for parent, files in groups.items() if not any(_under(parent, d) for d in bound_dirs)
     )
     chosen = [p for p in chosen if not any(_under(p, q) and p != q for q in chosen)]  # outermost
     bundles = []

@@ -34,6 +34,8 @@ _SECCOMP_ARCH = {
             "io_uring_setup": 425,
             "io_uring_enter": 426,
             "io_uring_register": 427,
+            "io_setup": 206,
+            "io_submit": 209,
         },
     ),
     "aarch64": (
@@ -58,6 +60,8 @@ _SECCOMP_ARCH = {
             "io_uring_setup": 425,
             "io_uring_enter": 426,
             "io_uring_register": 427,
+            "io_setup": 0,
+            "io_submit": 2,
         },
     ),
 }
@@ -78,7 +82,8 @@ _DENIED = (
     "perf_event_open",
 )
 # Unsupported (ENOSYS), as on a kernel without them: the keyrings of the reused run uids
-# outlive a run; io_uring's reads carry their flags where seccomp cannot see them.
+# outlive a run; io_uring's and Linux AIO's reads carry their flags (RWF_NOWAIT) where
+# seccomp cannot see them.
 _ABSENT = (
     "add_key",
     "request_key",
@@ -86,6 +91,8 @@ _ABSENT = (
     "io_uring_setup",
     "io_uring_enter",
     "io_uring_register",
+    "io_setup",
+    "io_submit",
 )
 
 
