@@ -17,7 +17,7 @@ from rich.table import Table
 from rich.text import Text
 
 from masenvs.overrides import parse_overrides
-from masenvs.registry import env_class, list_envs, make
+from masenvs.registry import env_class, list_bridges, list_envs, make
 
 # command -> "module:function" taking argv and returning an exit code.
 COMMANDS: dict[str, tuple[str, str]] = {
@@ -62,6 +62,10 @@ def cmd_list(args: argparse.Namespace, console: Console) -> int:
             continue
         table.add_row(name, ", ".join(cls.roles), cls.solo_role, ", ".join(cls.render_modes()))
     console.print(table)
+    console.print(
+        f"Also {', '.join(list_bridges())}: another framework's environment (an OpenEnv "
+        "server by URL, a verifiers taskset) as a masenvs env; see docs/integrations.md."
+    )
     return 0
 
 

@@ -22,8 +22,22 @@ def register(name: str, entry_point: str) -> None:
     register_gymnasium(name)
 
 
+# Envs that play another framework's environment (a server by URL, a verifiers taskset): a
+# config names them like any env, but they are no task of their own, so `list_envs` (and
+# every test looping over the task envs) leaves them out. Imported on first use too.
+_BRIDGES: dict[str, str] = {
+    "openenv": "masenvs.integrations.from_openenv:OpenEnvEnv",
+    "verifiers": "masenvs.integrations.from_verifiers:VerifiersEnv",
+}
+
+
 def list_envs() -> list[str]:
+    """The task envs (`list_bridges` names the envs that wrap another framework's)."""
     return sorted(_ENVS)
+
+
+def list_bridges() -> list[str]:
+    return sorted(_BRIDGES)
 
 
 class UnknownEnvError(KeyError):
@@ -34,13 +48,32 @@ class UnknownEnvError(KeyError):
 
 
 def env_class(name: str) -> type[MASEnv]:
-    if name not in _ENVS:
-        known = ", ".join(list_envs())
-        close = difflib.get_close_matches(str(name), list_envs(), n=1)
+    entry = _ENVS.get(name) or _BRIDGES.get(name)
+    if entry is None:
+        names = [*list_envs(), *list_bridges()]
+        close = difflib.get_close_matches(str(name), names, n=1)
         hint = f"did you mean {close[0]!r}? " if close else ""
-        raise UnknownEnvError(f"unknown environment {name!r}; {hint}known environments: {known}")
-    module, _, attr = _ENVS[name].partition(":")
-    return getattr(importlib.import_module(module), attr)
+        raise UnknownEnvError(
+            f"unknown environment {name!r}; {hint}known environments: {', '.join(list_envs())} "
+            f"(and {', '.join(list_bridges())}, which play another framework's environments)"
+        )
+    module, _, attr = entry.partition(":")
+    try:
+        return getattr(importlib.import_module(module), attr)
+    except ImportError as exc:
+        if name not in _BRIDGES:
+            raise
+        raise ImportError(
+            f"environment {name!r} needs {exc.name or 'a package that is missing'}: "
+            f"{_BRIDGE_INSTALL[name]} (docs/integrations.md)"
+        ) from exc
+
+
+_BRIDGE_INSTALL = {
+    "openenv": "pip install 'masenvs[integrations]'",
+    "verifiers": "install masenvs[verifiers] in an environment of its own "
+    "(scripts/verifiers_env.sh)",
+}
 
 
 def check_options(name: str, options: dict[str, Any]) -> None:

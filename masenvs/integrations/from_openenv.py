@@ -14,7 +14,7 @@ Branching (AT-GRPO's K candidates per turn) needs the OpenEnv env to be determin
 seed and the moves played: `restore` only changes local state, and a branch's own session is
 brought to it by resetting with the task's seed and replaying the moves it lacks.
 
-Importing this module registers the env as `openenv`: `env.name=openenv`,
+A config names it `openenv` (no import needed: the registry knows it): `env.name=openenv`,
 `env.options={url: http://127.0.0.1:8000, team: [coach, player]}`. The server must allow
 (rollout.branches + 1) x rollout.tasks_per_step concurrent sessions (`max_concurrent_envs`).
 """
@@ -35,7 +35,6 @@ from openenv.core.generic_client import GenericEnvClient
 from pydantic import Field
 
 from masenvs.env import EnvConfig, EpisodeState, MASEnv, Message, RewardParts
-from masenvs.registry import register
 
 
 class OpenEnvConfig(EnvConfig):
@@ -336,6 +335,3 @@ def _close_soon(client: GenericEnvClient) -> None:
     """Close a connection without waiting (also from a finalizer)."""
     if _loop is not None and _loop_pid == os.getpid() and not _loop.is_closed():
         asyncio.run_coroutine_threadsafe(client.close(), _loop)
-
-
-register("openenv", f"{__name__}:OpenEnvEnv")

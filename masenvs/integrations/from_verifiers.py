@@ -10,7 +10,7 @@ is the team reward, paid when the episode ends, and the task is solved at `succe
 (answers, tests) reach only the rubric. Rewards that need a runtime (a sandbox) and LLM judges
 cannot score here: such a taskset is refused when the env is built.
 
-Importing this module registers the env as `verifiers`, so a train config names it:
+A train config names it `verifiers` (the registry knows it; no import needed):
 `env.name=verifiers`, `env.options={taskset: my-taskset}`.
 """
 
@@ -27,7 +27,6 @@ import numpy as np
 from pydantic import Field
 
 from masenvs.env import EnvConfig, EpisodeState, MASEnv, Message, RewardParts
-from masenvs.registry import register
 
 if TYPE_CHECKING:  # imported where used: verifiers lives in a venv of its own
     import verifiers.v1 as vf
@@ -193,6 +192,3 @@ class VerifiersEnv(MASEnv):
     def render_text(self) -> str:
         scores = [f"{r:g}" for _, r in (self.state.attempts if self.state else [])]
         return f"{self.name}:{self.config.taskset} task {self.task} scores {scores}"
-
-
-register("verifiers", f"{__name__}:VerifiersEnv")
