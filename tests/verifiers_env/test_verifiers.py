@@ -347,9 +347,20 @@ def test_a_verifiers_taskset_passes_the_env_contract() -> None:
     parallel_api_test(VerifiersEnv(taskset="vf-say-taskset"), num_cycles=3)
 
 
+def test_the_taskset_config_reaches_the_taskset() -> None:
+    env = VerifiersEnv(taskset="vf-say-taskset", taskset_options={"words": ["Maybe"]})
+    observations, _ = env.reset(seed=3)
+    assert "letter 'M' and has 5 letters" in observations["solver"]
+    assert env.step({"solver": "Maybe"})[1]["solver"] == 1.0
+
+
 def test_a_verifiers_taskset_with_bad_input_says_so() -> None:
     with pytest.raises(Exception, match="vf-no-such-taskset"):
         VerifiersEnv(taskset="vf-no-such-taskset")
+    with pytest.raises(ValueError, match="reward 'file_written' needs a runtime"):
+        VerifiersEnv(taskset="vf-runtime-taskset")
+    with pytest.raises(Exception, match="words"):
+        VerifiersEnv(taskset="vf-say-taskset", taskset_options={"words": "Yes"})
     with pytest.raises(Exception, match="unknown option 'tasket'"):
         masenvs.make("verifiers", tasket="vf-say-taskset")
 
