@@ -6,6 +6,7 @@ Runs in the server from a staged copy: standard library only.
 from __future__ import annotations
 
 import ctypes
+import functools
 
 from .runsetup import check, libc
 
@@ -100,12 +101,23 @@ def filter_covert_syscalls() -> None:
     """Install a seccomp filter (inherited by every child) against covert channels between
     runs: file locks, inotify, page-cache residency, keyrings; syscalls of another
     architecture's ABI are refused outright."""
+    fprog = compiled_filter()
+    if fprog is None:
+        return
+    # prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog): no_new_privs is already set.
+    check(libc.prctl(22, 2, ctypes.addressof(fprog), 0, 0), "seccomp")
+
+
+@functools.cache
+def compiled_filter() -> ctypes.Structure | None:
+    """The filter as a `struct sock_fprog`, built once (the server builds it before it forks
+    runs); None on an architecture we have no syscall numbers for."""
     import errno
     import platform
 
     spec = _SECCOMP_ARCH.get(platform.machine())
     if spec is None:
-        return
+        return None
     arch, x32, nr = spec
     allow, fake_ok = 0x7FFF0000, 0x00050000
     deny, absent = 0x00050000 | errno.EPERM, 0x00050000 | errno.ENOSYS
@@ -166,5 +178,5 @@ def filter_covert_syscalls() -> None:
         *(Filter(c, jump(i, t), jump(i, f), k) for i, (c, t, f, k) in enumerate(prog))
     )
     fprog = Program(len(prog), code)
-    # prctl(PR_SET_SECCOMP, SECCOMP_MODE_FILTER, &fprog): no_new_privs is already set.
-    check(libc.prctl(22, 2, ctypes.addressof(fprog), 0, 0), "seccomp")
+    fprog._keep = code  # the instructions live as long as the program struct
+    return fprog

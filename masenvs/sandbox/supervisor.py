@@ -37,6 +37,7 @@ from .runsetup import (
     setup_server,
     unshare,
 )
+from .seccomp import compiled_filter
 from .wire import BIND_NAME, recv_msg, send_msg
 
 
@@ -63,6 +64,7 @@ def server_main(ctrl_fd: int, config_json: str) -> None:
     except Exception as exc:  # report, never crash silently
         ctrl.send(json.dumps({"error": f"setup failed: {exc!r}"}).encode())
         return
+    compiled_filter()  # built once here, not in every run
     # Pins what runs can read in the page cache while we import the preloaded modules.
     pinner = start_pinner(rewarm=not config.get("in_ram")) if srv.allow_list else None
     for name in config["preload"]:
