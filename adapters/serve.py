@@ -18,7 +18,7 @@ from masenvs.engine.args import EngineArgs
 from masenvs.listeners import (
     API_KEY_ENV,
     ListenerError,
-    add_key_arguments,
+    add_listener_arguments,
     announce,
     head_timeout_protocol,
     key_from,
@@ -67,14 +67,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="URL of a running `vllm serve`; without it masenvs launches one "
         "($MASENVS_VLLM_BIN names the vllm executable)",
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    add_key_arguments(parser, API_KEY_ENV)  # --api-key-file PATH or $MASENVS_API_KEY
-    parser.add_argument(
-        "--no-auth",
-        action="store_true",
-        help="listen beyond loopback with no API key anyway (prints a warning)",
-    )
+    add_listener_arguments(parser, API_KEY_ENV)  # --api-key-file PATH or $MASENVS_API_KEY
     parser.add_argument("--traces", help="directory where every call is recorded")
     parser.add_argument(
         "--fsync",

@@ -124,6 +124,22 @@ def add_key_arguments(
     )
 
 
+def add_listener_arguments(
+    parser: Any, env: str = API_KEY_ENV, port: int = 8000, no_auth: bool = True
+) -> None:
+    """The flags every masenvs server takes: `--host` (loopback by default), `--port`, the key
+    (`add_key_arguments`) and, where a server may listen openly, `--no-auth`."""
+    parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--port", type=int, default=port, help="0 picks a free port")
+    add_key_arguments(parser, env)
+    if no_auth:
+        parser.add_argument(
+            "--no-auth",
+            action="store_true",
+            help="listen beyond loopback with no API key anyway (prints a warning)",
+        )
+
+
 def key_from(args: argparse.Namespace, env: str = API_KEY_ENV) -> str | None:
     """The key of `add_key_arguments`' flags: the file's (stripped), else $`env`, else None;
     ListenerError for a key on the command line or a file that cannot be read."""

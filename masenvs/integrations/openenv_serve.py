@@ -15,7 +15,7 @@ from masenvs.integrations.episode import TextEpisode, openai_player
 from masenvs.listeners import (
     API_KEY_ENV,
     ListenerError,
-    add_key_arguments,
+    add_listener_arguments,
     announce,
     key_from,
     listener_key,
@@ -47,14 +47,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--others-model", help="model name sent to --others-url (default: the role's name)"
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    add_key_arguments(parser, API_KEY_ENV)  # --api-key-file PATH or $MASENVS_API_KEY
-    parser.add_argument(
-        "--no-auth",
-        action="store_true",
-        help="listen beyond loopback with no API key anyway (prints a warning)",
-    )
+    add_listener_arguments(parser, API_KEY_ENV)  # --api-key-file PATH or $MASENVS_API_KEY
     parser.add_argument(
         "--max-sessions", type=int, default=256, help="concurrent sessions (default: 256)"
     )

@@ -24,7 +24,7 @@ from masenvs.listeners import (
     ConnectionCap,
     JsonLimits,
     ListenerError,
-    add_key_arguments,
+    add_listener_arguments,
     announce,
     key_from,
     key_matches,
@@ -144,14 +144,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="masenvs search-serve", description="Serve BM25 over a corpus JSONL at /retrieve."
     )
     parser.add_argument("corpus", help='JSONL of {"id","contents"} or {"id","title","text"}')
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8000, help="0 picks a free port")
-    add_key_arguments(parser, API_KEY_ENV)  # --api-key-file PATH or $MASENVS_SEARCH_API_KEY
-    parser.add_argument(
-        "--no-auth",
-        action="store_true",
-        help="listen beyond loopback with no key anyway (prints a warning)",
-    )
+    add_listener_arguments(parser, API_KEY_ENV)  # --api-key-file PATH or $MASENVS_SEARCH_API_KEY
     parser.add_argument(
         "--max-topk", type=int, default=MAX_TOPK, help=f"most documents per query ({MAX_TOPK})"
     )

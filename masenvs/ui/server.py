@@ -34,7 +34,7 @@ from starlette.templating import Jinja2Templates
 from masenvs.listeners import (
     API_KEY_ENV,
     ListenerError,
-    add_key_arguments,
+    add_listener_arguments,
     head_timeout_protocol,
     is_loopback,
     key_from,
@@ -406,9 +406,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="RUN_DIR",
         help="run directories, eval reports (eval-*.json) or folders of them (default: runs)",
     )
-    parser.add_argument("--host", default="127.0.0.1")
-    parser.add_argument("--port", type=int, default=8765, help="0 picks a free port")
-    add_key_arguments(parser, API_KEY_ENV)  # --api-key-file PATH or $MASENVS_API_KEY
+    # --api-key-file PATH or $MASENVS_API_KEY; beyond loopback the UI always needs a key
+    add_listener_arguments(parser, API_KEY_ENV, port=8765, no_auth=False)
     parser.add_argument("--log-level", default="warning")
     return parser
 
