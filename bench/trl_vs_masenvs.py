@@ -32,6 +32,7 @@ import subprocess
 import sys
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,7 @@ if sys.path and Path(sys.path[0]).resolve() == Path(__file__).resolve().parent:
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "quickstart.yaml"
 TIME = "/usr/bin/time"
+MICRO_BATCH = 4  # TRL completions per forward/backward
 
 
 @dataclass
@@ -121,7 +123,7 @@ def masenvs_result(out: Path) -> RunResult:
         val_success=[float(r["val/success"]) for r in val],
         train_steps=[int(r["step"]) for r in train],
         train_success=[float(r.get("train/plan_success", r.get("train/success"))) for r in train],
-        val_s=sum(float(r.get("time/validation", 0.0)) for r in val),
+        val_s=float("nan"),  # masenvs logs no validation time
     )
 
 
@@ -131,7 +133,7 @@ def masenvs_result(out: Path) -> RunResult:
 def start_serve(model: str, log: Path) -> tuple[subprocess.Popen[str], str]:
     """`masenvs serve --route tool=base` on a free loopback port: the fixed `tool` player."""
     command = [sys.executable, "-m", "masenvs.cli", "serve", "--model", model]
-    command += ["--route", "tool=base", "--port", "0"]
+    command += ["--route", "tool=base", "--port", "0", "--batch-invariant", "auto"]
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     assert server.stdout is not None
     lines: list[str] = []
@@ -184,10 +186,12 @@ def held_out(model: Any, tokenizer: Any, game: Any, seeds: list[int], max_tokens
     import torch
 
     games = [game.factory() for _ in seeds]
+    with ThreadPoolExecutor(len(seeds)) as pool:  # the served tool answers them in one batch
+        observations = list(pool.map(lambda g, seed: g.reset(seed=seed), games, seeds))
     texts = []
-    for g, seed in zip(games, seeds, strict=True):
+    for g, observation in zip(games, observations, strict=True):
         prompt = game.dataset(1)[0]["prompt"]
-        prompt[-1]["content"] += g.reset(seed=seed)
+        prompt[-1]["content"] += observation
         texts.append(
             tokenizer.apply_chat_template(
                 prompt, tools=[g.answer], add_generation_prompt=True, tokenize=False
@@ -224,12 +228,14 @@ def held_out(model: Any, tokenizer: Any, game: Any, seeds: list[int], max_tokens
 def trl_worker(url: str, out: Path, steps: int, model_name: str | None) -> None:
     import torch
     from peft import LoraConfig
+    from torch.optim.lr_scheduler import LambdaLR
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
 
     from masenvs.engine.loading import load_model
     from masenvs.integrations.episode import openai_player
     from masenvs.integrations.trl import environment, tool_tokenizer
+    from masenvs.trainer.learner import lr_at
 
     cfg = quickstart(steps, model_name)
     torch.manual_seed(cfg.seed)
@@ -269,6 +275,10 @@ def trl_worker(url: str, out: Path, steps: int, model_name: str | None) -> None:
         def on_train_begin(self, args: Any, state: Any, control: Any, model: Any = None, **kw: Any):
             self._validate(0, model)
 
+        def on_log(self, args: Any, state: Any, control: Any, **kw: Any):
+            history = json.dumps(state.log_history, indent=1)
+            (out / "trl" / "log_history.json").write_text(history)
+
         def on_step_begin(self, args: Any, state: Any, control: Any, **kw: Any):
             self.started = time.perf_counter()
 
@@ -278,7 +288,19 @@ def trl_worker(url: str, out: Path, steps: int, model_name: str | None) -> None:
             if state.global_step % every == 0 or state.global_step == state.max_steps:
                 self._validate(state.global_step, model)
 
-    trainer = GRPOTrainer(
+    class Trainer(GRPOTrainer):
+        """GRPOTrainer with masenvs' learning-rate schedule (`lr_at`: warmup from lr/warmup at
+        the first step, then cosine to the floor); HF's starts at 0, losing a step of 10."""
+
+        def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
+            if self.lr_scheduler is None:
+                self.lr_scheduler = LambdaLR(
+                    optimizer or self.optimizer,
+                    lambda i: lr_at(i, cfg.optim, steps) / cfg.optim.lr,
+                )
+            return self.lr_scheduler
+
+    trainer = Trainer(
         model=model,
         processing_class=tokenizer,
         reward_funcs=game.reward,
@@ -295,14 +317,14 @@ def trl_worker(url: str, out: Path, steps: int, model_name: str | None) -> None:
         args=GRPOConfig(
             output_dir=str(out / "trl" / "out"),
             max_steps=steps,
-            per_device_train_batch_size=tasks * k,  # completions: 8 tasks x 4 episodes
+            # 8 tasks x 4 episodes per optimizer step, fed 4 completions at a time (32 at once
+            # took 19.7 GB and was OOM-killed; masenvs feeds 512-token micro-batches).
+            per_device_train_batch_size=MICRO_BATCH,
+            gradient_accumulation_steps=tasks * k // MICRO_BATCH,
             num_generations=k,
             max_completion_length=cfg.rollout.max_tokens,
             temperature=cfg.rollout.temperature,
             learning_rate=cfg.optim.lr,
-            warmup_steps=cfg.optim.warmup_steps,
-            lr_scheduler_type="cosine_with_min_lr",
-            lr_scheduler_kwargs={"min_lr_rate": cfg.optim.min_lr_ratio},
             weight_decay=cfg.optim.weight_decay,
             max_grad_norm=cfg.optim.grad_clip,
             beta=cfg.algorithm.kl_coef,
@@ -327,8 +349,9 @@ def trl_worker(url: str, out: Path, steps: int, model_name: str | None) -> None:
 def trl_result(out: Path) -> RunResult:
     rows = [json.loads(line) for line in (out / "trl" / "metrics.jsonl").open()]
     history = json.loads((out / "trl" / "log_history.json").read_text())
-    wall, cpu_s, rss = time_v(out / "trl.time")
-    serve = json.loads((out / "serve.json").read_text())
+    finished = (out / "trl.time").exists() and (out / "serve.json").exists()
+    wall, cpu_s, rss = time_v(out / "trl.time") if finished else (float("nan"),) * 3
+    serve = json.loads((out / "serve.json").read_text()) if finished else {}
     val = [r for r in rows if "val/success" in r]
     train = [h for h in history if "plan_path/success" in h]
     return RunResult(
@@ -336,8 +359,8 @@ def trl_result(out: Path) -> RunResult:
         wall_s=wall,
         cpu_s=cpu_s,
         peak_rss_mb=rss,
-        helper_cpu_s=serve["cpu_s"],
-        helper_peak_rss_mb=serve["peak_rss_mb"],
+        helper_cpu_s=serve.get("cpu_s", float("nan")),
+        helper_peak_rss_mb=serve.get("peak_rss_mb", float("nan")),
         val_steps=[int(r["step"]) for r in val],
         val_success=[float(r["val/success"]) for r in val],
         train_steps=[int(h["step"]) for h in train],
