@@ -59,7 +59,8 @@ class RunResult:
     val_steps: list[int]
     val_success: list[float]  # greedy success on the held-out seeds at val_steps
     train_steps: list[int]
-    train_success: list[float]  # the share of sampled plan answers that reached G, per step
+    train_success: list[float]  # masenvs: tasks whose committed (best-of-K) path reached G;
+    # TRL: sampled episodes that did, per step
     val_s: float  # seconds spent validating, inside wall_s
 
 
@@ -385,6 +386,14 @@ def cpu() -> dict[str, Any]:
     }
 
 
+def span(r: RunResult, steps: int) -> str:
+    """`12.3 min`, or how far an unfinished run got."""
+    done = max(r.train_steps, default=0)
+    if r.wall_s == r.wall_s and done >= steps:  # not NaN: the run finished
+        return f"{r.wall_s / 60:.1f} min"
+    return f"unfinished ({done} of {steps} steps)"
+
+
 def plot(results: list[RunResult], path: Path, steps: int) -> None:
     import matplotlib
 
@@ -399,7 +408,10 @@ def plot(results: list[RunResult], path: Path, steps: int) -> None:
             r.train_steps, [100 * s for s in r.train_success], ".-", color=color, label=r.name
         )
     left.set_title("held-out greedy success (32 tasks, seeds 1000000+)")
-    right.set_title("training: sampled plan answers that reach G")
+    right.set_title(
+        "training episodes that reach G\n(masenvs: each task's committed best-of-K path; TRL: every episode)",
+        fontsize=9,
+    )
     for ax in (left, right):
         ax.set_xlabel("training step (64 env steps each)")
         ax.set_ylabel("%")
@@ -408,8 +420,8 @@ def plot(results: list[RunResult], path: Path, steps: int) -> None:
         ax.grid(alpha=0.3)
     left.legend(loc="upper left", fontsize=8)
     fig.suptitle(
-        "plan_path 4x4, SmolLM2-135M, LoRA r=8, lr 1e-3, K=4, T=0.7: "
-        + ", ".join(f"{r.name.split(' (')[0]} {r.wall_s / 60:.1f} min" for r in results),
+        "plan_path 4x4, SmolLM2-135M, LoRA r=8, lr 1e-3, K=4, T=0.7, 8 tasks/step: "
+        + ", ".join(f"{r.name.split(' (')[0]} {span(r, steps)}" for r in results),
         fontsize=9,
     )
     fig.tight_layout()
@@ -431,7 +443,7 @@ def report(out: Path, steps: int, figure: Path | None) -> None:
         cpu_helper = f" + serve {r.helper_cpu_s / 60:.1f}" if r.helper_cpu_s else ""
         rss_helper = f" + serve {r.helper_peak_rss_mb:.0f} MB" if r.helper_peak_rss_mb else ""
         print(
-            f"{r.name}: wall {r.wall_s / 60:.1f} min (validation {r.val_s / 60:.1f}), "
+            f"{r.name}: {span(r, steps)}, wall {r.wall_s / 60:.1f} min, "
             f"CPU {r.cpu_s / 60:.1f}{cpu_helper} min, peak RSS {r.peak_rss_mb:.0f} MB"
             f"{rss_helper}; held-out success {val}"
         )
