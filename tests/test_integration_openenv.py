@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import json
+import os
 import re
 import socket
 import subprocess
@@ -159,6 +160,18 @@ class FixedOpenAI(BaseHTTPRequestHandler):
 
     def log_message(self, *args: Any) -> None:
         pass
+
+
+@pytest.fixture(autouse=True)
+def no_proxy_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """openenv-core's client sets NO_PROXY while it connects and restores it; concurrent
+    connects of the official client in these tests must not leave it set for later tests."""
+    for name in ("NO_PROXY", "no_proxy"):
+        if name in os.environ:
+            monkeypatch.setenv(name, os.environ[name])  # put back as it is now
+        else:  # recorded as absent (a bare delenv of an absent name records nothing)
+            monkeypatch.setenv(name, "")
+            monkeypatch.delenv(name)
 
 
 @pytest.fixture
@@ -595,6 +608,25 @@ def test_an_openenv_env_is_a_masenvs_env(openenv_url: str, registered: str) -> N
     assert rewards == {"coach": 0.0, "player": 0.0}
     env.close()
     parallel_api_test(make(registered, url=openenv_url, observation_field="prompt"), num_cycles=3)
+
+
+def test_concurrent_openenv_envs_leave_no_proxy_setting_behind(
+    openenv_url: str, registered: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # openenv-core's connect sets NO_PROXY for a loopback URL and puts back what it found:
+    # connects interleaved on one loop used to leave it set for good, and every later child
+    # process (and langchain-openai, which then warns on stderr) saw a proxy setting.
+    from concurrent.futures import ThreadPoolExecutor
+
+    from masenvs.registry import make
+
+    monkeypatch.delenv("NO_PROXY", raising=False)
+    envs = [make(registered, url=openenv_url, observation_field="prompt") for _ in range(16)]
+    with ThreadPoolExecutor(16) as pool:
+        list(pool.map(lambda env: env.reset(seed=0), envs))
+    for env in envs:
+        env.close()
+    assert "NO_PROXY" not in os.environ
 
 
 def obs_of(env: Any, agent: str) -> str:

@@ -268,12 +268,15 @@ class OpenEnvEnv(MASEnv):
     def _call(self, request: Any) -> Any:
         """Run `request(client)` on the shared loop: a server error (a refused action) is a
         RefusedAction, a connection that fails is Dropped (and closed)."""
+        fresh = self._client is None
         if self._client is None:
             self._client = GenericEnvClient(
                 base_url=self.config.url, message_timeout_s=self.config.timeout_s
             )
             weakref.finalize(self, _close_soon, self._client)
         try:
+            if fresh:
+                _run(_connect(self._client), self.config.timeout_s + 10)
             return _run(request(self._client), self.config.timeout_s + 10)
         except RuntimeError as exc:
             if str(exc).startswith("Server error:"):
@@ -321,10 +324,27 @@ def _shared_loop() -> asyncio.AbstractEventLoop:
     global _loop, _loop_pid
     with _loop_lock:
         if _loop is None or _loop_pid != os.getpid():
+            global _connecting
+            _connecting = None  # a lock belongs to its loop
             loop = asyncio.new_event_loop()
             threading.Thread(target=loop.run_forever, name="openenv-clients", daemon=True).start()
             _loop, _loop_pid = loop, os.getpid()
         return _loop
+
+
+_connecting: asyncio.Lock | None = None  # of the shared loop, made on it
+
+
+async def _connect(client: GenericEnvClient) -> None:
+    """Connect one client at a time: openenv-core's connect sets NO_PROXY in os.environ for
+    a loopback URL and puts back what it found afterwards, so two connects interleaved on the
+    loop leave it set for good (every later child process, and libraries that read proxies,
+    see it)."""
+    global _connecting
+    if _connecting is None:
+        _connecting = asyncio.Lock()
+    async with _connecting:
+        await client.connect()
 
 
 def _run(coroutine: Coroutine[Any, Any, Any], timeout: float) -> Any:
