@@ -473,10 +473,15 @@ def test_the_command_stays_up_with_bounded_memory_under_100_hostile_sessions() -
         rewards = run(all_of(url))
         assert run(oversized(url)) == 1009
         after = rss_mib(pid)
-        assert rewards == [1.0] * 100  # every session still played its own episode
+        again = run(all_of(url))
+        after_again = rss_mib(pid)
+        assert rewards == again == [1.0] * 100  # every session still played its own episode
         assert httpx.get(f"{url}/health").json()["status"] == "healthy"
-    # Parsed, the bombs alone would be 100 x 300,000 dicts, about 2 GB.
-    assert after - before < 250, (before, after)
+    # Parsed, the bombs alone would be 100 x 300,000 dicts, about 2 GB. What does grow is the
+    # raw messages in flight (100 sessions x up to 1.1 MB, as many at once as the scheduler
+    # lets arrive: 110-250 MB measured) and the allocator's slack; a second wave reuses it.
+    assert after - before < 500, (before, after)
+    assert after_again - after < 100, (after, after_again)
 
 
 def test_the_command_serves_an_env(tmp_path: Path) -> None:
