@@ -113,8 +113,17 @@ def test_quantized_copies_are_rebuilt_from_the_new_weights(tmp_path: Path) -> No
     try:
         generate(synced, "")  # the int8 copies of the old weights exist now
         synced.set_base_weights("tiny", learner.full_state_dict("plan"))
-        # Same tokens and log-probs as an engine that loaded the trained model from disk.
-        assert generate(synced, "", seed=3) == generate(loaded, "", seed=3)
+        # Same tokens and log-probs as an engine that loaded the trained model from disk. The
+        # log-probs agree to a few float32 ulps, not bit for bit: on one CI machine a single one
+        # of twelve sat 1 ulp off (the two engines' weights live at different addresses, and
+        # vectorised reductions may split differently). Stale int8 copies would be off by ~0.4
+        # and pick other tokens.
+        prompt, tokens, logprobs = generate(synced, "", seed=3)
+        want_prompt, want_tokens, want_logprobs = generate(loaded, "", seed=3)
+        assert (prompt, tokens) == (want_prompt, want_tokens)
+        assert torch.allclose(
+            torch.tensor(logprobs), torch.tensor(want_logprobs), rtol=5e-7, atol=0
+        )
         with pytest.raises(BackendError, match="not in tiny"):
             synced.set_base_weights("", {"lm_head.lora_A.weight": torch.zeros(1)})
         with pytest.raises(BackendError, match="needs"):
