@@ -15,7 +15,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -36,24 +35,7 @@ from masenvs.adapters import episodes
 from masenvs.adapters.policy import ChatPolicy, Sampling, server_root
 from masenvs.adapters.stack import add_engine_arguments, with_endpoint
 from masenvs.listeners import API_KEY_ENV, ListenerError, add_key_arguments, key_from
-from masenvs.overrides import RenamedFlag
 from masenvs.registry import env_class, make
-
-# The episode library moved to masenvs.adapters.episodes; these old names still resolve here
-# (with a DeprecationWarning) for one release.
-_MOVED = ("EpisodeResult", "new_rollout_id", "run_episode", "episode_record", "run_episodes")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        warnings.warn(
-            f"masenvs.adapters.rollout.{name} moved to masenvs.adapters.episodes; "
-            "import it from there",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(episodes, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def summary_table(results: list[episodes.EpisodeResult], seconds: float) -> Table:
@@ -130,14 +112,6 @@ def build_parser() -> argparse.ArgumentParser:
     workflow.add_argument("--answer-from", help="LangGraph state key / AutoGen agent")
     workflow.add_argument(
         "--branches", type=int, default=1, help="K: runs of each task (one advantage group)"
-    )
-    workflow.add_argument(
-        "--runs",
-        type=int,
-        dest="branches",
-        action=RenamedFlag,
-        new_flag="--branches",
-        help="the old name of --branches (deprecated)",
     )
     workflow.add_argument("--timeout-s", type=float, default=600.0, help="per run")
     return parser

@@ -632,3 +632,14 @@ def test_serve_refuses_a_public_host_without_an_api_key(capsys, monkeypatch) -> 
     monkeypatch.delenv("MASENVS_API_KEY", raising=False)
     assert serve.main(["--model", "tiny", "--host", "0.0.0.0"]) == 2
     assert "API key" in capsys.readouterr().err
+
+
+def test_the_endpoint_package_exports_its_modules_public_names() -> None:
+    import masenvs.adapters.endpoint as endpoint
+    from masenvs.adapters.endpoint import routes, server, wire
+
+    assert endpoint.Endpoint is routes.Endpoint and endpoint.create_app is routes.create_app
+    assert endpoint.EndpointServer is server.EndpointServer
+    assert endpoint.read_body is wire.read_body and endpoint.json_body is wire.json_body
+    assert endpoint.STEP_HEADER == "X-Masenvs-Step" and endpoint.MAX_BODY_BYTES == 32 << 20
+    assert endpoint.agent_and_step("critic@verdict") == ("critic", "verdict")

