@@ -22,8 +22,8 @@ import torch
 
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import TrainConfig, load_config
-from masenvs.trainer.dist_learner import DistributedLearner
-from masenvs.trainer.learner import Learner
+from masenvs.trainer.learner.dist_learner import DistributedLearner
+from masenvs.trainer.learner.learner import Learner
 from masenvs.trainer.samples import Sample, tree_group
 
 

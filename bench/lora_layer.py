@@ -7,7 +7,7 @@ the base weight frozen:
 * `frozen`: the linear alone (the input's gradient still flows through it);
 * `lora`: as peft computes it, `x @ W.T + (x @ A.T) @ B.T * scaling` (rank 8);
 * `lora, addmm`: the scaling and the sum folded into one `torch.addmm`;
-* `fused`: trainer/fast_lora.py, one autograd function with the rank as the rows of every
+* `fused`: trainer/learner/fast_lora.py, one autograd function with the rank as the rows of every
   small product (what the learner runs).
 
 Each is timed as the best of 3 rounds of `--repeats` forward + backward passes; the other
@@ -25,7 +25,7 @@ from collections.abc import Callable
 
 import torch
 
-from masenvs.trainer.fast_lora import lora_linear
+from masenvs.trainer.learner.fast_lora import lora_linear
 
 RANK, SCALING = 8, 2.0
 LAYER = {"q, o": (576, 576, 2), "k, v": (576, 192, 2), "gate, up": (576, 1536, 2),

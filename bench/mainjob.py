@@ -5,7 +5,7 @@ batches of the quickstart's shape.
 Batches: 8 tasks x 2 agents x K=4 branches; the tool agent's prompts are 270 tokens, the
 plan agent's 300, of which the first 175 and 178 are the same for every task (the chat
 template, system prompt and instructions, as in the run's traces: the learner feeds them
-once per update, see trainer/prefix.py), completions 6 to 24 tokens, 14 of the 16 groups per
+once per update, see trainer/learner/prefix.py), completions 6 to 24 tokens, 14 of the 16 groups per
 agent kept (what drop_zero_std_groups leaves in the runs of docs/learning.md). Other token
 ids are random: time and memory do not depend on them.
 
@@ -56,8 +56,8 @@ import torch  # noqa: E402
 from masenvs.trainer import fast_lora  # noqa: E402
 from masenvs.trainer.atgrpo import group_advantages  # noqa: E402
 from masenvs.trainer.config import load_config  # noqa: E402
-from masenvs.trainer.flops import mfu_metrics  # noqa: E402
-from masenvs.trainer.learner import Learner  # noqa: E402
+from masenvs.trainer.learner.flops import mfu_metrics  # noqa: E402
+from masenvs.trainer.learner.learner import Learner  # noqa: E402
 from masenvs.trainer.samples import Sample, tree_group  # noqa: E402
 
 CONFIG = Path(__file__).resolve().parent.parent / "examples" / "quickstart.yaml"
@@ -115,7 +115,7 @@ def quickstart_batch(step: int, cfg: Any) -> list[Sample]:
 def decode_batch(cfg: Any, learner: Learner) -> Any:
     """The engine the run would start, after one validation-sized batch (32 greedy calls)."""
     from masenvs.engine.protocol import GenerateRequest, SamplingParams
-    from masenvs.trainer.serving import training_backend
+    from masenvs.trainer.inference.serving import training_backend
 
     backend = training_backend(
         learner,
@@ -181,7 +181,7 @@ def main() -> None:
     parser.add_argument(
         "--lora",
         default="",
-        help="fused,peft: alternate the LoRA layers' forward step by step (trainer/fast_lora.py); "
+        help="fused,peft: alternate the LoRA layers' forward step by step (trainer/learner/fast_lora.py); "
         "the paired ratio cancels a shared machine's drift",
     )
     args = parser.parse_args()

@@ -40,7 +40,7 @@ import torch  # noqa: E402
 
 from masenvs.trainer.atgrpo import group_advantages  # noqa: E402
 from masenvs.trainer.config import load_config  # noqa: E402
-from masenvs.trainer.learner import Learner  # noqa: E402
+from masenvs.trainer.learner.learner import Learner  # noqa: E402
 from masenvs.trainer.samples import Sample, tree_group  # noqa: E402
 
 MODES = {

@@ -19,8 +19,8 @@ import time
 from pathlib import Path
 
 from masenvs.trainer.config import load_config
-from masenvs.trainer.metrics import read_metrics
-from masenvs.trainer.train import train
+from masenvs.trainer.run.metrics import read_metrics
+from masenvs.trainer.run.train import train
 
 
 def main() -> int:

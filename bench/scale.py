@@ -31,9 +31,9 @@ from scale_router import router_overhead  # bench/ is this script's import path
 from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.stack import Stack, start_stack
 from masenvs.trainer.config import DistributedConfig, TrainConfig, load_config
-from masenvs.trainer.rollout import TaskRollout, collect_tree_batch
-from masenvs.trainer.sources import env_factory, env_options
-from masenvs.trainer.workers import RolloutPool, worker_spec
+from masenvs.trainer.rollout.sources import env_factory, env_options
+from masenvs.trainer.rollout.tree import TaskRollout, collect_tree_batch
+from masenvs.trainer.rollout.workers import RolloutPool, worker_spec
 
 
 def cpu_name() -> str:

@@ -47,7 +47,7 @@ import torch
 
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import TrainConfig, load_config
-from masenvs.trainer.learner import Learner
+from masenvs.trainer.learner.learner import Learner
 from masenvs.trainer.samples import Sample, tree_group
 
 CLIP_LOW, CLIP_HIGH = 0.2, 0.28

@@ -236,7 +236,7 @@ def trl_worker(url: str, out: Path, steps: int, model_name: str | None) -> None:
     from masenvs.engine.loading import load_model
     from masenvs.integrations.episode import openai_player
     from masenvs.integrations.trl import environment, tool_tokenizer
-    from masenvs.trainer.learner import lr_at
+    from masenvs.trainer.learner.learner import lr_at
 
     cfg = quickstart(steps, model_name)
     torch.manual_seed(cfg.seed)

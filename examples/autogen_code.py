@@ -48,6 +48,6 @@ SPEC = WorkflowSpec(
 )
 
 if __name__ == "__main__":
-    from masenvs.trainer.workflow_cli import main
+    from masenvs.trainer.commands.workflow import main
 
     sys.exit(main(SPEC, "code", sys.argv[1:], factory=build, description=__doc__))

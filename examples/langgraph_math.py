@@ -74,7 +74,7 @@ SPEC = WorkflowSpec(
 )
 
 if __name__ == "__main__":
-    from masenvs.trainer.workflow_cli import main
+    from masenvs.trainer.commands.workflow import main
 
     sys.exit(
         main(

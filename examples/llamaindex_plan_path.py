@@ -64,6 +64,6 @@ SPEC = WorkflowSpec(
 )
 
 if __name__ == "__main__":
-    from masenvs.trainer.workflow_cli import main
+    from masenvs.trainer.commands.workflow import main
 
     sys.exit(main(SPEC, "plan_path", sys.argv[1:], factory=build, description=__doc__))

@@ -26,13 +26,16 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "masenvs.adapters.serve:main",
         "serve a (trained) policy as an OpenAI-compatible API",
     ),
-    "train": ("masenvs.trainer.cli:main", "train agents with AT-GRPO from a YAML config"),
+    "train": (
+        "masenvs.trainer.commands.train:main",
+        "train agents with AT-GRPO from a YAML config",
+    ),
     "sft": (
-        "masenvs.trainer.sft:main",
+        "masenvs.trainer.commands.sft:main",
         "supervised fine-tuning on chat traces (JSONL) as checkpoint 0 of a run (cold start)",
     ),
     "eval": (
-        "masenvs.trainer.eval_cli:main",
+        "masenvs.trainer.commands.eval:main",
         "avg@k and pass@k of base models, checkpoints and OpenAI URLs, side by side",
     ),
     "mas-graph": ("masenvs.mas.cli:main", "draw or export an auto-MAS design (designs.jsonl)"),

@@ -255,7 +255,7 @@ def update_flops(shape: ModelShape, body: int, head: int, cfg: Any) -> float:
 
 def measured_learner(cfg: Any, shape: ModelShape, updates: list[Update]) -> type:
     """The trainer's Learner class, also recording the tokens and time of each update."""
-    from masenvs.trainer.learner import Learner
+    from masenvs.trainer.learner.learner import Learner
 
     class MeasuredLearner(Learner):
         def step(self, samples: list, **options: Any) -> dict[str, float]:
@@ -440,7 +440,7 @@ def check(args: argparse.Namespace, out: Path) -> int:
         )
         return 2
 
-    import masenvs.trainer.train as train_module
+    import masenvs.trainer.run.train as train_module
 
     if args.random_init:
         print(f"random {args.random_init} weights in {model_dir}", flush=True)

@@ -29,8 +29,8 @@ import torch
 
 from masenvs.engine.loading import load_model
 from masenvs.trainer.config import load_config
-from masenvs.trainer.metrics import read_metrics
-from masenvs.trainer.train import train
+from masenvs.trainer.run.metrics import read_metrics
+from masenvs.trainer.run.train import train
 
 WORD = "Yes"
 

@@ -16,10 +16,10 @@ from masenvs.adapters.policy import Sampling
 from masenvs.engine.loading import load_model
 from masenvs.traces import TraceStore
 from masenvs.trainer.config import ConfigError, TrainConfig, load_config
-from masenvs.trainer.learner import Learner
+from masenvs.trainer.learner.learner import Learner
+from masenvs.trainer.rollout.sources import agent_sampling
+from masenvs.trainer.run.train import train
 from masenvs.trainer.samples import Sample, tree_group
-from masenvs.trainer.sources import agent_sampling
-from masenvs.trainer.train import train
 
 
 def config(*overrides: str) -> TrainConfig:

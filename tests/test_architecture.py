@@ -5,9 +5,10 @@ as masenvs.adapters) < trainer (trainer/, masenvs.trainer) < CLI (masenvs.cli, m
 every module that builds an argparse parser for a command). A module imports only its own layer
 and the layers below; the core keeps torch and the upper layers out of its import time (a lazy
 import inside a function is allowed there; a test imports every core module to check it). No
-module (bench/, scripts/ and examples/ included) imports another module's private names or a
-deprecated path, the docs name the new paths, and no non-test file is over 600 lines unless its
-docstring says why. A self-test runs each rule on a small bad tree.
+module (bench/, scripts/ and examples/ included) imports another module's private names or keeps
+a deprecation layer (masenvs is unreleased: a move updates every user, the old name is deleted),
+and no non-test file is over 600 lines unless its docstring says why. A self-test runs each rule
+on a small bad tree.
 
 Each failure names file:line and the rule; the fix is to move the code to its layer (or the
 shared piece down a layer), to make the private name public, or to split the file.
@@ -178,20 +179,6 @@ def _builds_a_parser(tree: ast.Module) -> bool:
     return False
 
 
-def _is_deprecation_shim(module: Module) -> bool:
-    """An old import path kept for one release: it warns DeprecationWarning when imported."""
-    doc = ast.get_docstring(module.tree) or ""
-    if doc.startswith("Deprecated"):
-        return True
-    for node in module.tree.body:
-        if not (isinstance(node, ast.Expr) and isinstance(node.value, ast.Call)):
-            continue
-        call = ast.unparse(node.value)
-        if "DeprecationWarning" in call and "warn" in ast.unparse(node.value.func):
-            return True
-    return False
-
-
 def source_files(root: Path, folders: tuple[str, ...]) -> list[Path]:
     """Python files git tracks or would track (new, not ignored) under `folders`."""
     try:
@@ -215,7 +202,6 @@ class Tree:
     root: Path
     modules: dict[str, Module]
     cli: set[str]
-    shims: set[str]
     users: list[Module] = field(default_factory=list)  # bench/, scripts/, examples/
 
     def layer(self, name: str) -> str | None:
@@ -264,8 +250,7 @@ def load_tree(root: Path) -> Tree:
         or name.startswith("masenvs.ui.")
         or (_builds_a_parser(m.tree) and name not in NOT_A_COMMAND)
     }
-    shims = {name for name, m in modules.items() if _is_deprecation_shim(m)}
-    return Tree(root, modules, cli, shims, users)
+    return Tree(root, modules, cli, users)
 
 
 # --- the rules: each returns "file:line: what is wrong" lines --------------------------------
@@ -275,8 +260,6 @@ def upward_imports(tree: Tree) -> list[str]:
     """A module imports only its own layer and those below; the core, lazily, may reach up."""
     found = []
     for m in tree.modules.values():
-        if m.name in tree.shims:  # an old path re-exporting its new home, for one release
-            continue
         mine = tree.layer(m.name)
         for imp in m.imports:
             theirs = tree.layer(imp.module)
@@ -315,8 +298,6 @@ def cli_imports(tree: Tree) -> list[str]:
     (masenvs.cli runs the commands: a command that imports it closes a cycle)."""
     found = []
     for m in tree.modules.values():
-        if m.name in tree.shims:
-            continue
         mine = tree.layer(m.name)
         for imp in m.imports:
             owner = tree.owner(imp.module)
@@ -340,8 +321,6 @@ def private_imports(tree: Tree) -> list[str]:
     only inside its own package."""
     found = []
     for m in [*tree.modules.values(), *tree.users]:
-        if m.name in tree.shims:  # keeps old private names working, for one release
-            continue
         uses = [(i.module, i.name, i.line) for i in m.imports]
         uses += [(mod, attr, line) for mod, attr, line in m.private_uses]
         for module, name, line in uses:
@@ -364,57 +343,50 @@ def private_imports(tree: Tree) -> list[str]:
     return found
 
 
-def shim_imports(tree: Tree) -> list[str]:
-    """Our own code uses the new import paths; the deprecated ones are for users only."""
+DEPRECATION_CATEGORIES = ("DeprecationWarning", "PendingDeprecationWarning", "FutureWarning")
+
+
+def _warns_deprecation(call: ast.Call) -> bool:
+    """`warnings.warn(..., DeprecationWarning)` (or a FutureWarning), positional or keyword."""
+    func = call.func
+    name = func.attr if isinstance(func, ast.Attribute) else getattr(func, "id", None)
+    if name != "warn":
+        return False
+    args = [*call.args, *(k.value for k in call.keywords)]
+    return any(_dotted(a) in DEPRECATION_CATEGORIES for a in args)
+
+
+def _replaces_itself(node: ast.Assign) -> bool:
+    """`sys.modules[__name__] = other`: the module becomes an alias of another one."""
+    return any(
+        isinstance(t, ast.Subscript)
+        and _dotted(t.value) == "sys.modules"
+        and isinstance(t.slice, ast.Name)
+        and t.slice.id == "__name__"
+        for t in node.targets
+    )
+
+
+def deprecation_layers(tree: Tree) -> list[str]:
+    """masenvs is unreleased, so a name that moves is renamed at every use and the old one
+    deleted: no module is a deprecated path (a "Deprecated" docstring, an alias of its new
+    home in sys.modules) and none warns that a name moved (a module-level `__getattr__` that
+    forwards old names with a DeprecationWarning, an old keyword or flag kept with one)."""
     found = []
     for m in [*tree.modules.values(), *tree.users]:
-        if m.name in tree.shims:
-            continue
-        for imp in m.imports:
-            owner = tree.owner(imp.module)
-            if owner in tree.shims:
-                found.append(
-                    f"{m.where}:{imp.line}: {m.name} imports the deprecated path {owner}; "
-                    f"import from its new home"
-                )
-    return found
-
-
-OLD_PATH_CONTEXT = re.compile(
-    r"(?i)\bold (import )?paths?\b|deprecat|moved to|was split|then named"
-)
-
-
-def old_path_mentions(tree: Tree) -> list[str]:
-    """The README, docs/ and the package's own strings (help texts, errors) name the new
-    module paths; a line about the old paths themselves (`old path`, `deprecated`) may."""
-    names = set()
-    for shim in tree.shims:
-        names.add(shim)
-        names.add(str(tree.modules[shim].path))
-    if not names:
-        return []
-    pattern = re.compile(
-        "|".join(rf"(?<![\w.]){re.escape(n)}(?![\w])" for n in sorted(names, key=len, reverse=True))
-    )
-    found = []
-    docs = [tree.root / "README.md", *sorted((tree.root / "docs").glob("*.md"))]
-    for doc in docs:
-        if not doc.is_file():
-            continue
-        for n, line in enumerate(doc.read_text(encoding="utf-8").splitlines(), 1):
-            match = pattern.search(line)
-            if match and not OLD_PATH_CONTEXT.search(line):
-                where = doc.relative_to(tree.root)
-                found.append(f"{where}:{n}: names the deprecated {match.group()}")
-    for m in tree.modules.values():
-        if m.name in tree.shims:
-            continue
+        if (ast.get_docstring(m.tree) or "").lower().startswith("deprecated"):
+            found.append(f"{m.where}:1: a deprecated module; delete it and import its new path")
         for node in ast.walk(m.tree):
-            if isinstance(node, ast.Constant) and isinstance(node.value, str):
-                match = pattern.search(node.value)
-                if match and not OLD_PATH_CONTEXT.search(node.value):
-                    found.append(f"{m.where}:{node.lineno}: names the deprecated {match.group()}")
+            if isinstance(node, ast.Call) and _warns_deprecation(node):
+                found.append(
+                    f"{m.where}:{node.lineno}: warns that a name moved or is deprecated; delete "
+                    f"the old name and update its users"
+                )
+            elif isinstance(node, ast.Assign) and _replaces_itself(node):
+                found.append(
+                    f"{m.where}:{node.lineno}: the module replaces itself in sys.modules (an old "
+                    f"path of another module); delete it and import the other module"
+                )
     return found
 
 
@@ -452,8 +424,7 @@ RULES = {
     "torch in the core": heavy_imports_in_core,
     "CLI imports": cli_imports,
     "private names": private_imports,
-    "deprecated paths": shim_imports,
-    "deprecated paths in docs and messages": old_path_mentions,
+    "deprecation layers": deprecation_layers,
 }
 
 
@@ -476,7 +447,7 @@ def test_importing_every_core_module_loads_no_torch_and_no_upper_layer() -> None
     """What the AST rule says, run: each core module imported in a fresh interpreter pulls in
     neither torch (also through a third-party import) nor the engine, adapters or trainer."""
     tree = repo()
-    core = sorted(n for n in tree.modules if tree.layer(n) == "core" and n not in tree.shims)
+    core = sorted(n for n in tree.modules if tree.layer(n) == "core")
     probe = (
         "import importlib, json, sys\n"
         "banned = ('torch', 'transformers', 'peft', 'masenvs.engine', 'masenvs.adapters',"
@@ -508,7 +479,7 @@ def test_the_tree_has_every_layer_the_rules_speak_of() -> None:
     assert "masenvs.adapters.endpoint" in tree.modules or any(
         n.startswith("masenvs.adapters.endpoint.") for n in tree.modules
     )
-    assert {"masenvs.cli", "masenvs.trainer.cli", "masenvs.ui.server"} <= tree.cli
+    assert {"masenvs.cli", "masenvs.trainer.commands.train", "masenvs.ui.server"} <= tree.cli
 
 
 # --- the checker catches what it should, on a small tree written here ------------------------
@@ -536,12 +507,25 @@ BAD_TREE = {
         '"""Deprecated: moved to masenvs.engine.forward."""\nimport warnings\n'
         'warnings.warn("moved", DeprecationWarning, stacklevel=2)\nfrom masenvs.env import _secret\n'
     ),
-    "adapters/serve.py": "from masenvs.adapters import old\n",
+    "adapters/rollout.py": (
+        "import warnings\nfrom masenvs.adapters import episodes\n\n"
+        "def __getattr__(name):\n"
+        '    warnings.warn(f"{name} moved to episodes", category=FutureWarning)\n'
+        "    return getattr(episodes, name)\n"
+    ),
+    "adapters/lazy.py": (  # lazy exports and warning filters are no deprecation layer
+        "import importlib, warnings\n"
+        'warnings.filterwarnings("ignore", category=DeprecationWarning)\n'
+        'warnings.warn("a plain warning", UserWarning)\n\n'
+        "def __getattr__(name):\n"
+        '    return getattr(importlib.import_module("masenvs.env"), name)\n'
+    ),
+    "masenvs/old_layout.py": "import sys\nfrom masenvs import env\n\nsys.modules[__name__] = env\n",
     "trainer/__init__.py": "",
     "trainer/learner.py": "from .. import adapters\nfrom masenvs.trainer.cli import main\n",
     "trainer/cli.py": "import argparse\nfrom masenvs.cli import main\nargparse.ArgumentParser()\n",
-    "docs/guide.md": "Use `masenvs.adapters.old`.\nThe old path masenvs.adapters.old warns.\n",
-    "bench/speed.py": "from masenvs.env import _secret\nfrom masenvs.adapters.old import x\n",
+    "bench/speed.py": "from masenvs.env import _secret\nimport warnings\n"
+    'warnings.warn("old", DeprecationWarning)\n',
     "examples/big.py": '"""Big."""\n' + "x = 1\n" * 601,
     "examples/big_ok.py": '"""Big. Longer than 600 lines because it must be."""\n'
     + "x = 1\n" * 601,
@@ -573,14 +557,20 @@ def test_the_checker_flags_each_kind_of_violation(bad_tree: Tree) -> None:
         "trainer/learner.py:2",
     ]
     assert lines(private_imports(bad_tree)) == [
+        "adapters/old.py:4",  # an old path gets no exemption from the rules
         "adapters/stack.py:4",  # a private module from outside its package
         "adapters/stack.py:5",  # from m import _name
         "adapters/stack.py:8",  # m._name through an imported module
         "bench/speed.py:1",  # scripts that use the package are held to it too
     ]
-    assert lines(shim_imports(bad_tree)) == ["adapters/serve.py:1", "bench/speed.py:2"]
+    assert lines(deprecation_layers(bad_tree)) == [
+        "adapters/old.py:1",  # a "Deprecated" docstring
+        "adapters/old.py:3",  # a warning on import
+        "adapters/rollout.py:5",  # a forwarding __getattr__ that warns
+        "bench/speed.py:3",
+        "masenvs/old_layout.py:4",  # an alias of another module
+    ]
     assert lines(long_files(bad_tree.root)) == ["examples/big.py:1"]
-    assert lines(old_path_mentions(bad_tree)) == ["docs/guide.md:1"]
     assert bad_tree.layer("masenvs.adapters.old") == "adapters"
     assert bad_tree.layer("masenvs.trainer.cli.main") == "CLI"
 

@@ -14,9 +14,9 @@ from framework_support import serve
 import masenvs
 from masenvs.engine.engine import EmbeddedBackend
 from masenvs.mas.cli import main as mas_graph
-from masenvs.trainer.captured import captured_samples
 from masenvs.trainer.config import ScheduleConfig, load_config
-from masenvs.trainer.train import train
+from masenvs.trainer.rollout.captured import captured_samples
+from masenvs.trainer.run.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 MATH = {"id": "two-plus-two", "question": "What is 2 + 2?", "answer": "4"}

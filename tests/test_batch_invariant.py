@@ -182,7 +182,7 @@ def _train_invariant(run_dir, *overrides: str) -> list[dict]:
     from tiny_runs import plan_path_run
 
     from masenvs.trainer.config import load_config
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.train import train
 
     invariant = ("model.name=tiny", "backend.dtype=bfloat16", "backend.batch_invariant=true")
     config = load_config(None, plan_path_run(run_dir, *invariant, *overrides))
@@ -223,7 +223,7 @@ def test_training_with_it_validates_the_same_weights_to_the_same_answers(
     assert validations[0] == validations[1]
 
     # `masenvs eval` of the checkpoint validates as the run did, unless told otherwise.
-    from masenvs.trainer.eval_cli import main as evaluate
+    from masenvs.trainer.commands.eval import main as evaluate
 
     for flags, expected in (([], True), (["--batch-invariant", "off"], False)):
         argv = ["--checkpoint", str(tmp_path / "a"), "--episodes", "2", "--temperature", "0"]
@@ -255,7 +255,7 @@ def test_a_seeded_run_repeats_bit_for_bit(kernels: str, tmp_path) -> None:
 
 
 def test_call_seeds_are_fixed_and_differ_per_turn() -> None:
-    from masenvs.trainer.rollout import call_seed
+    from masenvs.trainer.rollout.tree import call_seed
 
     assert call_seed(None, "s1-7", 0, "plan") is None
     seeds = {call_seed(0, r, n, a) for r in ("s1-7", "s2-7") for n in (0, 1) for a in "xy"}

@@ -18,11 +18,16 @@ import torch
 from safetensors.torch import load_file
 
 from masenvs.engine.loading import load_model
-from masenvs.trainer import checkpoint as ckpt
 from masenvs.trainer.atgrpo import group_advantages
-from masenvs.trainer.checkpoint import TrainState, list_checkpoints, load_latest, save_checkpoint
 from masenvs.trainer.config import TrainConfig, load_config
-from masenvs.trainer.learner import Learner
+from masenvs.trainer.learner.learner import Learner
+from masenvs.trainer.run import checkpoint as ckpt
+from masenvs.trainer.run.checkpoint import (
+    TrainState,
+    list_checkpoints,
+    load_latest,
+    save_checkpoint,
+)
 from masenvs.trainer.samples import Sample, tree_group
 
 AGENTS = ["coder", "tester"]
@@ -190,9 +195,9 @@ KILLED_WRITER = textwrap.dedent(
     import copy, os, signal, sys
     from safetensors.torch import save_file
     from masenvs.engine.loading import load_model
-    from masenvs.trainer import checkpoint as ckpt
+    from masenvs.trainer.run import checkpoint as ckpt
     from masenvs.trainer.config import load_config
-    from masenvs.trainer.learner import Learner
+    from masenvs.trainer.learner.learner import Learner
     sys.path.insert(0, {tests!r})
     from test_checkpoint import AGENTS, adapters, batch, config
 

@@ -16,10 +16,10 @@ import torch
 from tiny_runs import plan_path_run
 
 from masenvs.trainer.atgrpo import group_advantages
-from masenvs.trainer.checkpoint import SHARDED, TrainState, load_latest, save_checkpoint
 from masenvs.trainer.config import TrainConfig, load_config
-from masenvs.trainer.dist_learner import DistributedLearner, LearnerRankError
-from masenvs.trainer.learner import Learner
+from masenvs.trainer.learner.dist_learner import DistributedLearner, LearnerRankError
+from masenvs.trainer.learner.learner import Learner
+from masenvs.trainer.run.checkpoint import SHARDED, TrainState, load_latest, save_checkpoint
 from masenvs.trainer.samples import Sample, tree_group
 
 VOCAB = 49152
@@ -216,8 +216,8 @@ def test_a_silent_rank_fails_the_call_at_the_timeout() -> None:
 def test_train_runs_two_steps_on_two_learner_ranks(tmp_path: Path) -> None:
     from rich.console import Console
 
-    from masenvs.trainer.metrics import read_metrics
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.metrics import read_metrics
+    from masenvs.trainer.run.train import train
 
     cfg = config(*plan_path_run(tmp_path))
     train(cfg, console=Console(quiet=True))

@@ -355,8 +355,8 @@ def test_training_on_two_engines(tmp_path: Path, finetune: str) -> None:
 
     from rich.console import Console
 
-    from masenvs.trainer.metrics import read_metrics
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.metrics import read_metrics
+    from masenvs.trainer.run.train import train
 
     run = tmp_path / "run"
     cfg = train_config(run, "distributed.engines.count=2", f"policy.finetune={finetune}")
@@ -383,7 +383,7 @@ def test_a_dead_engine_url_stops_the_run_at_start(tmp_path: Path) -> None:
     from rich.console import Console
 
     from masenvs.adapters.stack import StackError
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.train import train
 
     cfg = train_config(tmp_path / "run", "distributed.engines.urls=[http://127.0.0.1:9]")
     with pytest.raises(StackError, match=r"distributed.engines.urls: Cannot reach .*127.0.0.1:9"):

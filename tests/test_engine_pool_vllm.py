@@ -63,7 +63,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
         if os.environ.get("CI", "").lower() in ("true", "1"):
             pytest.fail(f"CI runs the vllm tests against a real vLLM and found none: {exc}")
         pytest.skip(f"no vLLM here ({exc})")
-    from masenvs.trainer import train as train_module
+    from masenvs.trainer.run import train as train_module
 
     model = tiny_llama(tmp_path_factory.mktemp("tiny-vllm"), seed=0)
     run_dir = tmp_path_factory.mktemp("run-started")
@@ -143,7 +143,7 @@ def check_trained_on_both(engines: Engines, run_dir: Path, since: int) -> None:
     learner log-probs agree with the servers', each call under the weights of the step
     before, every weight sync (versions 0, 1, 2 of each adapter) loaded on both servers,
     calls served by both, and both now serving the last adapter exactly as peft does."""
-    from masenvs.trainer.metrics import read_metrics
+    from masenvs.trainer.run.metrics import read_metrics
 
     rows = [r for r in read_metrics(run_dir / "metrics.jsonl") if "learner/writer/loss" in r]
     assert len(rows) == 2 and not any(r["train/failed_tasks"] for r in rows)
@@ -254,7 +254,7 @@ def test_an_adapter_update_reaches_both_servers_and_calls_record_their_version(
 def test_a_run_given_the_servers_by_url_trains_on_both_and_leaves_them_running(
     engines: Engines, tmp_path: Path
 ) -> None:
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.train import train
 
     since = len(engines.loads)
     cfg = toy_config(tmp_path, engines.model, 2)

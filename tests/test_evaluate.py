@@ -19,11 +19,11 @@ from masenvs.registry import make
 from masenvs.tasks.loaders import write_jsonl
 from masenvs.tasks.records import MathTask
 from masenvs.traces import TraceStore
-from masenvs.trainer.checkpoint import TrainState, save_checkpoint
+from masenvs.trainer.commands.eval import main
 from masenvs.trainer.config import load_config
-from masenvs.trainer.eval_cli import main
 from masenvs.trainer.evaluate import pass_at_k
-from masenvs.trainer.learner import Learner
+from masenvs.trainer.learner.learner import Learner
+from masenvs.trainer.run.checkpoint import TrainState, save_checkpoint
 
 
 @pytest.mark.parametrize("n", [1, 3, 5, 6])

@@ -1,4 +1,4 @@
-"""The fused LoRA layer (trainer/fast_lora.py) computes peft's LoRA: same outputs and
+"""The fused LoRA layer (trainer/learner/fast_lora.py) computes peft's LoRA: same outputs and
 gradients, a float64 gradcheck, and peft's own forward wherever the call is not plain LoRA."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 from peft import LoraConfig, get_peft_model
 from peft.tuners.lora import Linear as LoraLinear
 
-from masenvs.trainer import fast_lora
 from masenvs.trainer.config import load_config
-from masenvs.trainer.learner import Learner
+from masenvs.trainer.learner import fast_lora
+from masenvs.trainer.learner.learner import Learner
 
 
 def peft_form(x: torch.Tensor, w: torch.Tensor, a: torch.Tensor, b: torch.Tensor, s: float):

@@ -31,8 +31,8 @@ from masenvs.adapters.rollout import main as rollout_main
 from masenvs.engine.engine import EmbeddedBackend
 from masenvs.registry import make
 from masenvs.traces import TraceStore
+from masenvs.trainer.rollout.workflow import collect_workflow_samples, workflow_samples
 from masenvs.trainer.samples import workflow_group
-from masenvs.trainer.workflow import collect_workflow_samples, workflow_samples
 
 ROOT = Path(__file__).resolve().parents[1]
 SETTINGS = ClientSettings(sampling=Sampling(max_tokens=12))

@@ -117,7 +117,7 @@ def test_a_training_config_names_a_hub_id(hub: Path, tmp_path: Path) -> None:
     from tiny_runs import plan_path_run
 
     from masenvs.trainer.config import load_config
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.train import train
 
     cfg = load_config(None, plan_path_run(tmp_path / "run", f"model.name={REPO}", "steps=1"))
     assert train(cfg).steps == 1
@@ -126,7 +126,7 @@ def test_a_training_config_names_a_hub_id(hub: Path, tmp_path: Path) -> None:
 
 
 def test_masenvs_train_names_a_missing_hub_model_in_one_message(hub: Path, tmp_path, capsys):
-    from masenvs.trainer.cli import main
+    from masenvs.trainer.commands.train import main
 
     code = main(
         [

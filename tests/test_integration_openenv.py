@@ -641,7 +641,7 @@ def obs_of(env: Any, agent: str) -> str:
 def test_masenvs_train_trains_an_openenv_env_as_a_role_of_a_team(
     openenv_url: str, registered: str, tmp_path: Path
 ) -> None:
-    from masenvs.trainer.metrics import read_metrics
+    from masenvs.trainer.run.metrics import read_metrics
 
     (example,) = [b for b in python_blocks() if "env.name=openenv" in b]
     run_dir = tmp_path / "run"

@@ -466,7 +466,7 @@ RESAVER = textwrap.dedent(
     """
     import json, os, shutil, signal, sys
     from pathlib import Path
-    from masenvs.trainer import checkpoint as ckpt
+    from masenvs.trainer.run import checkpoint as ckpt
 
     class Learner:  # what save_checkpoint asks of a learner, with a visible version mark
         policies, full, sharded = ["policy"], False, False
@@ -521,7 +521,7 @@ RESAVER = textwrap.dedent(
 
 @pytest.mark.parametrize("fallback", [False, True], ids=["exchange", "two-renames"])
 def test_a_step_saved_again_survives_a_kill_at_any_moment(tmp_path: Path, fallback: bool) -> None:
-    from masenvs.trainer.checkpoint import load_latest
+    from masenvs.trainer.run.checkpoint import load_latest
 
     script = tmp_path / "resave.py"
     script.write_text(RESAVER)

@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import TrainConfig, load_config
-from masenvs.trainer.learner import Learner, lr_at
-from masenvs.trainer.packing import build_microbatch, plan_microbatches, prompt_units
+from masenvs.trainer.learner.learner import Learner, lr_at
+from masenvs.trainer.learner.packing import build_microbatch, plan_microbatches, prompt_units
 from masenvs.trainer.samples import Sample, tree_group
 
 VOCAB = 49152

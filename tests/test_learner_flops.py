@@ -9,10 +9,10 @@ import pytest
 import torch
 from test_learner import branches, config, make_samples, with_advantages
 
-from masenvs.trainer import learner as learner_module
-from masenvs.trainer.flops import forward_flops, linear_params, mfu_metrics
-from masenvs.trainer.learner import Learner
-from masenvs.trainer.packing import build_microbatch, prompt_units
+from masenvs.trainer.learner import learner as learner_module
+from masenvs.trainer.learner.flops import forward_flops, linear_params, mfu_metrics
+from masenvs.trainer.learner.learner import Learner
+from masenvs.trainer.learner.packing import build_microbatch, prompt_units
 
 
 def _brute_force_pairs(mb: Any) -> tuple[int, int]:

@@ -14,8 +14,8 @@ from test_learner import VOCAB, config
 
 from masenvs.engine.loading import cache_dir
 from masenvs.trainer.atgrpo import group_advantages
-from masenvs.trainer.learner import Learner
-from masenvs.trainer.packing import prompt_units, unit_length
+from masenvs.trainer.learner.learner import Learner
+from masenvs.trainer.learner.packing import prompt_units, unit_length
 from masenvs.trainer.samples import Sample, tree_group
 
 

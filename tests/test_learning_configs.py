@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from masenvs.trainer.config import load_config
-from masenvs.trainer.sources import env_factory
+from masenvs.trainer.rollout.sources import env_factory
 
 ROOT = Path(__file__).resolve().parent.parent
 CONFIGS = [

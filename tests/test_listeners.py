@@ -184,7 +184,7 @@ def tiny_run(run_dir: Path, *overrides: str) -> Any:
 def test_the_trainer_endpoint_gets_a_key_beyond_loopback(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: Any
 ) -> None:
-    from masenvs.trainer.train import endpoint_binding
+    from masenvs.trainer.run.train import endpoint_binding
 
     monkeypatch.delenv("MASENVS_API_KEY", raising=False)
     remote = ("distributed.ray_address=auto", "distributed.rollout_workers=2")
@@ -213,9 +213,9 @@ def test_ray_workers_sample_through_a_keyed_endpoint_on_this_machines_address(
     import ray
 
     from masenvs.traces import TraceStore
-    from masenvs.trainer import train as train_module
-    from masenvs.trainer import workers as workers_module
-    from masenvs.trainer.metrics import read_metrics
+    from masenvs.trainer.rollout import workers as workers_module
+    from masenvs.trainer.run import train as train_module
+    from masenvs.trainer.run.metrics import read_metrics
 
     host = this_machines_address()
     monkeypatch.delenv("MASENVS_API_KEY", raising=False)

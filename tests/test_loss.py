@@ -10,10 +10,10 @@ from typing import Any
 import pytest
 import torch
 
-from masenvs.trainer import scoring as scoring_module
 from masenvs.trainer.atgrpo import LossSums, group_advantages, policy_loss
 from masenvs.trainer.config import AlgorithmConfig, load_config
-from masenvs.trainer.learner import Learner
+from masenvs.trainer.learner import scoring as scoring_module
+from masenvs.trainer.learner.learner import Learner
 from masenvs.trainer.samples import Sample, tree_group
 
 

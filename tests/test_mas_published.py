@@ -398,7 +398,7 @@ def test_a_mixed_source_draws_math_and_code_at_its_ratios(tmp_path) -> None:
 def test_mixed_sources_are_checked_and_selectable_from_a_train_config(tmp_path) -> None:
     from masenvs.tasks.mixed import MixedSource, mixed_math_code
     from masenvs.trainer.config import load_config
-    from masenvs.trainer.sources import env_factory
+    from masenvs.trainer.rollout.sources import env_factory
 
     with pytest.raises(ValueError, match="not source"):
         masenvs.make("auto_mas", task="mixed", source="generated")
@@ -504,7 +504,7 @@ def test_a_training_step_learns_from_the_calls_of_workflow_api_nodes(tmp_path, m
     # written against the published API, whose nodes' calls become executor samples.
     import masenvs.envs.auto_mas as auto_mas
     from masenvs.trainer.config import load_config
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.train import train
 
     monkeypatch.setattr(auto_mas, "extract_design", lambda text: TWO_NODES)
     cfg = load_config(

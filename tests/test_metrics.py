@@ -6,8 +6,8 @@ import json
 from pathlib import Path
 
 from masenvs.trainer.config import LoggingConfig
-from masenvs.trainer.metrics import MetricsLogger, read_metrics, sample_metrics
-from masenvs.trainer.plots import plot_curves
+from masenvs.trainer.run.metrics import MetricsLogger, read_metrics, sample_metrics
+from masenvs.trainer.run.plots import plot_curves
 from masenvs.trainer.samples import Sample
 
 

@@ -14,13 +14,13 @@ import pytest
 
 import masenvs.cli
 from masenvs import overrides
-from masenvs.adapters import episodes, rollout
+from masenvs.adapters import rollout
 from masenvs.adapters.backends.launch import launch_engine_server
 from masenvs.adapters.frameworks.workflow import WorkflowSpec, run_tasks
 from masenvs.adapters.serve import build_parser as serve_parser
 from masenvs.adapters.stack import add_engine_arguments, engine_options
 from masenvs.engine.args import EngineArgs
-from masenvs.trainer import workflow_cli
+from masenvs.trainer.commands import workflow as workflow_cli
 from masenvs.trainer.config import BackendConfig, ConfigError, TrainConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -187,31 +187,13 @@ def test_bad_engine_options_fail_in_one_sentence_before_anything_starts() -> Non
 
 
 @pytest.mark.parametrize("parser", [rollout.build_parser(), workflow_cli.build_parser("x")])
-def test_branches_is_the_flag_and_runs_still_works(parser, capsys) -> None:
+def test_branches_is_the_flag(parser) -> None:
     base = ["--env", "math"] if parser.prog.endswith("rollout") else []
     assert parser.parse_args([*base, "--branches", "3"]).branches == 3
-    with pytest.warns(DeprecationWarning, match="--runs is now --branches"):
-        assert parser.parse_args([*base, "--runs", "5"]).branches == 5
-    assert "--runs is now --branches" in capsys.readouterr().err
 
 
-def test_runs_per_task_is_the_old_name_of_branches() -> None:
+def test_run_tasks_needs_at_least_one_branch() -> None:
     spec = WorkflowSpec(factory="x:y", framework="langgraph", agents=["a"])
     common = {"root_url": "http://127.0.0.1:9", "env_name": "math", "seeds": [0]}
-    with (
-        pytest.warns(DeprecationWarning, match=r"run_tasks\(runs_per_task=...\) is now"),
-        pytest.raises(ValueError, match="branches .* must be at least 1, got 0"),
-    ):
-        asyncio.run(run_tasks(spec, runs_per_task=0, **common))
-    with pytest.raises(TypeError, match="give branches only"):
-        asyncio.run(run_tasks(spec, branches=2, runs_per_task=2, **common))
-    with pytest.raises(TypeError, match="needs branches"):
-        asyncio.run(run_tasks(spec, **common))
-
-
-def test_the_episode_library_moved_out_of_the_rollout_cli() -> None:
-    for name in ("EpisodeResult", "run_episode", "run_episodes", "episode_record"):
-        with pytest.warns(DeprecationWarning, match=f"rollout.{name} moved to"):
-            assert getattr(rollout, name) is getattr(episodes, name)
-    with pytest.raises(AttributeError):
-        rollout.no_such_name  # noqa: B018
+    with pytest.raises(ValueError, match="branches .* must be at least 1, got 0"):
+        asyncio.run(run_tasks(spec, branches=0, **common))

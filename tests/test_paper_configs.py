@@ -23,7 +23,7 @@ from safetensors import safe_open
 
 import masenvs
 from masenvs.trainer.config import TrainConfig, load_config
-from masenvs.trainer.train import train
+from masenvs.trainer.run.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 PAPER = ROOT / "examples" / "paper"

@@ -1,4 +1,4 @@
-"""A prefix every prompt of an update starts with is fed once (trainer/prefix.py): the same
+"""A prefix every prompt of an update starts with is fed once (trainer/learner/prefix.py): the same
 loss and gradients as feeding it with every prompt unit, for fewer FLOPs."""
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ import torch
 
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import load_config
-from masenvs.trainer.learner import Learner
-from masenvs.trainer.packing import build_microbatch, common_prefix
-from masenvs.trainer.prefix import MIN_PREFIX, prefix_tokens
+from masenvs.trainer.learner.learner import Learner
+from masenvs.trainer.learner.packing import build_microbatch, common_prefix
+from masenvs.trainer.learner.prefix import MIN_PREFIX, prefix_tokens
 from masenvs.trainer.samples import Sample, tree_group
 
 VOCAB = 49152
@@ -100,7 +100,7 @@ def test_feeding_the_prefix_once_changes_no_loss_and_no_gradient(loader: Any, mo
 def test_the_prefix_gradient_reaches_the_adapter(loader: Any) -> None:
     # Broken on purpose: dropping the backward through the prefix loses part of the gradient,
     # which the comparison above must catch.
-    from masenvs.trainer import prefix as module
+    from masenvs.trainer.learner import prefix as module
 
     batch = samples(3, 30)
     _, expected = step(loader, batch)

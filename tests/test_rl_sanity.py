@@ -20,9 +20,9 @@ from rl_sanity import bandit_model, bandit_run, learned, max_logprob_mismatch, v
 
 import masenvs
 from masenvs.envs.say import said
-from masenvs.trainer import train as train_module
-from masenvs.trainer.learner import Learner
-from masenvs.trainer.sync import WeightSync
+from masenvs.trainer.inference.sync import WeightSync
+from masenvs.trainer.learner.learner import Learner
+from masenvs.trainer.run import train as train_module
 
 # Run again with torch held to AVX2 on AVX-512 CPUs by .ci/run (issue 47).
 pytestmark = pytest.mark.learning

@@ -21,11 +21,9 @@ from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.stack import Stack, start_stack
 from masenvs.traces import TraceStore
 from masenvs.trainer.config import DistributedConfig, TrainConfig, load_config
-from masenvs.trainer.metrics import read_metrics
-from masenvs.trainer.rollout import TaskRollout, collect_trajectory_batch, collect_tree_batch
-from masenvs.trainer.sources import env_factory, env_options
-from masenvs.trainer.train import train
-from masenvs.trainer.workers import (
+from masenvs.trainer.rollout.sources import env_factory, env_options
+from masenvs.trainer.rollout.tree import TaskRollout, collect_trajectory_batch, collect_tree_batch
+from masenvs.trainer.rollout.workers import (
     RolloutPool,
     WorkerError,
     reachable_url,
@@ -33,6 +31,8 @@ from masenvs.trainer.workers import (
     start_ray,
     worker_spec,
 )
+from masenvs.trainer.run.metrics import read_metrics
+from masenvs.trainer.run.train import train
 
 AGENTS = {"plan": "plan", "tool": "tool"}
 

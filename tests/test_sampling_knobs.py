@@ -18,7 +18,7 @@ from masenvs.engine.protocol import GenerateRequest, SamplingParams
 from masenvs.engine.sampling import RowSampling, sample
 from masenvs.traces import TraceStore
 from masenvs.trainer.config import load_config
-from masenvs.trainer.train import train
+from masenvs.trainer.run.train import train
 
 HELLO = [{"role": "user", "content": "Say hello."}]
 

@@ -13,10 +13,10 @@ import ray
 from rich.console import Console
 
 from masenvs.traces import TraceStore
-from masenvs.trainer.checkpoint import SHARDED, load_latest
 from masenvs.trainer.config import TrainConfig, load_config
-from masenvs.trainer.metrics import read_metrics
-from masenvs.trainer.train import train
+from masenvs.trainer.run.checkpoint import SHARDED, load_latest
+from masenvs.trainer.run.metrics import read_metrics
+from masenvs.trainer.run.train import train
 
 
 @pytest.fixture(scope="module")

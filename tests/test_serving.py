@@ -17,10 +17,10 @@ from masenvs.engine.loading import TINY_CONFIG, load_model, load_tokenizer
 from masenvs.engine.protocol import BackendError, GenerateRequest, SamplingParams
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import TrainConfig, load_config
-from masenvs.trainer.learner import Learner
+from masenvs.trainer.inference.serving import training_backend
+from masenvs.trainer.inference.sync import WeightSync
+from masenvs.trainer.learner.learner import Learner
 from masenvs.trainer.samples import Sample, tree_group
-from masenvs.trainer.serving import training_backend
-from masenvs.trainer.sync import WeightSync
 
 CHAT = [{"role": "user", "content": "Which way to the goal?"}]
 ENGINE = {"max_batch_size": 4, "dtype": "float32", "quantize": "none"}
@@ -189,9 +189,9 @@ def test_training_separate_full_models_with_a_frozen_agent(
 ) -> None:
     from rich.console import Console
 
-    from masenvs.trainer.checkpoint import load_latest
-    from masenvs.trainer.metrics import read_metrics
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.checkpoint import load_latest
+    from masenvs.trainer.run.metrics import read_metrics
+    from masenvs.trainer.run.train import train
 
     cfg = config(
         *plan_path_run(tmp_path / "run"),

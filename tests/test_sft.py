@@ -12,7 +12,7 @@ import pytest
 from safetensors.torch import load_file
 
 from masenvs.cli import main
-from masenvs.trainer.sft import DataError, read_traces
+from masenvs.trainer.commands.sft import DataError, read_traces
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLE = ROOT / "examples" / "sft" / "auto_mas_math.jsonl"
@@ -71,8 +71,8 @@ def test_sft_lowers_the_loss_and_train_resumes_from_its_adapters(tmp_path, capsy
 
 @pytest.mark.learning
 def test_full_sft_learns_the_replies(tmp_path) -> None:
+    from masenvs.trainer.commands.sft import sft
     from masenvs.trainer.config import load_config
-    from masenvs.trainer.sft import sft
 
     data = tmp_path / "executor.jsonl"
     data.write_text("\n".join(EXAMPLE.read_text().splitlines()[1:6:2]) + "\n")
@@ -142,7 +142,7 @@ def _special_ids(tokenizer) -> set[int]:
 
 def test_role_markers_inside_a_message_are_text_not_control_tokens(tmp_path) -> None:
     from masenvs.engine.loading import load_tokenizer
-    from masenvs.trainer.sft import Conversation, targets
+    from masenvs.trainer.commands.sft import Conversation, targets
 
     tokenizer = load_tokenizer("tiny")
     special = _special_ids(tokenizer)

@@ -11,7 +11,7 @@ from rich.console import Console
 from tiny_runs import plan_path_run
 
 from masenvs.trainer.config import load_config
-from masenvs.trainer.metrics import moves_line, schedule_warning, step_warnings
+from masenvs.trainer.run.metrics import moves_line, schedule_warning, step_warnings
 
 UPDATE = {
     "groups/groups": 4.0,
@@ -67,7 +67,7 @@ def test_moves_line_names_each_adapter() -> None:
 def test_the_two_step_default_run_prints_the_warmup_warning_and_its_figures(
     tmp_path: Path,
 ) -> None:
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.train import train
 
     cfg = load_config(None, [*plan_path_run(tmp_path / "run"), "model.name=tiny"])
     printed = StringIO()
@@ -85,7 +85,7 @@ def test_the_two_step_default_run_prints_the_warmup_warning_and_its_figures(
 
 
 def test_a_step_with_no_sample_says_why(tmp_path: Path) -> None:
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.train import train
 
     cfg = load_config(
         None,
@@ -110,9 +110,9 @@ def test_failed_validation_episodes_are_counted_logged_and_warned(
     # Issue 33: under load, 29 of 32 validation episodes timed out and the run printed
     # "success 0%" with no word of why. They still count as failures, but the run says so.
     from masenvs.adapters.episodes import EpisodeResult
-    from masenvs.trainer import sources
-    from masenvs.trainer.metrics import validation_warning
-    from masenvs.trainer.train import train
+    from masenvs.trainer.rollout import sources
+    from masenvs.trainer.run.metrics import validation_warning
+    from masenvs.trainer.run.train import train
 
     def result(seed: int, error: str | None) -> EpisodeResult:
         return EpisodeResult(

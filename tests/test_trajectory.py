@@ -16,9 +16,9 @@ from test_tree_rollout import TASK, ScriptedPolicy, program
 import masenvs
 from masenvs.traces import TraceStore
 from masenvs.trainer.config import load_config
-from masenvs.trainer.metrics import read_metrics
-from masenvs.trainer.rollout import TaskRollout, team_term_metrics, trajectory_rollout
-from masenvs.trainer.train import train
+from masenvs.trainer.rollout.tree import TaskRollout, team_term_metrics, trajectory_rollout
+from masenvs.trainer.run.metrics import read_metrics
+from masenvs.trainer.run.train import train
 
 
 def episode(k: int, group_by: str) -> tuple[TaskRollout, ScriptedPolicy]:
@@ -140,7 +140,7 @@ def test_one_trajectory_step_trains_in_every_env(env: str, group_by: str, tmp_pa
 def test_the_team_term_also_reaches_agents_acting_after_the_step_that_decides_it() -> None:
     """Code's coder decides the team outcome; the tester acts after it in the round and
     gets the same alpha * r_team on each of its samples (constant within its group)."""
-    from masenvs.trainer.rollout import RoundCredit
+    from masenvs.trainer.rollout.tree import RoundCredit
     from masenvs.trainer.samples import Sample, tree_group
 
     def sample(agent: str, reward: float) -> Sample:

@@ -18,8 +18,8 @@ from masenvs.adapters.policy import Reply
 from masenvs.env import MASEnv
 from masenvs.sandbox import Sandbox
 from masenvs.trainer.config import TrainConfig
-from masenvs.trainer.rollout import TaskRollout, tree_rollout
-from masenvs.trainer.sources import env_options
+from masenvs.trainer.rollout.sources import env_options
+from masenvs.trainer.rollout.tree import TaskRollout, tree_rollout
 
 # 4x4, start (0, 0), goal (0, 3): "R, R, R" is the one shortest path.
 TASK = {"rows": ["....", ".##.", "....", "...."], "start": [0, 0], "goal": [0, 3]}
@@ -249,7 +249,7 @@ def test_masenvs_play_asks_each_agent_in_turn_and_shows_the_tools_output() -> No
 
 
 def test_each_turn_asks_with_its_own_seed_when_seeded() -> None:
-    from masenvs.trainer.rollout import call_seed
+    from masenvs.trainer.rollout.tree import call_seed
 
     def script(agent: str, round_: int, n: int) -> list[str]:
         return ["Moves: [R]"] * n

@@ -22,7 +22,7 @@ import pytest
 from tiny_runs import plan_path_run
 
 from masenvs.trainer.config import load_config
-from masenvs.trainer.train import train
+from masenvs.trainer.run.train import train
 
 ROOT = Path(__file__).resolve().parents[1]
 CHROMIUM = shutil.which("chromium") or "/usr/bin/chromium"
@@ -327,7 +327,7 @@ def test_beyond_loopback_needs_a_key_and_the_key_opens_it(tiny_run: Path, ui: An
 def test_an_eval_report_shows_two_policies_answering_the_same_task_side_by_side(
     tiny_run: Path, tmp_path: Path, ui: Any, tab: Any
 ) -> None:
-    from masenvs.trainer.eval_cli import main as evaluate
+    from masenvs.trainer.commands.eval import main as evaluate
 
     checkpoint = tiny_run / "checkpoints" / "step_00000002"
     out = tmp_path / "evals" / "eval-tiny.json"

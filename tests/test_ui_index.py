@@ -9,8 +9,6 @@ import subprocess
 import sys
 from pathlib import Path
 
-import pytest
-
 from masenvs.traces import CallRecord, ChoiceRecord, TraceStore
 from masenvs.ui.index import RunIndex
 from masenvs.ui.runs import Run
@@ -120,8 +118,8 @@ def test_a_path_that_is_not_a_run_is_refused_with_its_cause(tmp_path: Path) -> N
 def test_each_sample_says_whether_its_group_trained_and_why_not() -> None:
     from masenvs.trainer.atgrpo import group_advantages
     from masenvs.trainer.config import AlgorithmConfig
+    from masenvs.trainer.run.steplog import step_records
     from masenvs.trainer.samples import Sample
-    from masenvs.trainer.steplog import step_records
 
     def s(group: str, agent: str, reward: float, k: int) -> Sample:
         meta = {"call_id": f"{group}-call", "choice": k, "continued": k == 0}
@@ -180,27 +178,3 @@ def test_a_step_of_many_tasks_opens_on_ten_and_links_every_task(tmp_path: Path) 
     assert tasks("?from=10") == ["plan_path:10", "plan_path:11"]
     assert tasks("?task=plan_path:7") == ["plan_path:7"]
     assert 'href="?from=10"' in client.get("/run/wide/step/1").text
-
-
-@pytest.mark.parametrize(
-    "name, module",
-    [
-        ("step_view", "steps"),
-        ("curves", "charts"),
-        ("Tokens", "calls"),
-        ("design_view", "workflows"),
-        ("eval_task_view", "evals"),
-    ],
-)
-def test_page_views_moved_out_of_runs_keep_their_old_name_with_a_warning(
-    name: str, module: str
-) -> None:
-    import importlib
-
-    import masenvs.ui.runs as runs
-
-    with pytest.warns(DeprecationWarning, match=f"masenvs.ui.{module}.{name}"):
-        old = getattr(runs, name)
-    assert old is getattr(importlib.import_module(f"masenvs.ui.{module}"), name)
-    with pytest.raises(AttributeError):
-        runs.no_such_name  # noqa: B018

@@ -14,7 +14,7 @@ from tiny_runs import plan_path_run
 
 import masenvs
 from masenvs.trainer.config import ConfigError, load_config
-from masenvs.trainer.train import train
+from masenvs.trainer.run.train import train
 
 WHERE = re.compile(r"A \(row (\d), column (\d)\); the goal G is at \(row (\d), column (\d)\)")
 
@@ -93,9 +93,9 @@ def test_a_config_built_in_code_is_checked_by_the_same_rule(tmp_path: Path) -> N
 
 
 def test_eval_of_a_checkpoint_plays_the_task_its_run_validated_on(tmp_path: Path) -> None:
-    from masenvs.trainer.checkpoint import TrainState, save_checkpoint
-    from masenvs.trainer.eval_cli import main
-    from masenvs.trainer.learner import Learner
+    from masenvs.trainer.commands.eval import main
+    from masenvs.trainer.learner.learner import Learner
+    from masenvs.trainer.run.checkpoint import TrainState, save_checkpoint
 
     overrides = [
         "model.name=tiny",

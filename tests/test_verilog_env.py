@@ -585,7 +585,7 @@ def test_unknown_source_fails_clearly() -> None:
 
 def test_two_tiny_training_steps_on_verilog(tmp_path: Path) -> None:
     from masenvs.trainer.config import load_config
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.train import train
 
     overrides = [
         "env.name=verilog",

@@ -419,7 +419,7 @@ def test_a_model_the_cpu_build_cannot_run_fails_before_launch() -> None:
 
 
 def test_masenvs_train_names_an_unreachable_vllm_in_one_line(tmp_path, capsys) -> None:
-    from masenvs.trainer.cli import main
+    from masenvs.trainer.commands.train import main
 
     config = tmp_path / "run.yaml"
     config.write_text(f"run_dir: {tmp_path / 'run'}\nsteps: 1\nmodel: {{name: tiny}}\n")
@@ -434,7 +434,7 @@ def test_masenvs_train_names_an_unreachable_vllm_in_one_line(tmp_path, capsys) -
 def test_a_vllm_url_mapping_serves_each_policy_from_its_own_server(tmp_path) -> None:
     from masenvs.adapters.stack import StackError
     from masenvs.trainer.config import load_config
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.train import train
 
     overrides = [
         f"run_dir={tmp_path / 'run'}",
@@ -480,7 +480,7 @@ def test_the_servers_a_run_needs_and_a_vllm_url_that_does_not_cover_them(tmp_pat
 
     from masenvs.adapters.stack import StackError
     from masenvs.trainer.config import TrainConfig
-    from masenvs.trainer.sync import vllm_backend, vllm_servers
+    from masenvs.trainer.inference.sync import vllm_backend, vllm_servers
 
     bases = {"plan": "tiny", "tool": "tiny", "critic": "tiny"}
     learner = SimpleNamespace(
@@ -507,8 +507,8 @@ def test_when_one_of_several_servers_cannot_start_the_others_stop(tmp_path, monk
     from types import SimpleNamespace
 
     from masenvs.adapters.stack import StackError
-    from masenvs.trainer import sync
     from masenvs.trainer.config import TrainConfig
+    from masenvs.trainer.inference import sync
 
     broken = tmp_path / "broken-base"
     broken.mkdir()

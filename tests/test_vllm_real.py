@@ -38,7 +38,7 @@ from masenvs.engine.protocol import GenerateRequest, SamplingParams
 from masenvs.env import EpisodeState, MASEnv, RewardParts
 from masenvs.registry import register
 from masenvs.traces import TraceStore
-from masenvs.trainer.learner import Learner
+from masenvs.trainer.learner.learner import Learner
 
 pytestmark = pytest.mark.vllm
 
@@ -265,7 +265,7 @@ class _FullLearner:
 def test_full_weights_reach_the_running_server(backend, model, tmp_path) -> None:
     from safetensors.torch import load_file
 
-    from masenvs.trainer.sync import WeightSync
+    from masenvs.trainer.inference.sync import WeightSync
 
     prompt, ids, before = served(backend)
     changed = perturbed_copy(model, tmp_path / "changed")
@@ -346,8 +346,8 @@ def toy_config(run_dir: Path, model: Path, steps: int, **backend: Any):
 
 
 def test_three_steps_of_training_against_the_server(backend, server, model, tmp_path) -> None:
-    from masenvs.trainer.metrics import read_metrics
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.metrics import read_metrics
+    from masenvs.trainer.run.train import train
 
     prompt_messages = [{"role": "user", "content": "Task 3: say something, writer."}]
     request = GenerateRequest(
@@ -411,8 +411,8 @@ def test_default_rollout_settings_train_against_the_cpu_server(
     not use offset"), so the trainer learns from /server_info that seeds are not honoured
     there, says so once and sends none."""
     from masenvs.trainer.config import RolloutConfig, TrainConfig
-    from masenvs.trainer.metrics import read_metrics
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.metrics import read_metrics
+    from masenvs.trainer.run.train import train
 
     cfg = TrainConfig(
         run_dir=str(tmp_path),
@@ -447,9 +447,9 @@ def test_default_rollout_settings_train_against_the_cpu_server(
 def test_the_trainer_starts_vllm_and_stops_it_even_when_interrupted(
     install, model, tmp_path, monkeypatch
 ) -> None:
-    from masenvs.trainer import train as train_module
-    from masenvs.trainer.metrics import read_metrics
-    from masenvs.trainer.sources import TreeSource
+    from masenvs.trainer.rollout.sources import TreeSource
+    from masenvs.trainer.run import train as train_module
+    from masenvs.trainer.run.metrics import read_metrics
 
     collect = TreeSource.collect
 
@@ -485,8 +485,8 @@ def test_the_trainer_starts_vllm_and_stops_it_even_when_interrupted(
 def test_full_fine_tuning_trains_against_a_vllm_it_starts(install, model, tmp_path) -> None:
     from safetensors.torch import load_file
 
-    from masenvs.trainer.metrics import read_metrics
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.metrics import read_metrics
+    from masenvs.trainer.run.train import train
 
     python = install.prefix[0] if install.model_flag else None
     cfg = toy_config(tmp_path, model, 2, vllm_python=python)
@@ -531,8 +531,8 @@ def weights_dir(pushed: Path, model: Path, out: Path) -> Path:
     reason="full fine-tuning in the learner comes with the `learner` branch of issue #12",
 )
 def test_separate_bases_fully_fine_tuned_each_on_its_own_vllm(install, model, tmp_path) -> None:
-    from masenvs.trainer.metrics import read_metrics
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.metrics import read_metrics
+    from masenvs.trainer.run.train import train
 
     other = tiny_llama(tmp_path / "other-base", seed=1)  # same tokenizer, other weights
     python = install.prefix[0] if install.model_flag else None
@@ -586,8 +586,8 @@ def test_auto_mas_executor_calls_train_against_the_server(
     are traced with vLLM's version and train the executor's adapter."""
     import masenvs.envs.auto_mas as auto_mas
     from masenvs.trainer.config import TrainConfig
-    from masenvs.trainer.metrics import read_metrics
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.metrics import read_metrics
+    from masenvs.trainer.run.train import train
 
     monkeypatch.setattr(auto_mas, "extract_design", lambda text: 'system = Agent("solo")')
     cfg = TrainConfig(

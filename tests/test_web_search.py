@@ -356,7 +356,7 @@ def test_loaders_read_the_fixtures(tmp_path: Path) -> None:
 
 def test_two_tiny_training_steps(tmp_path: Path) -> None:
     from masenvs.trainer.config import load_config
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.train import train
 
     overrides = [
         "model.name=tiny",

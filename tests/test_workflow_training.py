@@ -71,7 +71,7 @@ def test_adapters_name_their_real_base_so_peft_loads_them_elsewhere(
     from peft import AutoPeftModelForCausalLM
 
     from masenvs.engine.loading import model_reference
-    from masenvs.trainer.learner import Learner
+    from masenvs.trainer.learner.learner import Learner
 
     cfg = load_config(None, ["model.name=tiny", "lora.rank=4", "lora.alpha=8"])
     learner = Learner(cfg, ["solver"], loader)
@@ -134,14 +134,14 @@ def workflow(factory: str, framework: str, agents: list[str], **more: object) ->
 
 
 def last_metrics(run_dir: Path) -> dict[str, Any]:
-    from masenvs.trainer.metrics import read_metrics
+    from masenvs.trainer.run.metrics import read_metrics
 
     return read_metrics(run_dir / "metrics.jsonl")[-1]
 
 
 def test_an_unknown_model_name_stops_training_with_its_name(tmp_path: Path) -> None:
-    from masenvs.trainer.train import train
-    from masenvs.trainer.workflow import UnknownAgentError
+    from masenvs.trainer.rollout.workflow import UnknownAgentError
+    from masenvs.trainer.run.train import train
 
     cfg = train_config(
         tmp_path, *workflow("workflow_programs:langgraph_own_critic", "langgraph", ["solver"])
@@ -162,7 +162,7 @@ def test_unknown_agents_base_are_served_by_the_base_model_and_never_trained(
     tmp_path: Path, mode: str
 ) -> None:
     """An AutoGen SelectorGroupChat whose selector is not an agent: the base model picks."""
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.train import train
 
     agents = ["coder", "reviewer"]
     cfg = train_config(
@@ -188,7 +188,7 @@ def test_unknown_agents_base_are_served_by_the_base_model_and_never_trained(
 
 
 def test_a_mapped_name_is_served_and_trained_as_its_agent(tmp_path: Path) -> None:
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.train import train
 
     cfg = train_config(
         tmp_path,
@@ -243,7 +243,7 @@ def test_a_run_that_keeps_failing_stops_with_the_most_common_reason(
     agents: list[str],
     reason: str,
 ) -> None:
-    from masenvs.trainer.cli import main
+    from masenvs.trainer.commands.train import main
 
     (tmp_path / "empty.yaml").write_text("{}\n")
     overrides = train_overrides(tmp_path, *workflow(factory, framework, agents), "steps=3")
@@ -262,7 +262,7 @@ def test_a_step_without_trainable_samples_says_why_and_does_not_update(tmp_path:
 
     from rich.console import Console
 
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.train import train
 
     factory = "workflow_programs:langgraph_fails_at_once"
     cfg = train_config(
@@ -316,7 +316,7 @@ def test_named_steps_group_like_decisions_together(
 
     from masenvs.adapters.frameworks import ClientSettings
     from masenvs.adapters.policy import Sampling
-    from masenvs.trainer.workflow import collect_workflow_samples
+    from masenvs.trainer.rollout.workflow import collect_workflow_samples
 
     routes = dict(zip(agents, ("lora_a", "lora_b")))
     spec = WorkflowSpec(factory=factory, framework=framework, agents=agents)
@@ -359,8 +359,8 @@ def test_named_steps_group_like_decisions_together(
 
 def test_a_client_asked_for_an_undeclared_agent_stops_training_too(tmp_path: Path) -> None:
     """The AutoGen selector's client taken from ctx.clients, the selector not an agent."""
-    from masenvs.trainer.train import train
-    from masenvs.trainer.workflow import UnknownAgentError
+    from masenvs.trainer.rollout.workflow import UnknownAgentError
+    from masenvs.trainer.run.train import train
 
     cfg = train_config(
         tmp_path,

@@ -1,5 +1,5 @@
 """avg@n and pass@k of several policies on the same tasks, side by side (the library;
-the `masenvs eval` command line is `masenvs.trainer.eval_cli`).
+the `masenvs eval` command line is `masenvs.trainer.commands.eval`).
 
     masenvs eval --env plan_path --episodes 32 -k 4 --baseline \\
         --checkpoint runs/x/checkpoints/step_00000024
@@ -17,10 +17,8 @@ hosted API), called directly.
 from __future__ import annotations
 
 import asyncio
-import importlib
 import math
 import time
-import warnings
 from collections import defaultdict
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -281,17 +279,3 @@ def swap_label(swap: dict[str, str]) -> str:
     """' swap plan=tool' for a target's name; '' without swaps."""
     pairs = sorted({tuple(sorted(p)) for p in swap.items()})
     return "".join(f" swap {a}={b}" for a, b in pairs)
-
-
-def __getattr__(name: str) -> Any:
-    # `main` and `build_parser` moved to the CLI module; imported only when the old path is
-    # used, so the library itself never loads the command line.
-    if name in ("main", "build_parser"):
-        warnings.warn(
-            f"masenvs.trainer.evaluate.{name} moved to masenvs.trainer.eval_cli.{name}; "
-            "import it from there (the old path goes away in the next release)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(importlib.import_module("masenvs.trainer.eval_cli"), name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -12,7 +12,7 @@ One run = one task (an env seed) solved once by the program:
    the failure reward and a logged reason; other runs go on.
 
 Every LLM call the program made is in the trace under the run's rollout id, attributed to
-its agent and numbered per agent (`call_index`); `masenvs.trainer.workflow` turns them into
+its agent and numbered per agent (`call_index`); `masenvs.trainer.rollout.workflow` turns them into
 training samples, K runs per task grouped by (task, agent, call index).
 """
 
@@ -48,7 +48,6 @@ from masenvs.adapters.frameworks.programs import (
 )
 from masenvs.adapters.policy import server_root
 from masenvs.env import messages_to_text
-from masenvs.overrides import renamed
 from masenvs.registry import make
 from masenvs.traces import EpisodeRecord, TraceStore
 
@@ -476,7 +475,7 @@ async def run_tasks(
     root_url: str,
     env_name: str,
     seeds: list[int],
-    branches: int | None = None,
+    branches: int,
     env_options: dict[str, Any] | None = None,
     settings: ClientSettings | None = None,
     store: TraceStore | None = None,
@@ -485,16 +484,14 @@ async def run_tasks(
     concurrency: int = 8,
     on_run: Callable[[WorkflowRun], None] | None = None,
     factory: Factory | None = None,
-    runs_per_task: int | None = None,
 ) -> list[WorkflowRun]:
     """K = `branches` independent runs of every task, `concurrency` at a time.
 
     `root_url` is the masenvs server, as its root or its `/v1` URL (what `masenvs serve`
     prints); it is checked once, up front. Rollout ids are `{prefix}-{seed}-{k}`; runs come
     back ordered by (seed, k). `factory` overrides `spec.factory` (a function instead of
-    its import path). `runs_per_task` is the old name of `branches` (deprecated).
+    its import path).
     """
-    branches = renamed("run_tasks", "branches", branches, "runs_per_task", runs_per_task)
     if branches < 1:
         raise ValueError(f"branches (K, runs of each task) must be at least 1, got {branches}")
     factory = factory or load_factory(spec.factory)  # a bad factory fails once, up front

@@ -367,8 +367,8 @@ def test_a_verifiers_taskset_with_bad_input_says_so() -> None:
 
 def test_masenvs_train_trains_a_verifiers_taskset_with_atgrpo(tmp_path: Path) -> None:
     from masenvs.trainer.config import load_config
-    from masenvs.trainer.metrics import read_metrics
-    from masenvs.trainer.train import train
+    from masenvs.trainer.run.metrics import read_metrics
+    from masenvs.trainer.run.train import train
 
     overrides = [
         f"run_dir={tmp_path}",

@@ -106,6 +106,6 @@ def write_step_samples(
 
 
 def _rounded(values: list[float] | None) -> list[float] | None:
-    # written by the learner (trainer/learner.py) when it scored the sample; 5 decimals
+    # written by the learner (trainer/learner/learner.py) when it scored the sample; 5 decimals
     # keep the file small and are far below any mismatch worth seeing
     return [round(v, 5) for v in values] if values else None

@@ -204,12 +204,12 @@ def sft(
     """Fine-tune the run's policies on `data` and write them as checkpoint 0 of `cfg.run_dir`."""
     from masenvs.engine.loading import load_tokenizer
     from masenvs.registry import make
-    from masenvs.trainer.checkpoint import TrainState, list_checkpoints, save_checkpoint
     from masenvs.trainer.config import save_config
-    from masenvs.trainer.learner import Learner
+    from masenvs.trainer.learner.learner import Learner
+    from masenvs.trainer.rollout.sources import env_factory
+    from masenvs.trainer.run.checkpoint import TrainState, list_checkpoints, save_checkpoint
+    from masenvs.trainer.run.train import seed_everything
     from masenvs.trainer.samples import Sample
-    from masenvs.trainer.sources import env_factory
-    from masenvs.trainer.train import seed_everything
 
     run_dir = Path(cfg.run_dir)
     if cfg.distributed.learner.world_size > 1:

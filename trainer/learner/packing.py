@@ -5,7 +5,7 @@ an attention mask that keeps siblings apart. Units are packed first-fit-decreasi
 rows into micro-batches within `optim.max_tokens_per_microbatch`.
 
 With a `prefix` (the tokens every prompt of an update starts with, fed once beforehand: see
-trainer/prefix.py), each unit holds only the rest of its prompt; its positions continue
+trainer/learner/prefix.py), each unit holds only the rest of its prompt; its positions continue
 after the prefix, and the mask's first `prefix` columns are the prefix's keys.
 """
 
@@ -193,7 +193,7 @@ def build_microbatch(
 
 
 def prefix_pass(length: int) -> MicroBatch:
-    """The shape of a shared prefix's own forward (trainer/prefix.py), for the FLOP count:
+    """The shape of a shared prefix's own forward (trainer/learner/prefix.py), for the FLOP count:
     `length` tokens attending causally, nothing scored."""
     empty = torch.zeros(0, dtype=torch.long)
     return MicroBatch(

@@ -13,7 +13,6 @@ import os
 import random
 import threading
 import time
-import warnings
 from collections import defaultdict
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -29,15 +28,17 @@ from masenvs.adapters.policy_map import PolicyMap
 from masenvs.adapters.stack import Stack, start_stack
 from masenvs.listeners import API_KEY_ENV, announce, listener_key
 from masenvs.memory import allocator_note, release_free_memory, tune_allocator
-from masenvs.trainer import sources
 from masenvs.trainer.atgrpo import group_advantages
-from masenvs.trainer.checkpoint import TrainState, load_latest, save_checkpoint
 from masenvs.trainer.config import ConfigError, TrainConfig, save_config
-from masenvs.trainer.dist_learner import make_learner
-from masenvs.trainer.engines import engine_pools, several_engines
-from masenvs.trainer.flops import mfu_metrics
-from masenvs.trainer.learner import Learner
-from masenvs.trainer.metrics import (
+from masenvs.trainer.inference.engines import engine_pools, several_engines
+from masenvs.trainer.inference.serving import training_backend
+from masenvs.trainer.inference.sync import WeightSync, vllm_backend
+from masenvs.trainer.learner.dist_learner import make_learner
+from masenvs.trainer.learner.flops import mfu_metrics
+from masenvs.trainer.learner.learner import Learner
+from masenvs.trainer.rollout import sources
+from masenvs.trainer.run.checkpoint import TrainState, load_latest, save_checkpoint
+from masenvs.trainer.run.metrics import (
     MetricsLogger,
     group_metrics,
     moves_line,
@@ -49,11 +50,9 @@ from masenvs.trainer.metrics import (
     weight_moves,
     weight_snapshot,
 )
-from masenvs.trainer.plots import plot_curves
+from masenvs.trainer.run.plots import plot_curves
+from masenvs.trainer.run.steplog import SAMPLES_FILE, write_step_samples
 from masenvs.trainer.samples import Sample
-from masenvs.trainer.serving import training_backend
-from masenvs.trainer.steplog import SAMPLES_FILE, write_step_samples
-from masenvs.trainer.sync import WeightSync, vllm_backend
 
 log = logging.getLogger(__name__)
 
@@ -126,7 +125,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
 
         agents = list(cfg.workflow.agents)
         from masenvs.adapters.frameworks.clients import UnknownAgent
-        from masenvs.trainer.workflow import UnknownAgentError
+        from masenvs.trainer.rollout.workflow import UnknownAgentError
 
         try:  # a bad env, factory or graph input fails in one line, before models load
             check_factory(cfg.workflow, cfg.env.name, cfg.env.options)
@@ -174,7 +173,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
                 chat_template_kwargs={a: cfg.agent(a).chat_template_kwargs for a in agents},
             )
             if cfg.workflow is not None:  # and what other model names get (unknown_agents)
-                from masenvs.trainer.workflow import workflow_policy_map
+                from masenvs.trainer.rollout.workflow import workflow_policy_map
 
                 routes = workflow_policy_map(
                     cfg.workflow,
@@ -410,28 +409,3 @@ def _rollout_progress(console: Console, stack: Stack, step: int, total: int) -> 
         finally:
             stop.set()
             thread.join()
-
-
-# Names that moved to masenvs.trainer.sources: the old path works, with a warning.
-_MOVED = (
-    "env_options",
-    "env_factory",
-    "agent_sampling",
-    "rollout_metrics",
-    "rollout_sample_seed",
-    "TreeSource",
-    "validation_metrics",
-    "WorkflowSource",
-)
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        warnings.warn(
-            f"masenvs.trainer.train.{name} moved to masenvs.trainer.sources.{name}; "
-            "import it from there (the old path goes away in the next release)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(sources, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

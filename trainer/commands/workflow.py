@@ -30,12 +30,12 @@ from masenvs.adapters.frameworks.workflow import Factory, WorkflowRun, WorkflowS
 from masenvs.adapters.policy import Sampling
 from masenvs.overrides import RenamedFlag
 from masenvs.traces import CallRecord
-from masenvs.trainer.samples import Sample
-from masenvs.trainer.workflow import (
+from masenvs.trainer.rollout.workflow import (
     collect_workflow_samples,
     workflow_metrics,
     workflow_policy_map,
 )
+from masenvs.trainer.samples import Sample
 
 
 def build_parser(description: str) -> argparse.ArgumentParser:
@@ -106,8 +106,8 @@ def main(
             backend = make_backend(args.model)
             routes: Any = {}
             if args.train_steps > 0:
-                from masenvs.trainer.learner import Learner
-                from masenvs.trainer.sync import WeightSync
+                from masenvs.trainer.inference.sync import WeightSync
+                from masenvs.trainer.learner.learner import Learner
 
                 learner = Learner(cfg, spec.agents)
                 sync = WeightSync(learner, backend, traces / "sync")
@@ -161,7 +161,7 @@ def main(
 def train_step(learner: Any, samples: list[Sample], cfg: Any) -> dict[str, float]:
     """Group-relative advantages over the K runs, then one learner update."""
     from masenvs.trainer.atgrpo import group_advantages
-    from masenvs.trainer.metrics import group_metrics, sample_metrics
+    from masenvs.trainer.run.metrics import group_metrics, sample_metrics
 
     trainable, stats = group_advantages(samples, cfg.algorithm)
     update = learner.step(trainable) if trainable else {}

@@ -25,11 +25,11 @@ from typing import Any
 import torch
 from peft import PeftModel
 
-from masenvs.trainer import flops, packing, policies, prefix, scoring, weights
 from masenvs.trainer.atgrpo import LossSums
 from masenvs.trainer.config import OptimConfig, TrainConfig
-from masenvs.trainer.parallel import DataParallel, OneProcess, Scores
-from masenvs.trainer.policies import causal_lm_of, has_dropout
+from masenvs.trainer.learner import flops, packing, policies, prefix, scoring, weights
+from masenvs.trainer.learner.parallel import DataParallel, OneProcess, Scores
+from masenvs.trainer.learner.policies import causal_lm_of, has_dropout
 from masenvs.trainer.samples import Sample
 
 
@@ -261,7 +261,7 @@ class Learner:
     def _shared_prefix(
         self, model: Any, causal_lm: Any, batch: list[Sample], share: bool
     ) -> prefix.SharedPrefix | None:
-        """Feed the prefix every prompt of `batch` starts with once (trainer/prefix.py), where
+        """Feed the prefix every prompt of `batch` starts with once (trainer/learner/prefix.py), where
         it is long enough, `optim.share_prefix` is on, prompts may be shared, one process
         holds the whole model, and no activation is recomputed. Without grad (the scoring
         passes of pi_old and the reference) the prefix is fed once and only attended to."""
@@ -551,38 +551,3 @@ class Learner:
         self.steps_done = int(state["steps_done"])
         for name, opt_state in state["optimizers"].items():
             self.policies[name].optimizer.load_state_dict(opt_state)
-
-
-# Names that moved out of this module: the old path works, with a DeprecationWarning.
-_MOVED = {
-    "ModelLoader": "policies",
-    "load_base_model": "policies",
-    "Policy": "policies",
-    "Unit": "packing",
-    "prompt_units": "packing",
-    "unit_length": "packing",
-    "plan_microbatches": "packing",
-    "MicroBatch": "packing",
-    "build_microbatch": "packing",
-    "token_logprobs": "scoring",
-    "matmul_flops_per_s": "flops",
-    "mfu_metrics": "flops",
-    "linear_params": "flops",
-    "forward_flops": "flops",
-    "ADAPTER_WEIGHTS": "weights",
-    "ADAPTER_CONFIG": "weights",
-    "MODEL_WEIGHTS": "weights",
-}
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        module = _MOVED[name]
-        warnings.warn(
-            f"masenvs.trainer.learner.{name} moved to masenvs.trainer.{module}.{name}; "
-            "import it from there (the old path goes away in the next release)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(globals()[module], name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

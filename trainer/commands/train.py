@@ -12,8 +12,8 @@ from rich.markup import escape
 from masenvs.adapters.stack import StackError
 from masenvs.engine.protocol import BackendError
 from masenvs.memory import restart_with_jemalloc
-from masenvs.trainer.checkpoint import list_checkpoints
 from masenvs.trainer.config import ConfigError, load_config
+from masenvs.trainer.run.checkpoint import list_checkpoints
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -69,8 +69,8 @@ def main(argv: list[str]) -> int:
         return 2
 
     from masenvs.engine.loading import ModelLoadError
-    from masenvs.trainer.train import train  # loads torch; keep --help and config errors fast
-    from masenvs.trainer.workflow import TooManyFailures
+    from masenvs.trainer.rollout.workflow import TooManyFailures
+    from masenvs.trainer.run.train import train  # loads torch; keep --help and config errors fast
 
     try:
         result = train(cfg, console=console)

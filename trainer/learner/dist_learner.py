@@ -11,7 +11,7 @@ gradients are summed over ranks, so the update equals the one-process `Learner`'
 batch up to float summation order. Checkpoints: `save_sharded` writes each rank's shards
 (trainable weights, AdamW state) with torch.distributed.checkpoint (DCP), which reshards on
 load, so a run resumes on another world size; `load_sharded_optimizers` reads such a
-checkpoint into a one-process `Learner` (both in `masenvs.trainer.rank_learner`).
+checkpoint into a one-process `Learner` (both in `masenvs.trainer.learner.rank_learner`).
 """
 
 from __future__ import annotations
@@ -20,7 +20,6 @@ import contextlib
 import json
 import socket
 import time
-import warnings
 import weakref
 from collections.abc import Sequence
 from pathlib import Path
@@ -29,11 +28,10 @@ from typing import Any
 import torch
 import torch.multiprocessing as mp
 
-from masenvs.trainer import rank_learner
 from masenvs.trainer.config import TrainConfig
-from masenvs.trainer.learner import Learner
-from masenvs.trainer.policies import load_base_model, resolve_device
-from masenvs.trainer.rank_learner import SHARDED_META, PolicyInfo, rank_main
+from masenvs.trainer.learner.learner import Learner
+from masenvs.trainer.learner.policies import load_base_model, resolve_device
+from masenvs.trainer.learner.rank_learner import SHARDED_META, PolicyInfo, rank_main
 from masenvs.trainer.samples import Sample
 
 
@@ -254,8 +252,8 @@ def _rank_context() -> Any:
             "torch",
             "transformers",
             "peft",
-            "masenvs.trainer.dist_learner",
-            "masenvs.trainer.rank_learner",
+            "masenvs.trainer.learner.dist_learner",
+            "masenvs.trainer.learner.rank_learner",
         ]
     )
     return ctx
@@ -265,19 +263,3 @@ def _free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
-
-
-# Names that moved to masenvs.trainer.rank_learner: the old path works, with a warning.
-_MOVED = ("RankLearner", "load_sharded_optimizers")
-
-
-def __getattr__(name: str) -> Any:
-    if name in _MOVED:
-        warnings.warn(
-            f"masenvs.trainer.dist_learner.{name} moved to masenvs.trainer.rank_learner.{name}; "
-            "import it from there (the old path goes away in the next release)",
-            DeprecationWarning,
-            stacklevel=2,
-        )
-        return getattr(rank_learner, name)
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -31,7 +31,7 @@ from masenvs.adapters.backends.vllm import VLLMBackend
 from masenvs.adapters.stack import StackError
 from masenvs.engine.protocol import Backend, BackendError
 from masenvs.trainer.config import TrainConfig
-from masenvs.trainer.learner import Learner
+from masenvs.trainer.learner.learner import Learner
 
 KEEP_VERSIONS = 2  # sync files kept per policy; the server has read the older ones
 

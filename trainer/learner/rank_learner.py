@@ -20,20 +20,20 @@ import torch
 import torch.distributed as dist
 from torch.utils._pytree import tree_map
 
-from masenvs.trainer import weights
 from masenvs.trainer.atgrpo import SUMMED, LossSums
 from masenvs.trainer.config import TrainConfig
-from masenvs.trainer.learner import Learner
-from masenvs.trainer.packing import prompt_units, unit_length
-from masenvs.trainer.parallel import Scores
-from masenvs.trainer.policies import (
+from masenvs.trainer.learner import weights
+from masenvs.trainer.learner.learner import Learner
+from masenvs.trainer.learner.packing import prompt_units, unit_length
+from masenvs.trainer.learner.parallel import Scores
+from masenvs.trainer.learner.policies import (
     causal_lm_of,
     make_optimizer,
     resolve_device,
     trainable_params,
 )
+from masenvs.trainer.learner.scoring import Mismatch
 from masenvs.trainer.samples import Sample
-from masenvs.trainer.scoring import Mismatch
 
 SHARDED_META = "learner.json"  # steps_done, world size, which optimizers hold state
 
@@ -96,7 +96,7 @@ def rank_main(
 
 
 class RankParallel:
-    """How a rank shares the batch (a `masenvs.trainer.parallel.DataParallel`): whole prompt
+    """How a rank shares the batch (a `masenvs.trainer.learner.parallel.DataParallel`): whole prompt
     units dealt to ranks by tokens; gradients, loss sums and log-probs summed over ranks."""
 
     def __init__(self, rank: int, world_size: int, fsdp: bool, device: torch.device) -> None:

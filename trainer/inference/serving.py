@@ -16,7 +16,7 @@ from typing import Any
 from masenvs.adapters.backends.router import Route, RouterBackend
 from masenvs.adapters.stack import make_backend
 from masenvs.engine.protocol import Backend
-from masenvs.trainer.learner import Learner
+from masenvs.trainer.learner.learner import Learner
 
 
 def training_backend(learner: Learner, **engine: Any) -> Backend:

@@ -8,7 +8,7 @@ from typing import Any
 
 import torch
 
-from masenvs.trainer.packing import MicroBatch
+from masenvs.trainer.learner.packing import MicroBatch
 
 
 def matmul_flops_per_s(n: int = 2048, repeats: int = 3) -> tuple[float, float]:

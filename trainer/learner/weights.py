@@ -12,7 +12,7 @@ from peft.utils import get_peft_model_state_dict
 from safetensors.torch import load_file, save_file
 
 from masenvs.engine.loading import model_reference
-from masenvs.trainer.policies import Policy, causal_lm_of
+from masenvs.trainer.learner.policies import Policy, causal_lm_of
 
 ADAPTER_WEIGHTS = "adapter_model.safetensors"
 ADAPTER_CONFIG = "adapter_config.json"

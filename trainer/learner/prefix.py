@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from transformers import DynamicCache
 
-from masenvs.trainer.packing import common_prefix
+from masenvs.trainer.learner.packing import common_prefix
 from masenvs.trainer.samples import Sample
 
 MIN_PREFIX = 16  # tokens: below this the extra pass costs more than it saves

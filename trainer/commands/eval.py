@@ -140,8 +140,8 @@ class _Checkpoint:
 
 
 def _checkpoint(path: str) -> _Checkpoint:
-    from masenvs.trainer.checkpoint import load_latest
     from masenvs.trainer.config import load_config
+    from masenvs.trainer.run.checkpoint import load_latest
 
     where = Path(path)
     if not (where / "adapters").is_dir():

@@ -1,7 +1,7 @@
 """How a `Learner` shares each batch with other processes: the hooks its step calls.
 
 `OneProcess` (the default) computes every sample here and every hook is a no-op. A learner
-rank on torch.distributed (`masenvs.trainer.rank_learner.RankParallel`) computes its share of
+rank on torch.distributed (`masenvs.trainer.learner.rank_learner.RankParallel`) computes its share of
 the prompt units and sums gradients, loss sums and log-probs over the ranks.
 """
 
@@ -13,8 +13,8 @@ from typing import Any, Protocol
 import torch
 
 from masenvs.trainer.atgrpo import LossSums
+from masenvs.trainer.learner.scoring import Mismatch
 from masenvs.trainer.samples import Sample
-from masenvs.trainer.scoring import Mismatch
 
 Scores = dict[int, tuple[torch.Tensor, torch.Tensor]]
 """Batch index -> (log-probs at the training temperature, log-probs at T=1) of its tokens."""

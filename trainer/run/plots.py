@@ -12,7 +12,7 @@ matplotlib.use("Agg")  # files only: no display needed, safe in worker threads
 
 import matplotlib.pyplot as plt  # noqa: E402
 
-from masenvs.trainer.metrics import read_metrics  # noqa: E402
+from masenvs.trainer.run.metrics import read_metrics  # noqa: E402
 
 
 def plot_curves(

@@ -19,10 +19,10 @@ from masenvs.adapters.stack import Stack, with_endpoint
 from masenvs.engine.protocol import honours_seed
 from masenvs.env import MASEnv
 from masenvs.registry import make
-from masenvs.trainer.captured import captured_samples, write_designs
 from masenvs.trainer.config import ConfigError, TrainConfig, check_env
-from masenvs.trainer.learner import Learner
-from masenvs.trainer.rollout import (
+from masenvs.trainer.learner.learner import Learner
+from masenvs.trainer.rollout.captured import captured_samples, write_designs
+from masenvs.trainer.rollout.tree import (
     TaskRollout,
     collect_trajectory_batch,
     collect_tree_batch,
@@ -136,8 +136,10 @@ class TreeSource:
         self.last_errors: list[str] = []  # the last step's failed tasks, for an empty step
         self.sample_seed = rollout_sample_seed(cfg, stack.backend)
         self.pool = None
-        if cfg.distributed.rollout_workers:  # episodes run in Ray actors (trainer/workers.py)
-            from masenvs.trainer.workers import RolloutPool, worker_spec
+        if (
+            cfg.distributed.rollout_workers
+        ):  # episodes run in Ray actors (trainer/rollout/workers.py)
+            from masenvs.trainer.rollout.workers import RolloutPool, worker_spec
 
             policies = {agent: learner.policy_of(agent) for agent in learner.agents}
             spec = worker_spec(cfg, stack, self.policy, policies, env_options(cfg))
@@ -279,7 +281,7 @@ class WorkflowSource:
             agents=agent_sampling(cfg, learner.agents, validation=True),
             api_key=stack.api_key or "masenvs",
         )
-        from masenvs.trainer.workflow import FailureWindow
+        from masenvs.trainer.rollout.workflow import FailureWindow
 
         self.failures = FailureWindow(self.spec.failure_window, self.spec.max_failure_rate)
         self.last_runs: list[Any] = []
@@ -287,16 +289,18 @@ class WorkflowSource:
             self.settings.agents[name] = self.settings.agents[agent]
             self.val_settings.agents[name] = self.val_settings.agents[agent]
         self.pool = None
-        if cfg.distributed.rollout_workers:  # the program runs in Ray actors (trainer/workers.py)
-            from masenvs.trainer.workers import RolloutPool, workflow_worker_spec
+        if (
+            cfg.distributed.rollout_workers
+        ):  # the program runs in Ray actors (trainer/rollout/workers.py)
+            from masenvs.trainer.rollout.workers import RolloutPool, workflow_worker_spec
 
             self.pool = RolloutPool(workflow_worker_spec(cfg, stack), cfg.distributed)
 
     async def _runs(self, step, seeds, branches, settings):
-        from masenvs.trainer.workflow import collect_workflow_samples
+        from masenvs.trainer.rollout.workflow import collect_workflow_samples
 
         if self.pool is not None:
-            from masenvs.trainer.workers import collect_workflow
+            from masenvs.trainer.rollout.workers import collect_workflow
 
             policy_of = self.learner.policy_of
             return await collect_workflow(
@@ -325,7 +329,7 @@ class WorkflowSource:
         )
 
     async def collect(self, step: int, seeds: list[int]) -> tuple[list[Sample], dict[str, float]]:
-        from masenvs.trainer.workflow import check_unknown_agents, workflow_metrics
+        from masenvs.trainer.rollout.workflow import check_unknown_agents, workflow_metrics
 
         # Each failed run is logged once, by run_workflow; the detail is in its episode record.
         samples, runs = await self._runs(step, seeds, self.cfg.rollout.branches, self.settings)
@@ -336,7 +340,7 @@ class WorkflowSource:
         return samples, metrics | (self.pool.metrics() if self.pool is not None else {})
 
     def why_no_samples(self) -> str:
-        from masenvs.trainer.workflow import why_no_samples
+        from masenvs.trainer.rollout.workflow import why_no_samples
 
         return why_no_samples(self.last_runs)
 

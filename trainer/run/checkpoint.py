@@ -41,7 +41,7 @@ import numpy as np
 from masenvs.trainer.config import TrainConfig, config_yaml
 
 if TYPE_CHECKING:  # torch is imported on use: `masenvs train` checks run_dir before it loads
-    from masenvs.trainer.learner import Learner
+    from masenvs.trainer.learner.learner import Learner
 
 CHECKPOINTS = "checkpoints"
 ADAPTERS = "adapters"  # LoRA: one peft directory per policy
@@ -82,7 +82,7 @@ class Checkpoint:
             if getattr(learner, "sharded", False):
                 learner.load_sharded(self.path / SHARDED)  # type: ignore[attr-defined]
             else:
-                from masenvs.trainer.rank_learner import load_sharded_optimizers
+                from masenvs.trainer.learner.rank_learner import load_sharded_optimizers
 
                 load_sharded_optimizers(learner, self.path / SHARDED)
         else:

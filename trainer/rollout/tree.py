@@ -38,7 +38,7 @@ class TaskRollout:
     completion_tokens: int = 0
     error: str | None = None
     # Runs the env made through the endpoint (auto-MAS executions), from every candidate:
-    # their calls are samples too (trainer/captured.py).
+    # their calls are samples too (trainer/rollout/captured.py).
     captured: list[dict[str, Any]] = field(default_factory=list)
     designs: list[dict[str, Any]] = field(default_factory=list)  # auto-MAS: every candidate's
 

@@ -30,7 +30,7 @@ from masenvs.engine.protocol import honours_seed
 from masenvs.registry import make
 from masenvs.traces import EpisodeRecord
 from masenvs.trainer.config import DistributedConfig, TrainConfig
-from masenvs.trainer.rollout import TaskRollout, collect_trajectory_batch, collect_tree_batch
+from masenvs.trainer.rollout.tree import TaskRollout, collect_trajectory_batch, collect_tree_batch
 from masenvs.trainer.samples import Sample
 
 if TYPE_CHECKING:
@@ -224,7 +224,7 @@ async def collect_workflow(
     runs' metadata, writes their episode records and reads their calls from its store."""
     from masenvs.adapters.frameworks.calls import read_calls
     from masenvs.adapters.frameworks.workflow import task_env_options
-    from masenvs.trainer.workflow import workflow_samples
+    from masenvs.trainer.rollout.workflow import workflow_samples
 
     spec, store, endpoint = pool.spec.workflow, stack.store, stack.endpoint
     assert spec is not None and store is not None, "workflow runs need the endpoint's store"

@@ -30,8 +30,8 @@ from masenvs.adapters.stack import StackError
 from masenvs.engine.loading import load_tokenizer
 from masenvs.engine.protocol import Backend, BackendError
 from masenvs.trainer.config import TrainConfig
-from masenvs.trainer.learner import Learner
-from masenvs.trainer.sync import PolicyServer, vllm_servers
+from masenvs.trainer.inference.sync import PolicyServer, vllm_servers
+from masenvs.trainer.learner.learner import Learner
 
 API_KEY_ENV = "MASENVS_ENGINES_API_KEY"  # the key engines given by URL want, if any
 
