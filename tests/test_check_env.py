@@ -215,3 +215,8 @@ def test_the_docs_example_of_your_own_env_runs(tmp_path: Path) -> None:
     script.write_text(blocks[0])  # the complete example; the later ones name your package
     namespace = runpy.run_path(str(script))  # the example calls check_env itself
     assert issubclass(namespace["GuessEnv"], MASEnv)
+
+
+def test_an_env_built_with_strict_actions_passes_too() -> None:
+    """parallel_api_test passes every agent's action: check_env runs it without strictness."""
+    check_env(GuessEnv(strict_actions=True, max_rounds=6))
