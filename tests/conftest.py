@@ -1,4 +1,5 @@
-"""Shared fixtures: the tiny model (loaded once, copied per learner), each native kernel set."""
+"""Shared fixtures: the tiny model (loaded once, copied per learner), each native kernel set;
+the tiers each test belongs to (tests/tiers.py, docs/testing.md)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,27 @@ from typing import Any
 
 import pytest
 import torch
+from tiers import classify, left_out_summary
 
 from masenvs.engine import kernels as cpu_kernels
 from masenvs.engine.loading import load_model
+
+
+@pytest.hookimpl(tryfirst=True)  # before `-m` selects by the marks added here
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    classify(items)
+
+
+def pytest_deselected(items: list[pytest.Item]) -> None:
+    _deselected.extend(items)
+
+
+_deselected: list[pytest.Item] = []
+
+
+def pytest_report_collectionfinish() -> list[str]:
+    # Shown under -q too, unlike pytest_report_header: a fast run says what it did not run.
+    return left_out_summary(_deselected)
 
 
 @pytest.fixture(scope="module")

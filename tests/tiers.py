@@ -1,0 +1,156 @@
+"""Test tiers (docs/testing.md): each test is marked by what it starts, and `fast` goes on
+every test that starts none of what the README's run leaves out.
+
+tests/conftest.py applies these tables at collection; tests/test_tiers.py checks that every
+test module is listed in MODULES, so a new module states what it starts before it runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import pytest
+
+# The marks a test can carry for what it starts (pyproject.toml says each in one line).
+STARTS = ("process", "cluster", "browser", "vllm", "slow", "serial")
+
+# What the fast tier, the README's `pytest -m fast`, leaves out; .ci/run runs them after it.
+LEFT_OUT = ("slow", "cluster", "browser", "vllm")
+
+# .ci/run runs the tests with these marks one at a time, the rest under pytest-xdist: a Ray
+# cluster, gloo ranks or a vLLM server each take both cores, and `serial` tests measure time,
+# memory or the host's shared state, which a neighbour in the next worker would disturb.
+PARALLEL_UNSAFE = ("serial", "cluster", "vllm")
+
+# Every test module (by file stem) with the marks of what its tests start.
+MODULES: dict[str, tuple[str, ...]] = {
+    "test_advantage_mass": ("process",),  # scripts/advantage_mass.py in a subprocess
+    "test_advantages": (),
+    "test_agent_settings": (),
+    "test_architecture": ("process",),  # `git ls-files`, a fresh interpreter's imports
+    "test_auto_mas": ("process",),  # designs run in the sandbox
+    "test_batch_invariant": (),
+    "test_chat_templates": (),
+    "test_check_env": (),
+    "test_checkpoint": ("process",),  # a writer killed mid-write
+    "test_cli_errors": ("process",),  # each command as a user runs it
+    "test_code_env": ("process",),  # the sandbox
+    "test_config": (),
+    "test_cpu_kernels": ("process",),  # gcc builds the kernels
+    "test_dist_learner": ("cluster",),  # torch.distributed ranks on gloo
+    "test_embedded": (),
+    "test_endpoint": ("process",),  # `masenvs serve` killed with -9
+    "test_engine_paths": ("process",),  # fresh interpreters import the old paths
+    "test_engine_pool": ("process",),  # two `masenvs serve --engine` servers
+    "test_engine_pool_vllm": ("vllm", "process"),
+    "test_envs_contract": ("process",),  # the sandbox (code, verilog, tools)
+    "test_evaluate": (),
+    "test_fast_lora": (),
+    "test_frameworks_examples": ("process",),  # the shipped examples as scripts
+    "test_frameworks_roles": ("serial",),  # times concurrent calls
+    "test_frameworks_tools": (),
+    "test_frameworks_workflow": ("process", "serial"),  # a program killed mid-call; timings
+    "test_gymnasium": ("process",),
+    "test_hub_models": (),
+    "test_integration_openenv": ("process",),  # `masenvs openenv-serve`
+    "test_integration_trl": ("process",),  # `masenvs serve`
+    "test_integration_verifiers": ("process",),  # pytest in the verifiers venv
+    "test_integrations_same_reward": ("process",),  # the sandbox (code, verilog)
+    "test_integrity": ("process", "serial"),  # hostile clients; host shared-memory bounds
+    "test_langgraph_state": ("process",),  # `masenvs train` in the agent's project
+    "test_learner": (),
+    "test_learner_flops": (),
+    "test_learner_scale": (),
+    "test_learning_configs": ("process",),  # the sandbox (code)
+    "test_listener_hardening": ("process", "serial"),  # server memory and time under attack
+    "test_listeners": ("process",),  # every server bound beyond loopback
+    "test_loaders": ("process",),
+    "test_loss": (),
+    "test_mas": ("process",),  # hostile designs in the sandbox
+    "test_mas_published": ("process",),  # tool code in the sandbox
+    "test_math_env": ("process",),  # hostile programs in the sandbox
+    "test_memory": ("process", "serial"),  # resident set sizes
+    "test_metrics": (),
+    "test_models": (),
+    "test_options": (),
+    "test_oracle_isolation": ("process", "serial"),  # timing and cache side channels
+    "test_paper_configs": ("process",),  # scripts/check_train_gpu.py
+    "test_plan_path": (),
+    "test_prefix": (),
+    "test_readme": (),
+    "test_rl_sanity": (),
+    "test_rollout_workers": ("cluster",),  # a local Ray cluster
+    "test_sampling_knobs": (),
+    "test_sandbox": ("process", "serial"),  # CPU-time and wall limits
+    "test_sandbox_allowlist": ("process",),
+    "test_sandbox_memory": ("process", "serial"),  # memory limits
+    "test_sandbox_state": ("process", "serial"),  # page-cache side channels
+    "test_scale_out": ("cluster", "process"),  # Ray, engine servers, gloo ranks
+    "test_serving": (),
+    "test_sft": ("process",),  # `masenvs sft`, `masenvs train --resume`
+    "test_sokoban": (),
+    "test_sudoku": (),
+    "test_tiers": (),
+    "test_traces": ("process",),  # a writer killed mid-record
+    "test_training_warnings": (),
+    "test_trajectory": (),
+    "test_tree_rollout": (),
+    "test_ui": ("browser", "process"),  # chromium, `masenvs ui`
+    "test_ui_index": ("process",),
+    "test_unknown_models": ("process",),  # `masenvs serve`
+    "test_validation_env_options": (),
+    "test_verifiers": ("process",),  # tests/verifiers_env, in its own venv: `masenvs serve`
+    "test_verilog_env": ("process",),  # iverilog in the sandbox
+    "test_vllm_backend": ("process",),  # `masenvs serve --backend vllm` before a stand-in
+    "test_vllm_real": ("vllm", "process"),
+    "test_web_search": ("process",),  # `masenvs search-serve`
+    "test_wheel": ("process",),  # pip builds the wheel
+    "test_workflow_training": (),
+}
+
+# Single tests ("module::function", all its parameters) that start more than their module.
+TESTS: dict[str, tuple[str, ...]] = {
+    "test_listeners::test_ray_workers_sample_through_a_keyed_endpoint_on_this_machines_address": (
+        "cluster",
+    ),
+    "test_models::test_smollm2_answers_coherently": ("slow",),  # the real SmolLM2
+}
+
+
+def marks_of(module: str, function: str) -> set[str]:
+    """The tier marks of one test: its module's, and its own from TESTS."""
+    return set(MODULES.get(module, ())) | set(TESTS.get(f"{module}::{function}", ()))
+
+
+def classify(items: Iterable[pytest.Item]) -> None:
+    """Add each test's tier marks, and `fast` where it has none of LEFT_OUT."""
+    for item in items:
+        module = item.path.stem
+        function = getattr(item, "originalname", item.name)
+        have = {m.name for m in item.iter_markers()}
+        for name in sorted(marks_of(module, function) - have):
+            item.add_marker(name)
+            have.add(name)
+        if not have & set(LEFT_OUT):
+            item.add_marker("fast")
+
+
+def left_out_summary(deselected: Iterable[pytest.Item]) -> list[str]:
+    """One line per tier a run left out: how many tests, and the command that runs them."""
+    counts: dict[str, int] = {}
+    others = 0
+    for item in deselected:
+        tiers = [m for m in LEFT_OUT if item.get_closest_marker(m)]
+        for tier in tiers:
+            counts[tier] = counts.get(tier, 0) + 1
+        others += not tiers
+    if not counts and not others:
+        return []
+    lines = ["left out of this run (docs/testing.md):"]
+    for tier in LEFT_OUT:
+        if counts.get(tier):
+            lines.append(f"  {counts[tier]:4d} {tier:<8} pytest -m {tier}")
+    if others:
+        lines.append(f"  {others:4d} other    (deselected by -m or -k)")
+    lines.append("  all of them: pytest -m 'not fast'; everything: pytest")
+    return lines
