@@ -10,7 +10,7 @@ needs no simulator to reset. Regenerate after changing a problem:
 Conventions every spec shares: the module is `top_module`; sequential designs change on the
 rising edge of `clk` and `reset` is synchronous and active high.
 
-Longer than 600 lines because it is data: the 58 problems as their author writes them (spec,
+Longer than 500 lines because it is data: the 58 problems as their author writes them (spec,
 ports and golden Verilog side by side, one `P(...)` each), the source that the generated JSON
 is built from. Split across files or moved into JSON strings they would be harder to review.
 """
