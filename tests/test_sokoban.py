@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from pettingzoo.test import parallel_api_test
 
 import masenvs
-from masenvs.envs.sokoban import SokobanTask
+from masenvs.envs.sokoban_level import SokobanTask
 
 DELTA = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
 

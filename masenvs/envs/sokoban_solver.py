@@ -5,13 +5,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from masenvs.envs import grid
 from masenvs.envs.grid import Cell
-
-if TYPE_CHECKING:
-    from masenvs.envs.sokoban import SokobanTask
+from masenvs.envs.sokoban_level import SokobanTask
 
 
 @dataclass

@@ -20,6 +20,7 @@ from pydantic import Field, model_validator
 
 from masenvs.env import EnvConfig, EpisodeState, MASEnv, Message, RewardParts
 from masenvs.envs import grid
+from masenvs.envs.sudoku_hints import candidate_lines, empty_line
 from masenvs.envs.sudoku_parsing import SudokuAnswer, as_cell, parse_answer
 from masenvs.envs.sudoku_solver import solutions
 from masenvs.envs.tooling import ToolRun, round_context, run_tool
@@ -276,50 +277,6 @@ SOLO_SYSTEM = (
     "You solve sudoku puzzles. You may write a Python program in a ```python block; it runs and "
     "you see its output next round. " + _ANSWER + " "
 )
-
-
-def candidates(board: Board, r: int, c: int) -> list[int]:
-    """The digits that empty cell (r, c) may hold: none of its row, column or box has them."""
-    n, b = len(board), math.isqrt(len(board))
-    used = set(board[r]) | {board[i][c] for i in range(n)}
-    used |= {
-        board[i][j]
-        for i in range(r // b * b, r // b * b + b)
-        for j in range(c // b * b, c // b * b + b)
-    }
-    return [d for d in range(1, n + 1) if d not in used]
-
-
-def candidate_lines(board: Board) -> list[str]:
-    """Each empty cell as a `[row, column, value]` fill with its candidates, e.g.
-    'Empty cells as [row, column, value]: [0, 2, 3] (only 3 fits); [1, 1, 2 or 4].' When every
-    cell has one candidate, one list in the answer's form: '...: [[0, 2, 3], [1, 1, 4]].'"""
-    empty = [
-        (r, c, candidates(board, r, c))
-        for r, row in enumerate(board)
-        for c, v in enumerate(row)
-        if v == 0
-    ]
-    if not empty:
-        return []
-    if all(len(digits) == 1 for _, _, digits in empty):
-        fills = ", ".join(f"[{r}, {c}, {digits[0]}]" for r, c, digits in empty)
-        return [f"Empty cells as [row, column, value], only one digit fits each: [{fills}]."]
-    cells = []
-    for r, c, digits in empty:
-        if len(digits) == 1:
-            cells.append(f"[{r}, {c}, {digits[0]}] (only {digits[0]} fits)")
-        else:
-            options = " or ".join(map(str, digits)) or "nothing fits: a digit is wrong"
-            cells.append(f"[{r}, {c}, {options}]")
-    return ["Empty cells as [row, column, value]: " + "; ".join(cells) + "."]
-
-
-def empty_line(board: Board) -> list[str]:
-    """The empty cells as fills with '?' for the digit, e.g.
-    'Empty cells as [row, column, value]: [[3, 0, ?], [1, 2, ?]].'"""
-    cells = [f"[{r}, {c}, ?]" for r, row in enumerate(board) for c, v in enumerate(row) if v == 0]
-    return [f"Empty cells as [row, column, value]: [{', '.join(cells)}]."] if cells else []
 
 
 # show_candidates or show_empty, single agent: the answer alone (no program), in one format.
