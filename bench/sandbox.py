@@ -216,7 +216,7 @@ def channels(tree: Path, pairs: int, nbits: int) -> dict:
 
 def bwrap_per_run(runs: int) -> float:
     """Runs/s of a fresh bubblewrap root (the same allow-list) and interpreter per program."""
-    from masenvs.sandbox.client import bwrap_command
+    from masenvs.sandbox.staging import bwrap_command
 
     command, _ = bwrap_command((), (), (), [])
     bwrap_args = command[: command.index("--") + 1]

@@ -749,20 +749,21 @@ def test_concurrent_runs_cannot_signal_through_locks_or_inotify(sb: Sandbox) -> 
 def test_the_server_is_staged_with_every_module_of_the_package(tmp_path: Path, monkeypatch) -> None:
     """The server runs from a staged copy of masenvs/sandbox/ (standard library only), and a
     preload that imports masenvs.sandbox stages all of its modules too."""
-    from masenvs.sandbox import client, layout
+    from masenvs.sandbox import staging
 
     package = sorted(p.name for p in (REPO / "masenvs" / "sandbox").glob("*.py"))
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    staged = Path(layout.stage(client.server_sources(), {}))
+    staged = Path(staging.stage(staging.server_sources(), {}))
     assert sorted(p.name for p in (staged / "server").iterdir()) == package
-    modules = layout.masenvs_modules(("masenvs.sandbox",))
+    modules = staging.masenvs_modules(("masenvs.sandbox",))
     names = {Path(f).name for n, f in modules.items() if n.startswith("masenvs.sandbox")}
     assert names >= set(package), set(package) - names
     server = [
         p.stem
         for p in (REPO / "masenvs" / "sandbox").glob("*.py")
-        if p.stem not in ("__init__", "client", "layout")
+        if p.stem not in ("__init__", "client", "layout", "staging")
     ]
     assert (
-        layout.third_party_imports([str(REPO / f"masenvs/sandbox/{n}.py") for n in server]) == set()
+        staging.third_party_imports([str(REPO / f"masenvs/sandbox/{n}.py") for n in server])
+        == set()
     )

@@ -2,7 +2,8 @@
 
 The package front door: `Sandbox`, its limits and results. One file per process or job:
 - client.py: the `Sandbox` API in the parent, which starts the server and asks for runs;
-- layout.py: the allow-list root (bubblewrap arguments) and the staged server copy;
+- layout.py: the allow-list root (bubblewrap arguments) and its copy in RAM;
+- staging.py: the server's staged copy and the bubblewrap command that boots it;
 - supervisor.py: the zygote server and the supervisor it forks per run;
 - runsetup.py, seccomp.py: namespaces, mounts, capabilities and the seccomp filter;
 - cgroup.py: the memory cgroup of each run; pagecache.py: the pinner, which locks what runs
@@ -14,7 +15,7 @@ docs/sandbox.md for the threat model).
 """
 
 # The server's own modules are imported too (nothing here uses them): a staged copy of
-# masenvs.sandbox (layout.masenvs_modules follows imports) then holds all of them.
+# masenvs.sandbox (staging.masenvs_modules follows imports) then holds all of them.
 from . import program, supervisor
 from .client import (
     DEFAULT_PACKAGES,

@@ -26,10 +26,10 @@ from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass
 
 from .limits import CHILD_ENV, SandboxLimits, Verdict
+from .staging import PACKAGE_DIR, SERVER_BOOT, bwrap_command
 from .wire import (
     BIND_DIRS_MOUNT,
     BIND_NAME,
-    CGROUP_MOUNT,
     MAX_BINDS,
     RUN_BIND_DIR,
     recv_msg,
@@ -75,16 +75,6 @@ WEAK_SANDBOX_OPT_IN = "MASENVS_ALLOW_WEAK_SANDBOX"
 
 # The name masenvs.sandbox always logged under (the package front door).
 log = logging.getLogger("masenvs.sandbox")
-# The server's own files: every module of this package, run from a staged copy.
-PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__))
-# Starts the server: `argv[1]` is a dir holding this package's modules, loaded as the
-# package `_masenvs_sandbox_server` without running its __init__ (this client side).
-SERVER_BOOT = (
-    "import importlib,sys,types;"
-    "p=types.ModuleType('_masenvs_sandbox_server');p.__path__=[sys.argv[1]];"
-    "sys.modules[p.__name__]=p;"
-    "importlib.import_module(p.__name__+'.supervisor').server_main(int(sys.argv[2]),sys.argv[3])"
-)
 
 
 @dataclass(frozen=True)
@@ -493,57 +483,3 @@ def default_sandbox() -> Sandbox:
         if _default is None:
             _default = Sandbox()
         return _default
-
-
-def server_sources() -> dict[str, str]:
-    """The server's files for staging: every module of this package, by file name."""
-    sources = {}
-    for name in sorted(os.listdir(PACKAGE_DIR)):
-        if name.endswith(".py"):
-            with open(os.path.join(PACKAGE_DIR, name), encoding="utf-8") as f:
-                sources[name] = f.read()
-    return sources
-
-
-def bwrap_command(
-    preload: Sequence[str], packages: Sequence[str], bind_dirs: Sequence[str], notes: list[str]
-) -> tuple[list[str], dict] | None:
-    """The server's command line inside a bubblewrap root of allow-listed paths, and its
-    extra config; None (with a note) where bubblewrap is not installed.
-
-    The server is root there (of a user namespace bubblewrap makes, when we are not root),
-    so that it can still give each run its own namespaces and uid."""
-    from . import layout
-
-    bwrap = layout.bwrap_path()
-    if bwrap is None:
-        notes.append("bubblewrap (bwrap) is not installed, so runs get no allow-list")
-        return None
-    userns = os.geteuid() != 0
-    modules = layout.masenvs_modules(preload)
-    needed = {*packages, *(name.split(".")[0] for name in preload)}
-    needed |= layout.third_party_imports(modules.values())
-    stage = layout.stage(server_sources(), modules)
-    root = layout.build_layout(sorted(needed), stage)
-    in_ram = layout.copy_to_ram(root, notes)
-    # Hidden from runs, which get single files of them (Sandbox.run's binds).
-    root.hidden = [(path, f"{BIND_DIRS_MOUNT}/{i}") for i, path in enumerate(bind_dirs)]
-    # Not --die-with-parent: the parent death signal follows the thread that started bwrap,
-    # which may be a worker thread. The server exits when our socket closes, and dies with
-    # bwrap (its own death signal, see server_main).
-    command = [bwrap, "--new-session", "--unshare-ipc", "--unshare-uts"]
-    command += ["--unshare-cgroup-try"]
-    if userns:
-        command += ["--unshare-user", "--uid", "0", "--gid", "0"]
-    from .cgroup import server_cgroup
-
-    cgroup = server_cgroup(notes)
-    if cgroup is not None:
-        root.writable = [(cgroup[0], CGROUP_MOUNT)]
-    command += ["--cap-add", "ALL", *root.bwrap_args(), "--chdir", "/", "--"]
-    command += [sys.executable, "-I", "-c", SERVER_BOOT, f"{layout.STAGE_MOUNT}/server"]
-    paths = [f"{layout.STAGE_MOUNT}/lib"] if modules else []
-    extra = {"allow_list": True, "userns": userns, "path": paths, "in_ram": in_ram}
-    if cgroup is not None:
-        extra |= {"cgroup": cgroup[1], "cgroup_path": cgroup[0]}
-    return command, extra

@@ -15,18 +15,16 @@ refuse to score where a copy of masenvs' task data is among it.
 
 from __future__ import annotations
 
-import ast
 import functools
 import glob
 import hashlib
-import importlib.util
 import os
 import re
 import shutil
 import sys
 import sysconfig
 import tempfile
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -56,8 +54,6 @@ STDLIB_LEFT_OUT = ("test", "config-*")
 # Where the copies in RAM of what runs see live (a tmpfs: no page to evict, no negative
 # dentry kept), one per bound path and content, shared by every sandbox of this machine.
 RAM_COPIES = f"/dev/shm/masenvs-sandbox-root-{os.geteuid()}"
-# Never staged nor bound: masenvs' task data (hidden tests, golden modules and vectors).
-NEVER_STAGED = ("masenvs.tasks",)
 
 
 def bwrap_path() -> str | None:
@@ -415,97 +411,3 @@ def package_paths(packages: Sequence[str]) -> list[str]:
         except metadata.PackageNotFoundError:
             dists += _top_level_distributions().get(top, ())
     return list(_distribution_paths(tuple(sorted(set(dists)))))
-
-
-# --- staging: the server's own source and the masenvs modules a preload needs ----------------
-
-
-def masenvs_modules(preload: Sequence[str]) -> dict[str, str]:
-    """masenvs module name -> source file, for the masenvs modules in `preload` and every
-    masenvs module they import (found by reading their imports, never running them);
-    `masenvs.tasks` is left out whatever imports it."""
-    found: dict[str, str] = {}
-    todo = [name for name in preload if name.split(".")[0] == "masenvs"]
-    while todo:
-        name = todo.pop()
-        if name in found or any(name == n or name.startswith(n + ".") for n in NEVER_STAGED):
-            continue
-        parts = name.split(".")
-        for i in range(1, len(parts)):  # parent packages run first on import
-            todo.append(".".join(parts[:i]))
-        try:
-            spec = importlib.util.find_spec(name)
-        except (ImportError, ValueError):
-            spec = None
-        if spec is None or not spec.origin or not spec.origin.endswith(".py"):
-            continue
-        found[name] = spec.origin
-        package = name if spec.submodule_search_locations else name.rpartition(".")[0]
-        try:
-            tree = ast.parse(Path(spec.origin).read_text(encoding="utf-8"))
-        except (OSError, SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                todo += [a.name for a in node.names if a.name.split(".")[0] == "masenvs"]
-            elif isinstance(node, ast.ImportFrom):
-                base = node.module or ""
-                if node.level:
-                    anchor = package.split(".")
-                    anchor = anchor[: len(anchor) - node.level + 1]
-                    base = ".".join([*anchor, base] if base else anchor)
-                if base.split(".")[0] == "masenvs":
-                    todo.append(base)
-                    todo += [f"{base}.{a.name}" for a in node.names]  # submodules, if any
-    return found
-
-
-def third_party_imports(files: Iterable[str]) -> set[str]:
-    """Top-level names of the non-stdlib, non-masenvs modules that `files` import."""
-    names: set[str] = set()
-    for path in files:
-        try:
-            tree = ast.parse(Path(path).read_text(encoding="utf-8"))
-        except (OSError, SyntaxError, ValueError):
-            continue
-        for node in ast.walk(tree):
-            if isinstance(node, ast.Import):
-                names |= {a.name.split(".")[0] for a in node.names}
-            elif isinstance(node, ast.ImportFrom) and not node.level and node.module:
-                names.add(node.module.split(".")[0])
-    return {n for n in names if n not in sys.stdlib_module_names and n != "masenvs"}
-
-
-def stage(server_sources: Mapping[str, str], modules: dict[str, str]) -> str:
-    """A read-only dir holding `server/<the server's files>` (file name -> source) and
-    `lib/<masenvs modules>`, content-addressed under the user's cache so that it is built
-    once and never changes under a server."""
-    files = {f"server/{name}": source.encode() for name, source in server_sources.items()}
-    for name, origin in modules.items():
-        rel = name.replace(".", "/")
-        rel = f"{rel}/__init__.py" if origin.endswith("__init__.py") else f"{rel}.py"
-        files[f"lib/{rel}"] = Path(origin).read_bytes()
-    digest = hashlib.sha256()
-    for rel in sorted(files):
-        digest.update(rel.encode() + b"\0" + hashlib.sha256(files[rel]).digest())
-    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "masenvs"
-    final = cache / "sandbox-stage" / digest.hexdigest()[:32]
-    if final.is_dir():
-        return str(final)
-    try:
-        final.parent.mkdir(parents=True, exist_ok=True)
-    except OSError:  # no writable cache (a read-only home): a private temp dir instead
-        final = Path(tempfile.mkdtemp(prefix="masenvs-stage-")) / "stage"
-    tmp = Path(tempfile.mkdtemp(prefix=".stage-", dir=final.parent))
-    for rel, data in files.items():
-        path = tmp / rel
-        path.parent.mkdir(parents=True, exist_ok=True)
-        path.write_bytes(data)
-        path.chmod(0o444)
-    for dirpath, _, _ in os.walk(tmp):
-        os.chmod(dirpath, 0o755)
-    try:
-        tmp.rename(final)
-    except OSError:  # another process staged the same content first
-        shutil.rmtree(tmp, ignore_errors=True)
-    return str(final)

@@ -3,7 +3,7 @@
 The zygote sets up isolation once (runsetup.py), imports the preloaded modules, then forks a
 supervisor for each run the parent asks for; a supervisor reads the request, starts the
 run's init (program.py) in fresh namespaces, feeds and collects it, kills what is left and
-replies. Started by `client.SERVER_BOOT` from a staged copy: standard library only.
+replies. Started by `staging.SERVER_BOOT` from a staged copy: standard library only.
 """
 
 from __future__ import annotations
