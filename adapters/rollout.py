@@ -34,6 +34,7 @@ from rich.text import Text
 from masenvs.adapters import episodes
 from masenvs.adapters.policy import ChatPolicy, Sampling, server_root
 from masenvs.adapters.stack import add_engine_arguments, with_endpoint
+from masenvs.cache import DEFAULT_MODEL
 from masenvs.listeners import API_KEY_ENV, ListenerError, add_key_arguments, key_from
 from masenvs.registry import env_class, make
 
@@ -66,7 +67,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--env", required=True, help="environment name (see `masenvs list`)")
     parser.add_argument("--episodes", type=int, default=8)
     parser.add_argument("--seed", type=int, default=0, help="first task seed")
-    parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny or a path")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"{DEFAULT_MODEL} (default), tiny or a path"
+    )
     parser.add_argument("--backend", choices=["embedded", "vllm"], default="embedded")
     parser.add_argument("--vllm-url", help="URL of a running `vllm serve` (with --backend vllm)")
     parser.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")

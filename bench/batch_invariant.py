@@ -24,6 +24,8 @@ from engine import ISA_ENVIRONMENT, cpu_model
 from rich.console import Console
 from rich.table import Table
 
+from masenvs.cache import DEFAULT_MODEL
+
 MODES = {"default": False, "batch-invariant": True}
 WAYS = ("all at once", "one at a time", "reversed", "waves of 5")
 
@@ -93,7 +95,7 @@ def _measure(invariant: bool, model: str, tasks: int, repeats: int, pipe) -> Non
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--tasks", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--isa", choices=list(ISA_ENVIRONMENT), default="native")

@@ -46,6 +46,7 @@ from rich.console import Console
 from rich.table import Table
 
 from masenvs.adapters.endpoint import EndpointServer, create_app
+from masenvs.cache import DEFAULT_MODEL
 from masenvs.engine.protocol import (
     Completion,
     GenerateRequest,
@@ -307,7 +308,7 @@ def main() -> None:
     parser.add_argument("--calls", type=int, default=300)
     parser.add_argument("--backends", nargs="+", default=["instant", "tiny"])
     parser.add_argument("--single-stream", action="store_true", help="tokens/s of one client")
-    parser.add_argument("--model", default="smollm2-135m", help="--single-stream's model")
+    parser.add_argument("--model", default=DEFAULT_MODEL, help="--single-stream's model")
     parser.add_argument("--max-tokens", type=int, default=128, help="--single-stream")
     parser.add_argument("--repeats", type=int, default=5, help="--single-stream")
     parser.add_argument("--isa", choices=["native", "avx2"], default="native", help="see engine.py")

@@ -37,6 +37,7 @@ import torch
 from rich.console import Console
 from rich.table import Table
 
+from masenvs.cache import DEFAULT_MODEL
 from masenvs.engine import kernels as cpu_kernels
 from masenvs.engine.engine import EmbeddedBackend
 from masenvs.engine.loading import load_model
@@ -277,7 +278,7 @@ def _serve_mode(name: str, options: dict, pipe) -> None:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32])

@@ -37,6 +37,8 @@ from engine import ISA_ENVIRONMENT, cpu_model
 from rich.console import Console
 from rich.table import Table
 
+from masenvs.cache import DEFAULT_MODEL
+
 MODES = ("sdpa", "decode-kernel")
 WORDS = (  # split in _text
     "river stone light market winter garden letter engine window forest paper village "
@@ -140,7 +142,7 @@ def _run(isa: str, args) -> tuple:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--tasks", type=int, default=32)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument(

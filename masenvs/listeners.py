@@ -36,7 +36,14 @@ from pathlib import Path
 from typing import Any, BinaryIO
 
 MAX_JSON_DEPTH = 64  # nesting no request of ours needs; deeper input is an attack
-API_KEY_ENV = "MASENVS_API_KEY"  # the key of `serve`, its engine servers and the trainer's endpoint
+# The environment variables keys come from, one per kind of server (a key for one must not
+# open another): masenvs's own model servers (`serve`, its engine servers, the trainer's
+# endpoint, `ui`, `openenv-serve`; `rollout --url` sends it) ...
+API_KEY_ENV = "MASENVS_API_KEY"
+# ... `search-serve`, whose key the search envs' HttpBackend sends ...
+SEARCH_API_KEY_ENV = "MASENVS_SEARCH_API_KEY"
+# ... and engine servers the trainer is given by URL (`distributed.engines.urls`).
+ENGINES_API_KEY_ENV = "MASENVS_ENGINES_API_KEY"
 HEAD_TIMEOUT = 10.0  # seconds a new connection to a uvicorn listener has to send its request head
 
 

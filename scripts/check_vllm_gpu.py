@@ -25,6 +25,7 @@ import torch
 
 from masenvs.adapters.backends.launch import launch_vllm, model_dir
 from masenvs.adapters.backends.vllm import VLLMBackend
+from masenvs.cache import DEFAULT_MODEL
 from masenvs.engine.protocol import GenerateRequest, SamplingParams
 
 MESSAGES = [{"role": "user", "content": "Name three colours, then stop."}]
@@ -95,7 +96,7 @@ def max_diff(a: list[float], b: list[float]) -> float:
 
 def main() -> int:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--startup-timeout", type=float, default=300)
     parser.add_argument("--device", default="cuda")
     args = parser.parse_args()

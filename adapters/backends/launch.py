@@ -29,6 +29,7 @@ from typing import Any
 
 import httpx
 
+from masenvs.cache import BUILT_IN_MODELS, DEFAULT_MODEL
 from masenvs.engine.args import EngineArgs
 from masenvs.listeners import API_KEY_ENV, listener_key
 
@@ -225,7 +226,7 @@ def model_dir(model: str) -> str:
     so both read the same revision and vLLM needs no network; else `model` as is."""
     from masenvs.engine.loading import ModelLoadError, hub_snapshot, is_hub_id
 
-    if model in ("tiny", "smollm2-135m"):
+    if model in BUILT_IN_MODELS:
         from masenvs.engine.loading import cache_dir, load_tokenizer
 
         load_tokenizer(model)  # builds (converts) the cached model directory once
@@ -410,7 +411,7 @@ def check_cpu_model(model: str) -> None:
         raise VLLMLaunchError(
             f"vLLM's CPU build has no attention kernel for head_dim {head_dim} ({model}); "
             f"it supports {', '.join(map(str, CPU_HEAD_SIZES))}. The 'tiny' test model is such "
-            "a model: use smollm2-135m (or a GPU) with vLLM."
+            f"a model: use {DEFAULT_MODEL} (or a GPU) with vLLM."
         )
 
 

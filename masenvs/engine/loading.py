@@ -22,11 +22,10 @@ from typing import Any
 
 import torch
 
-from masenvs.cache import cache_root
+from masenvs.cache import BUILT_IN_MODELS, DEFAULT_MODEL, SMOLLM2_135M, cache_root
 from masenvs.engine import kernels
 from masenvs.engine.kernels import cpu_has_native_bf16
 
-DEFAULT_MODEL = "smollm2-135m"
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 
 # SmolLM2-Instruct's ChatML template, used only if a tokenizer comes without one.
@@ -109,7 +108,7 @@ def load_model(
 ) -> LoadedModel:
     """Load `spec` ("smollm2-135m", "tiny", a local model directory or a hub id) onto `device`."""
     torch_dtype = _resolve_dtype(dtype) if dtype is not None else default_dtype(device)
-    if spec == "smollm2-135m":
+    if spec == SMOLLM2_135M:
         path, name = _cached(spec, _convert_smollm2), spec
     elif spec == "tiny":
         path, name = _cached(spec, _build_tiny), spec
@@ -124,7 +123,7 @@ def model_reference(spec: str) -> str:
     """Where peft and vLLM find `spec` on this machine: the cache directory of
     "smollm2-135m" and "tiny", the absolute path of a model directory, else `spec` itself (a
     hub id). Adapters record it as `base_model_name_or_path`."""
-    if spec in ("smollm2-135m", "tiny"):
+    if spec in BUILT_IN_MODELS:
         return str(cache_dir().resolve() / spec)
     path = Path(spec).expanduser()
     return str(path.resolve()) if path.is_dir() else spec
@@ -134,7 +133,7 @@ def load_tokenizer(spec: str = DEFAULT_MODEL) -> Any:
     """The tokenizer of `spec` alone (fast: no weights are read)."""
     from transformers import AutoTokenizer
 
-    if spec in ("smollm2-135m", "tiny"):
+    if spec in BUILT_IN_MODELS:
         path = _cached(spec, _build_tiny if spec == "tiny" else _convert_smollm2)
     else:
         path = _local_dir(spec)
@@ -190,8 +189,8 @@ def _local_dir(spec: str) -> Path:
     if os.sep in spec or spec.startswith((".", "~")):
         raise ModelLoadError(f"Model directory {path} does not exist.")
     raise ModelLoadError(
-        f"Unknown model {spec!r}; use 'smollm2-135m', 'tiny', a local model directory or a "
-        "Hugging Face hub id (Org/Name)."
+        f"Unknown model {spec!r}; use {' or '.join(map(repr, BUILT_IN_MODELS))}, a local model "
+        "directory or a Hugging Face hub id (Org/Name)."
     )
 
 
@@ -318,7 +317,7 @@ def _smollm2_tokenizer() -> Any:
     """The SmolLM2 tokenizer: from the converted model or a tokenizer-only cache if present."""
     from transformers import AutoTokenizer
 
-    for path in (cache_dir() / "smollm2-135m", cache_dir() / "smollm2-135m-tokenizer"):
+    for path in (cache_dir() / SMOLLM2_135M, cache_dir() / f"{SMOLLM2_135M}-tokenizer"):
         if (path / "tokenizer_config.json").is_file():
             return _with_chat_template(AutoTokenizer.from_pretrained(path, local_files_only=True))
 
@@ -328,7 +327,7 @@ def _smollm2_tokenizer() -> Any:
         _with_chat_template(tok).save_pretrained(out)
         (out / "config.json").write_text("{}\n")  # marks the directory as complete
 
-    path = _cached("smollm2-135m-tokenizer", extract)
+    path = _cached(f"{SMOLLM2_135M}-tokenizer", extract)
     return _with_chat_template(AutoTokenizer.from_pretrained(path, local_files_only=True))
 
 
@@ -374,7 +373,7 @@ def _load_dir(path: Path, name: str, device: torch.device, dtype: torch.dtype) -
             hf_logging.enable_progress_bar()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
-    if not getattr(tokenizer, "chat_template", None) and name in ("smollm2-135m", "tiny"):
+    if not getattr(tokenizer, "chat_template", None) and name in BUILT_IN_MODELS:
         tokenizer.chat_template = SMOLLM2_CHAT_TEMPLATE
     model.to(device).eval()
     return LoadedModel(model, tokenizer, name, path, device, dtype)

@@ -28,6 +28,7 @@ from pydantic import Field, model_validator
 
 from masenvs.env import build_config
 from masenvs.integrations.episode import TextEpisode, openai_player
+from masenvs.listeners import API_KEY_ENV
 from masenvs.registry import UnknownEnvError, env_class
 
 TASKSET_ID = "masenvs-verifiers"
@@ -146,7 +147,7 @@ def plugin() -> dict[str, type]:
         """An OpenAI-compatible server (e.g. `masenvs serve`), `.../v1`."""
         model: str | None = None
         """The model to ask; None: each role's name, as `masenvs serve` routes agents."""
-        api_key_var: str = "MASENVS_API_KEY"
+        api_key_var: str = API_KEY_ENV
         """The environment variable holding its API key (unset: none is sent)."""
         temperature: float = 0.0
         max_tokens: int = Field(256, ge=1)

@@ -16,9 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol, runtime_checkable
 
+from masenvs.listeners import SEARCH_API_KEY_ENV
 from masenvs.search.data import Doc
-
-API_KEY_ENV = "MASENVS_SEARCH_API_KEY"  # the key search-serve wants and HttpBackend sends
 
 
 class SearchError(RuntimeError):
@@ -175,7 +174,7 @@ class HttpBackend:
     def __init__(self, url: str, timeout: float = 30.0, api_key: str | None = None) -> None:
         self.url = url if url.rstrip("/").endswith("/retrieve") else url.rstrip("/") + "/retrieve"
         self.timeout = timeout
-        self.api_key = api_key or os.environ.get(API_KEY_ENV)
+        self.api_key = api_key or os.environ.get(SEARCH_API_KEY_ENV)
 
     def search(self, queries: Sequence[str], k: int) -> list[list[Hit]]:
         body = json.dumps({"queries": list(queries), "topk": k, "return_scores": True})

@@ -19,6 +19,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 from masenvs.listeners import (
+    SEARCH_API_KEY_ENV,
     BodyError,
     CappedHandler,
     ConnectionCap,
@@ -30,7 +31,7 @@ from masenvs.listeners import (
     key_matches,
     listener_key,
 )
-from masenvs.search.backends import API_KEY_ENV, BM25Backend, SearchBackend
+from masenvs.search.backends import BM25Backend, SearchBackend
 from masenvs.search.data import load_corpus_jsonl
 
 MAX_BODY = 1 << 20  # bytes of one /retrieve request
@@ -144,7 +145,7 @@ def main(argv: list[str] | None = None) -> int:
         prog="masenvs search-serve", description="Serve BM25 over a corpus JSONL at /retrieve."
     )
     parser.add_argument("corpus", help='JSONL of {"id","contents"} or {"id","title","text"}')
-    add_listener_arguments(parser, API_KEY_ENV)  # --api-key-file PATH or $MASENVS_SEARCH_API_KEY
+    add_listener_arguments(parser, SEARCH_API_KEY_ENV)  # --api-key-file PATH or its env var
     parser.add_argument(
         "--max-topk", type=int, default=MAX_TOPK, help=f"most documents per query ({MAX_TOPK})"
     )
@@ -152,10 +153,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         key = listener_key(
             args.host,
-            key_from(args, API_KEY_ENV),
+            key_from(args, SEARCH_API_KEY_ENV),
             what="the search server",
             no_auth=args.no_auth,
-            key_flag=f"--api-key-file PATH (or set ${API_KEY_ENV})",
+            key_flag=f"--api-key-file PATH (or set ${SEARCH_API_KEY_ENV})",
         )
     except ListenerError as exc:
         print(f"masenvs search-serve: {exc}", file=sys.stderr)
