@@ -45,11 +45,18 @@ def server_main(ctrl_fd: int, config_json: str) -> None:
     """Entry point of the zygote: set up isolation once, then fork a supervisor per run."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     ctrl = socket.socket(fileno=ctrl_fd)
-    config = json.loads(config_json)
+    srv = _set_up_server(ctrl, json.loads(config_json))
+    if srv is not None:
+        _serve_runs(ctrl, srv)
+
+
+def _set_up_server(ctrl: socket.socket, config: dict) -> ServerState | None:
+    """Isolation, the preloaded modules and the page-cache pinner, once; the isolation (or the
+    error) goes to the parent. None: the server is not to run."""
     if config.get("allow_list"):  # under bubblewrap: die with its (single-threaded) monitor
         prctl(PR_SET_PDEATHSIG, signal.SIGKILL)
         if os.getppid() == 1:
-            return
+            return None
     sys.path[:0] = config.get("path", [])  # the staged masenvs modules, under bubblewrap
     srv = ServerState(pid=os.getpid(), notes=list(config.get("notes", [])))
     try:
@@ -63,7 +70,7 @@ def server_main(ctrl_fd: int, config_json: str) -> None:
         )
     except Exception as exc:  # report, never crash silently
         ctrl.send(json.dumps({"error": f"setup failed: {exc!r}"}).encode())
-        return
+        return None
     compiled_filter()  # built once here, not in every run
     # Pins what runs can read in the page cache while we import the preloaded modules.
     pinner = start_pinner(rewarm=not config.get("in_ram")) if srv.allow_list else None
@@ -83,6 +90,12 @@ def server_main(ctrl_fd: int, config_json: str) -> None:
 
     gc.freeze()  # keep preloaded objects out of the children's collections (fewer COW faults)
     ctrl.send(json.dumps({"isolation": srv.isolation(), "pid": os.getpid()}).encode())
+    return srv
+
+
+def _serve_runs(ctrl: socket.socket, srv: ServerState) -> None:
+    """Fork a supervisor for each run the parent asks for (its socket arrives on `ctrl`) and
+    reap them as they exit, until the parent closes `ctrl`."""
     # SIGCHLD wakes the loop through this pipe, so finished supervisors are reaped at once.
     wake_r, wake_w = os.pipe()
     os.set_blocking(wake_r, False)
@@ -195,13 +208,7 @@ def _run_program(
     uid: int,
     binds: dict[str, str] | None = None,
 ) -> dict:
-    workdir = "/tmp"
-    if not srv.mountns:
-        import tempfile
-
-        workdir = tempfile.mkdtemp(prefix="masenvs-sandbox-")
-        if srv.uid_per_run:
-            os.chown(workdir, uid, uid)
+    workdir = _workdir(srv, uid)
     # RLIMIT_NPROC counts all processes of the program's user; where that user is shared
     # with this machine's (no uid or user namespace of its own), the limit comes on top.
     shared_nproc = 0
@@ -243,7 +250,6 @@ def _run_program(
     collected = _collect(
         init_pid, stdin.encode(), in_w, out_r, err_r, st_r, start + lim.wall_seconds, lim
     )
-    out, err, status, killed, overflow = collected
     _, _, usage = os.wait4(init_pid, 0)
     if not srv.pidns:
         _kill_descendants()
@@ -258,7 +264,27 @@ def _run_program(
         import shutil
 
         shutil.rmtree(workdir, ignore_errors=True)  # fd-based, safe against symlink races
-    cpu = usage.ru_utime + usage.ru_stime
+    over_budget = cgroup.over_budget() if cgroup else False
+    return _reply(lim, collected, usage.ru_utime + usage.ru_stime, memory_error, over_budget)
+
+
+def _workdir(srv: ServerState, uid: int) -> str:
+    """The run's working dir: /tmp of its own mount namespace, else a fresh dir it owns."""
+    if srv.mountns:
+        return "/tmp"
+    import tempfile
+
+    workdir = tempfile.mkdtemp(prefix="masenvs-sandbox-")
+    if srv.uid_per_run:
+        os.chown(workdir, uid, uid)
+    return workdir
+
+
+def _reply(
+    lim: SandboxLimits, collected: tuple, cpu: float, memory_error: bool, over_budget: bool
+) -> dict:
+    """The reply to the parent: the verdict and the program's output, cut at the limit."""
+    out, err, status, killed, overflow = collected
     returncode = None if killed or overflow or status is None else os.waitstatus_to_exitcode(status)
     verdict = verdict_for(
         lim,
@@ -268,7 +294,7 @@ def _run_program(
         cpu=cpu,
         memory_error=memory_error,
         stderr=err,
-        over_budget=cgroup.over_budget() if cgroup else False,
+        over_budget=over_budget,
     )
     cap = lim.max_output_bytes
     return {
