@@ -16,6 +16,7 @@ import sys
 import types
 import typing
 import warnings
+from collections.abc import Callable
 from typing import Any
 
 import yaml
@@ -113,14 +114,23 @@ def section_type(annotation: Any) -> Any:
     return annotation
 
 
-def explain(exc: ValidationError, source: str, root: type[BaseModel]) -> str:
-    """`invalid config (source): field.path: problem`, one line per error of `root`'s data."""
+def explain(
+    exc: ValidationError,
+    source: str,
+    root: type[BaseModel],
+    hint: Callable[[str, Any], str] | None = None,
+) -> str:
+    """`invalid config (source): field.path: problem`, one line per error of `root`'s data.
+
+    `hint(path, value)` may explain an unknown field (a name from another library) instead of
+    the closest spelling; '' leaves the closest spelling."""
     lines = [f"invalid config ({source}):"]
     for err in exc.errors():
         where = ".".join(str(p) for p in err["loc"]) or "(top level)"
         message = err["msg"]
         if err["type"] == "extra_forbidden":
-            message = "unknown field" + did_you_mean(err["loc"], root)
+            known = hint(where, err.get("input")) if hint is not None else ""
+            message = "unknown field" + (known or did_you_mean(err["loc"], root))
         lines.append(f"  {where}: {message}")
     text = "\n".join(lines)
     if len(exc.errors()) == 1:  # the usual case, in one line

@@ -16,6 +16,7 @@ from pydantic import Field, ValidationError, create_model, model_validator
 from masenvs.adapters.frameworks.workflow import WorkflowSpec
 from masenvs.engine.args import EngineArgs
 from masenvs.overrides import ConfigError, Section, apply_override, explain
+from masenvs.trainer import foreign_names
 from masenvs.trainer.distributed_config import DistributedConfig
 from masenvs.trainer.distributed_config import EnginesConfig as EnginesConfig  # its old home
 from masenvs.trainer.distributed_config import LearnerDistConfig as LearnerDistConfig
@@ -562,7 +563,7 @@ def load_config(path: str | Path | None = None, overrides: list[str] | None = No
     try:
         config = TrainConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(explain(exc, source, TrainConfig)) from None
+        raise ConfigError(explain(exc, source, TrainConfig, foreign_names.hint)) from None
     check_env(config, source)
     return config
 
