@@ -20,6 +20,7 @@ import time
 
 import torch
 
+from masenvs.cache import DEFAULT_MODEL
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import TrainConfig, load_config
 from masenvs.trainer.learner.dist_learner import DistributedLearner
@@ -50,7 +51,7 @@ def time_steps(learner: Learner | DistributedLearner, batches: list[list[Sample]
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=4)
     parser.add_argument("--branches", type=int, default=4)

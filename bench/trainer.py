@@ -45,6 +45,7 @@ from typing import Any
 
 import torch
 
+from masenvs.cache import DEFAULT_MODEL
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import TrainConfig, load_config
 from masenvs.trainer.learner.learner import Learner
@@ -308,7 +309,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--model", default=DEFAULT_MODEL)
     parser.add_argument("--batch", type=int, default=8, help="sequences per step")
     parser.add_argument("--seq", type=int, default=256, help="mean tokens per sequence")
     parser.add_argument("--repeats", type=int, default=3)

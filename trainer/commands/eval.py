@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from masenvs.adapters.policy import ChatPolicy, Sampling
+from masenvs.cache import DEFAULT_MODEL
 from masenvs.listeners import add_key_arguments, key_from
 from masenvs.registry import make
 from masenvs.tasks.records import TaskSourceError
@@ -212,7 +213,7 @@ def _main(args: argparse.Namespace, console: Console) -> int:
         for a in agents
     }
     embedded = args.baseline or checkpoints or not args.url
-    model = args.model or (first.model.name if first else "smollm2-135m")
+    model = args.model or (first.model.name if first else DEFAULT_MODEL)
     for c in checkpoints:
         if args.model is None and c.config.model.name != model:
             raise ValueError(

@@ -28,7 +28,7 @@ from masenvs.adapters.frameworks.calls import read_calls
 from masenvs.adapters.frameworks.clients import ClientSettings
 from masenvs.adapters.frameworks.workflow import Factory, WorkflowRun, WorkflowSpec, check_factory
 from masenvs.adapters.policy import Sampling
-from masenvs.overrides import RenamedFlag
+from masenvs.cache import DEFAULT_MODEL
 from masenvs.traces import CallRecord
 from masenvs.trainer.rollout.workflow import (
     collect_workflow_samples,
@@ -40,18 +40,12 @@ from masenvs.trainer.samples import Sample
 
 def build_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument("--model", default="smollm2-135m", help="smollm2-135m, tiny or a path")
+    parser.add_argument(
+        "--model", default=DEFAULT_MODEL, help=f"{DEFAULT_MODEL} (default), tiny or a path"
+    )
     parser.add_argument("--episodes", type=int, default=2, help="tasks (env seeds) per step")
     parser.add_argument(
         "--branches", type=int, default=2, help="K: runs of each task (one advantage group)"
-    )
-    parser.add_argument(
-        "--runs",
-        type=int,
-        dest="branches",
-        action=RenamedFlag,
-        new_flag="--branches",
-        help="the old name of --branches (deprecated)",
     )
     parser.add_argument("--seed", type=int, default=0, help="first task seed")
     parser.add_argument("--train-steps", type=int, default=1, help="0: rollouts only")

@@ -17,7 +17,6 @@ from masenvs.adapters.frameworks.calls import read_calls
 from masenvs.adapters.frameworks.clients import ClientSettings, UnknownAgent
 from masenvs.adapters.frameworks.workflow import Factory, WorkflowRun, WorkflowSpec, run_tasks
 from masenvs.adapters.policy_map import BASE, PolicyMap
-from masenvs.overrides import renamed
 from masenvs.traces import CallRecord, TraceStore
 from masenvs.trainer.config import ConfigError
 from masenvs.trainer.samples import Sample, call_samples, workflow_group
@@ -78,7 +77,7 @@ async def collect_workflow_samples(
     store: TraceStore,
     env_name: str,
     seeds: list[int],
-    branches: int | None = None,
+    branches: int,
     env_options: dict[str, Any] | None = None,
     settings: ClientSettings | None = None,
     policy_of: Callable[[str], str] | None = None,
@@ -86,17 +85,12 @@ async def collect_workflow_samples(
     step: int = 0,
     concurrency: int = 8,
     factory: Factory | None = None,
-    runs_per_task: int | None = None,
 ) -> tuple[list[Sample], list[WorkflowRun]]:
     """Run every task K = `branches` times and read their calls back as samples.
 
     `store` must be the endpoint's trace store (the calls are read from it); rollout ids
     are `s{step}-{seed}-{k}`. `factory` overrides `spec.factory` (a function, not a path).
-    `runs_per_task` is the old name of `branches` (deprecated).
     """
-    branches = renamed(
-        "collect_workflow_samples", "branches", branches, "runs_per_task", runs_per_task
-    )
     started = time.time()
     runs = await run_tasks(
         spec,
