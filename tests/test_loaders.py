@@ -30,7 +30,7 @@ from masenvs.tasks import (
     write_jsonl,
 )
 from masenvs.tasks.code_judge import CodeJudge, Suite
-from masenvs.tasks.loaders import decode_lcb_tests
+from masenvs.tasks.hf_rows import decode_lcb_tests
 
 FIXTURES = Path(__file__).parent / "data" / "hf"
 

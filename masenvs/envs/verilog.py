@@ -21,7 +21,6 @@ from pydantic import Field
 from masenvs.env import EnvConfig, EpisodeState, MASEnv, Message, RewardParts
 from masenvs.parsing import clip_text, last_code_block
 from masenvs.tasks.verilog_judge import (
-    MAX_STIMULUS,
     Check,
     Outputs,
     Sim,
@@ -36,6 +35,7 @@ from masenvs.tasks.verilog_judge import (
     show_vector,
 )
 from masenvs.tasks.verilog_loaders import open_verilog_source
+from masenvs.tasks.verilog_models import MAX_STIMULUS
 
 
 class VerilogConfig(EnvConfig):

@@ -24,9 +24,14 @@ from typing import Any
 
 from masenvs.sandbox import Sandbox, SandboxLimits, Verdict, default_sandbox
 from masenvs.tasks._verilog_harness import check_design
-
-Vector = tuple[int, ...]  # one value per stimulus input (every input but the clock)
-Outputs = tuple[str, ...]  # one `%b` string per output port
+from masenvs.tasks.verilog_models import (
+    MODEL_DRIVER,
+    ModelRun,
+    Outputs,
+    Vector,
+    model_request,
+    read_model_run,
+)
 
 STATUSES = (
     "pass",
@@ -141,10 +146,6 @@ class VerilogTask:
 def bits_match(got: str, expected: str) -> bool:
     """`got` equals `expected` bit by bit; `x` in `expected` is a don't-care."""
     return len(got) == len(expected) and all(e in "xX" or g == e for g, e in zip(got, expected))
-
-
-def to_bits(value: int, width: int) -> str:
-    return format(value & ((1 << width) - 1), f"0{width}b")
 
 
 def show_vector(task: VerilogTask, vector: Vector) -> str:
@@ -413,49 +414,16 @@ class VerilogJudge:
         outputs on them (its stimulus, its messages) must not reach a prompt; run it once
         without them for that (the env does)."""
         self.sandbox.check_judging("run a verifier's model on hidden vectors")
-        request = {
-            "inputs": [[p.name, p.width] for p in task.inputs],
-            "outputs": [[p.name, p.width] for p in task.outputs],
-            "sequences": [[list(v) for v in s] for s in sequences],
-            "max_stimulus": MAX_STIMULUS,
-            "stimulus": stimulus,
-        }
         limits = replace(
             self.sandbox.limits,
             cpu_seconds=self.model_timeout,
             wall_seconds=self.model_timeout * 2 + 1,
             max_output_bytes=1 << 20,
         )
-        run = self.sandbox.run(code + _MODEL_DRIVER, json.dumps(request), limits=limits)
-        found = run.stdout.rfind(_MODEL_MARK)
-        if run.verdict != Verdict.OK or found < 0:
-            status = str(run.verdict) if run.verdict != Verdict.OK else "error"
-            lines = run.stderr.strip().splitlines()
-            return ModelRun(status, lines[-1][:500] if lines else "it printed no result")
-        data = json.loads(run.stdout[found + len(_MODEL_MARK) :])
-        if "error" in data:
-            return ModelRun("error", data["error"][:500])
-        widths = [p.width for p in task.outputs]
-        outputs = [
-            [tuple(to_bits(v, w) for v, w in zip(row, widths)) for row in seq]
-            for seq in data["outputs"]
-        ]
-        stimulus = tuple(tuple(v) for v in data["stimulus"])
-        return ModelRun("ok", "", outputs[: len(sequences)], stimulus, outputs[len(sequences)])
-
-
-MAX_STIMULUS = 64  # vectors of a verifier's stimulus that count
-
-
-@dataclass
-class ModelRun:
-    """A verifier's Python reference model and stimulus, as run in the sandbox."""
-
-    status: str  # "ok", "error", "timeout", "memory", "output_limit"
-    message: str = ""
-    outputs: list[list[Outputs]] = field(default_factory=list)  # per requested sequence
-    stimulus: tuple[Vector, ...] = ()
-    stimulus_outputs: list[Outputs] = field(default_factory=list)
+        ports = [[(p.name, p.width) for p in ps] for ps in (task.inputs, task.outputs)]
+        request = model_request(*ports, sequences, stimulus)
+        run = self.sandbox.run(code + MODEL_DRIVER, request, limits=limits)
+        return read_model_run(run, [p.width for p in task.outputs], len(sequences))
 
 
 def _parse_sim(raw: dict, marker: str, n_outputs: int) -> SimResult:
@@ -479,62 +447,6 @@ def _parse_sim(raw: dict, marker: str, n_outputs: int) -> SimResult:
     return result
 
 
-_MODEL_MARK = "\n@@masenvs-model@@"
-# Appended to the verifier's code: the model on each sequence (a fresh RefModel per
-# sequence), then on the verifier's own stimulus; values as ints in one JSON line.
-_MODEL_DRIVER = """
-
-def _masenvs_main():
-    import json as _json
-    import sys as _sys
-    req = _json.loads(_sys.stdin.read())
-    ins = [n for n, _ in req["inputs"]]
-    outs = [n for n, _ in req["outputs"]]
-
-    def fail(text):
-        _sys.stdout.write(MARK + _json.dumps({"error": text}) + "\\n")
-        _sys.exit(0)
-
-    if "RefModel" not in globals():
-        fail("no class RefModel defined")
-    stim = []
-    if req["stimulus"] and "stimulus" in globals():
-        raw = stimulus()
-        if not isinstance(raw, (list, tuple)):
-            fail("stimulus() must return a list of dicts of input values")
-        for vec in list(raw)[: req["max_stimulus"]]:
-            if not isinstance(vec, dict):
-                fail("stimulus() must return a list of dicts of input values")
-            unknown = [k for k in vec if k not in ins]
-            if unknown:
-                fail(f"stimulus() names unknown inputs {unknown}; inputs are {ins}")
-            try:
-                stim.append([int(vec.get(n, 0)) & ((1 << w) - 1) for n, w in req["inputs"]])
-            except (TypeError, ValueError):
-                fail("stimulus() values must be integers")
-    results = []
-    for seq in req["sequences"] + [stim]:
-        model = RefModel()
-        rows = []
-        for vec in seq:
-            got = model.step(dict(zip(ins, vec)))
-            if not isinstance(got, dict):
-                fail(f"RefModel.step must return a dict of outputs, got {type(got).__name__}")
-            missing = [n for n in outs if n not in got]
-            if missing:
-                fail(f"RefModel.step returned no value for {missing}")
-            try:
-                rows.append([int(got[n]) for n in outs])
-            except (TypeError, ValueError):
-                fail("RefModel.step must return integer output values")
-        results.append(rows)
-    _sys.stdout.write(MARK + _json.dumps({"outputs": results, "stimulus": stim}) + "\\n")
-
-
-_masenvs_main()
-""".replace("MARK", repr(_MODEL_MARK))
-
-
 def design_problem(text: str, task: VerilogTask) -> str | None:
     """Why a design cannot be compiled (forbidden system call, `include outside the task)."""
     return check_design(text, tuple(task.files))
@@ -543,7 +455,6 @@ def design_problem(text: str, task: VerilogTask) -> str | None:
 __all__ = [
     "Check",
     "Mismatch",
-    "ModelRun",
     "Port",
     "Sim",
     "SimResult",
@@ -553,5 +464,4 @@ __all__ = [
     "compare",
     "design_problem",
     "testbench",
-    "to_bits",
 ]
