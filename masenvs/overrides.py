@@ -10,12 +10,9 @@ did-you-mean for a misspelt name. Core layer: the CLIs and the libraries all imp
 
 from __future__ import annotations
 
-import argparse
 import difflib
-import sys
 import types
 import typing
-import warnings
 from collections.abc import Callable
 from typing import Any
 
@@ -149,44 +146,3 @@ def did_you_mean(loc: tuple[Any, ...], root: type[BaseModel]) -> str:
         section = annotation
     close = difflib.get_close_matches(str(loc[-1]), list(section.model_fields), n=1)
     return f" (did you mean {close[0]!r}?)" if close else ""
-
-
-def renamed(where: str, new_name: str, new: Any, old_name: str, old: Any) -> Any:
-    """An option's value under its current name, or under the name it used to have (with a
-    DeprecationWarning); a TypeError when neither or both are given."""
-    if old is None:
-        if new is None:
-            raise TypeError(f"{where}() needs {new_name}")
-        return new
-    if new is not None:
-        raise TypeError(f"{where}(): give {new_name} only ({old_name} is its old name)")
-    warnings.warn(
-        f"{where}({old_name}=...) is now {where}({new_name}=...); the old name goes away in "
-        "the next release",
-        DeprecationWarning,
-        stacklevel=3,
-    )
-    return old
-
-
-class RenamedFlag(argparse.Action):
-    """The old spelling of a command-line flag (`--runs` for `--branches`): it still sets the
-    new flag's value, and says once on stderr (and as a DeprecationWarning) to use the new one."""
-
-    def __init__(self, option_strings: list[str], dest: str, *, new_flag: str, **kw: Any) -> None:
-        self.new_flag = new_flag
-        super().__init__(option_strings, dest, **kw)
-
-    def __call__(
-        self,
-        parser: argparse.ArgumentParser,
-        namespace: argparse.Namespace,
-        values: Any,
-        option_string: str | None = None,
-    ) -> None:
-        message = (
-            f"{option_string} is now {self.new_flag}; the old name goes away in the next release"
-        )
-        warnings.warn(message, DeprecationWarning, stacklevel=2)
-        print(f"{parser.prog}: {message}", file=sys.stderr)
-        setattr(namespace, self.dest, values)
