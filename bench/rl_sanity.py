@@ -18,6 +18,7 @@ import sys
 import time
 from pathlib import Path
 
+from masenvs.cache import SMOLLM2_135M
 from masenvs.trainer.config import load_config
 from masenvs.trainer.run.metrics import read_metrics
 from masenvs.trainer.run.train import train
@@ -36,7 +37,7 @@ def main() -> int:
     lr = "1e-5" if args.finetune == "full" else "1e-3"
     overrides = [
         f"run_dir={args.run_dir}",
-        "model.name=smollm2-135m",
+        f"model.name={SMOLLM2_135M}",
         "env.name=say",
         "env.options={task: echo}",
         f"seed={args.seed}",
