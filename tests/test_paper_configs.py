@@ -1,27 +1,33 @@
 """The paper configs (examples/paper/): each loads as written and trains 2 steps on CPU.
 
-A user tries a paper config on a laptop with the same `--set` overrides these tests use: the
-tiny model, the embedded engine, and small sizes. Everything else (policy mode, full or LoRA,
-filters, sampling, chat template variables) stays as the config has it.
+Every config trains once here, in the rehearsal a GPU machine runs (`scripts/check_train_gpu.py
+--config all`) with the tiny model, the embedded engine and small sizes; everything else
+(policy mode, full or LoRA, filters, sampling, chat template variables) stays as the config
+has it, and each run's metrics and checkpoint are checked.
 """
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
+import io
 import json
 import math
 import os
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 import torch
 from safetensors import safe_open
 
 import masenvs
+import masenvs.trainer.run.train as train_module
 from masenvs.trainer.config import TrainConfig, load_config
 from masenvs.trainer.run.train import train
 
@@ -29,8 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 PAPER = ROOT / "examples" / "paper"
 SCRIPT = ROOT / "scripts" / "check_train_gpu.py"
 DOCS = (ROOT / "docs" / "paper.md").read_text()
-# Stronger-MAS configs; the auto-MAS one is tested in tests/test_auto_mas.py.
+# Stronger-MAS configs; the auto-MAS one's settings are checked in tests/test_auto_mas.py.
 CONFIGS = sorted(p for p in PAPER.glob("*.yaml") if not p.stem.startswith("auto_mas"))
+ALL = sorted(PAPER.glob("*.yaml"))  # the rehearsal trains every one, auto-MAS's too
 TASKS = ("plan_path", "sudoku", "sokoban", "math", "code")
 MODELS = {"qwen3_1.7b": "Qwen/Qwen3-1.7B", "qwen3_8b": "Qwen/Qwen3-8B"}
 IDS = [p.stem for p in CONFIGS]
@@ -93,44 +100,6 @@ def test_both_models_run_the_same_experiment(task: str) -> None:
     small, large = (load_config(PAPER / f"{task}_{m}.yaml") for m in MODELS)
     for section in ("env", "rollout", "validation", "agents"):
         assert getattr(small, section) == getattr(large, section), section
-
-
-@pytest.mark.parametrize("path", CONFIGS, ids=IDS)
-def test_paper_config_trains_two_tiny_steps(path: Path, tmp_path: Path) -> None:
-    written = load_config(path)
-    config = load_config(path, tiny_overrides(written, tmp_path / "run"))
-    assert config.policy == written.policy and config.algorithm == written.algorithm
-
-    result = train(config)
-
-    rows = [
-        json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()
-    ]
-    trained = [r for r in rows if "time/update_s" in r]
-    assert [r["step"] for r in trained] == [1, 2]
-    assert all("train/success" in r and "groups/groups" in r for r in trained)
-    assert [r["step"] for r in rows if "val/success" in r] == [0, 2]
-
-    checkpoint = result.run_dir / "checkpoints" / "step_00000002"
-    assert json.loads((checkpoint / "state.json").read_text())["step"] == 2
-    saved = load_config(checkpoint / "config.yaml")
-    assert saved.policy.finetune == written.policy.finetune
-    policies = config.policy.policies(roles(config))
-    if written.policy.finetune == "lora":
-        for policy in policies:
-            assert (checkpoint / "adapters" / policy / "adapter_model.safetensors").is_file()
-    else:
-        # Full fine-tuning saves whole models, one per policy, not adapters.
-        from masenvs.engine.loading import load_model
-
-        model_params = sum(p.numel() for p in load_model("tiny").model.parameters())
-        stored = 0
-        for file in checkpoint.rglob("*.safetensors"):
-            with safe_open(file, "pt") as weights:
-                names = weights.keys()
-                stored += sum(math.prod(weights.get_slice(n).get_shape()) for n in names)
-        assert not (checkpoint / "adapters").exists()
-        assert stored >= model_params * len(policies)
 
 
 def test_single_agent_baseline_as_docs_paper_runs_it(tmp_path: Path) -> None:
@@ -201,27 +170,119 @@ def test_gpu_check_rehearsal_on_cpu(
     assert not list(Path(tempfile.gettempdir()).glob(f"check-train-gpu-{os.getpid()}*"))
 
 
-def test_gpu_rehearsal_runs_every_paper_config_on_cpu(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
-) -> None:
+@dataclass
+class Run:
+    """One paper config's run in the rehearsal, looked at before the script removes it."""
+
+    config: TrainConfig
+    rows: list[dict]
+    checkpoint_step: int
+    saved: TrainConfig
+    adapters: list[str]  # policies with an adapter_model.safetensors
+    stored_params: int  # in the checkpoint's safetensors, adapters or whole models
+
+
+@dataclass
+class Rehearsal:
+    code: int
+    out: Path
+    runs: dict[str, Run]
+    printed: str
+
+
+def look_at(config: TrainConfig, run_dir: Path) -> Run:
+    checkpoint = run_dir / "checkpoints" / "step_00000002"
+    stored = 0
+    for file in checkpoint.rglob("*.safetensors"):
+        with safe_open(file, "pt") as weights:
+            names = weights.keys()
+            stored += sum(math.prod(weights.get_slice(n).get_shape()) for n in names)
+    adapters = checkpoint / "adapters"
+    return Run(
+        config=config,
+        rows=[json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()],
+        checkpoint_step=json.loads((checkpoint / "state.json").read_text())["step"],
+        saved=load_config(checkpoint / "config.yaml"),
+        adapters=sorted(
+            p.name for p in adapters.glob("*") if (p / "adapter_model.safetensors").is_file()
+        ),
+        stored_params=stored,
+    )
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory: pytest.TempPathFactory) -> Rehearsal:
+    """`--config all` as a GPU machine runs it, here on CPU with the tiny model for 2 steps: the
+    one run of every paper config in the suite. Each run is looked at (metrics, checkpoint)
+    when train() returns, before the script removes its run dir."""
+    script = check_train_gpu()
+    out = tmp_path_factory.mktemp("rehearsal")
+    argv = "--config all --device cpu --model tiny --backend embedded --steps 2 --tasks 1"
+    argv += " --max-tokens 8 --rounds 1 --offline-tasks --set rollout.branches=2"
+    argv += " --set rollout.concurrency=2 --set validation.every=2 --set validation.episodes=1"
+    runs: dict[str, Run] = {}
+    current: list[str] = []
+    check, real_train = script.check, train_module.train
+
+    def check_one(args: Any, out_dir: Path) -> int:
+        current[:] = [Path(args.config).stem]
+        return check(args, out_dir)
+
+    def train_and_look(config: TrainConfig) -> Any:
+        result = real_train(config)
+        runs[current[0]] = look_at(config, result.run_dir)
+        return result
+
+    printed = io.StringIO()
+    with pytest.MonkeyPatch.context() as patch, contextlib.redirect_stdout(printed):
+        patch.setenv("OUT", str(out))
+        patch.setattr(script, "check", check_one)
+        patch.setattr(train_module, "train", train_and_look)
+        code = script.main(argv.split())
+    return Rehearsal(code, out, runs, printed.getvalue())
+
+
+@pytest.mark.parametrize("path", ALL, ids=[p.stem for p in ALL])
+def test_paper_config_trains_two_tiny_steps(path: Path, rehearsal: Rehearsal) -> None:
+    written = load_config(path)
+    run = rehearsal.runs[path.stem]
+    config = run.config
+    assert config.policy == written.policy and config.algorithm == written.algorithm
+
+    trained = [r for r in run.rows if "time/update_s" in r]
+    assert [r["step"] for r in trained] == [1, 2]
+    assert all("train/success" in r and "groups/groups" in r for r in trained)
+    assert [r["step"] for r in run.rows if "val/success" in r] == [0, 2]
+
+    assert run.checkpoint_step == 2
+    assert run.saved.policy.finetune == written.policy.finetune
+    policies = config.policy.policies(roles(config))
+    if written.policy.finetune == "lora":
+        assert run.adapters == sorted(policies)
+    else:
+        # Full fine-tuning saves whole models, one per policy, not adapters.
+        from masenvs.engine.loading import load_model
+
+        model_params = sum(p.numel() for p in load_model("tiny").model.parameters())
+        assert not run.adapters
+        assert run.stored_params >= model_params * len(policies)
+
+
+def test_gpu_rehearsal_runs_every_paper_config_on_cpu(rehearsal: Rehearsal) -> None:
     # `--config all` is what a GPU machine runs to rehearse every paper config; here the
     # same script, the same per-config overrides and train(), with the tiny model on CPU.
-    script = check_train_gpu()
-    monkeypatch.setenv("OUT", str(tmp_path))
-    argv = "--config all --device cpu --model tiny --backend embedded --steps 1 --tasks 1"
-    argv += " --max-tokens 8 --rounds 1 --offline-tasks --set rollout.branches=2"
-    assert script.main(argv.split()) == 0
-    rows = json.loads((tmp_path / "check_train_gpu_all.json").read_text())
-    assert [r["config"] for r in rows] == sorted(p.name for p in PAPER.glob("*.yaml"))
+    assert rehearsal.code == 0, rehearsal.printed[-3000:]
+    rows = json.loads((rehearsal.out / "check_train_gpu_all.json").read_text())
+    assert [r["config"] for r in rows] == [p.name for p in ALL]
     assert all(r["ok"] and r["error"] is None and r["rollout_s"] > 0 for r in rows), rows
-    for path in PAPER.glob("*.yaml"):
-        one = json.loads((tmp_path / path.stem / "check_train_gpu.json").read_text())
+    for path in ALL:
+        one = json.loads((rehearsal.out / path.stem / "check_train_gpu.json").read_text())
         written = load_config(path)
         # The config's method as written: policy mode, fine-tuning, K from --set only.
         assert one["settings"]["mode"] == written.policy.mode
         assert one["settings"]["finetune"] == written.policy.finetune
-        assert [s["step"] for s in one["steps"]] == [1]
-    table = capsys.readouterr().out.rsplit("error\n", 1)[1].splitlines()[: len(rows)]
+        assert [s["step"] for s in one["steps"]] == [1, 2]
+    table = rehearsal.printed.rsplit("error\n", 1)[1].splitlines()[: len(rows)]
     assert all(line.split()[1] == "yes" for line in table), table
 
 
