@@ -27,17 +27,8 @@ _WHERE = {
     ),
     **dict.fromkeys(("RunLimits", "run_program"), "programs"),
     **dict.fromkeys(("FrameworkRole", "RoleFailure", "RolePolicy"), "roles"),
-    **dict.fromkeys(
-        (
-            "WorkflowContext",
-            "WorkflowRun",
-            "WorkflowSpec",
-            "load_factory",
-            "run_tasks",
-            "run_workflow",
-        ),
-        "workflow",
-    ),
+    **dict.fromkeys(("WorkflowContext", "load_factory"), "factory"),
+    **dict.fromkeys(("WorkflowRun", "WorkflowSpec", "run_tasks", "run_workflow"), "workflow"),
 }
 
 

@@ -20,24 +20,20 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
-import importlib
-import importlib.util
 import inspect
 import logging
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any, Literal
 
 import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from masenvs.adapters.frameworks.clients import Clients, ClientSettings, UnknownAgent, rollout_url
+from masenvs.adapters.frameworks.factory import Factory, WorkflowContext, load_factory
 from masenvs.adapters.frameworks.programs import (
     Isolation,
-    Messages,
     RunLimits,
     check_program,
     error_detail,
@@ -178,24 +174,6 @@ class WorkflowSpec(BaseModel):
 
 
 @dataclass
-class WorkflowContext:
-    """What a factory gets: the clients of one run and the task it is about to solve."""
-
-    clients: Clients  # agent name -> framework client at this run's endpoint URL
-    messages: Messages  # the task as chat messages (the env's solo-role prompt)
-    task: str  # the same as one text (what an AutoGen team / LlamaIndex agent is asked)
-    base_url: str  # this run's OpenAI base URL, .../r/{rollout_id}/v1
-    rollout_id: str
-    env: str
-    seed: int
-    run_index: int  # k of the K runs of this task
-    task_info: dict[str, Any]  # the env's facts about the task (ids, sizes)
-
-
-Factory = Callable[[WorkflowContext], Any]
-
-
-@dataclass
 class WorkflowRun:
     """The outcome of one run of the program on one task."""
 
@@ -210,62 +188,6 @@ class WorkflowRun:
     seconds: float
     started_at: float  # unix time
     ended_at: float = 0.0  # unix time; calls that start later (a hung run's) never train
-
-
-def load_factory(ref: str) -> Factory:
-    """Import `module:function` (or `path/file.py:function`) and return the function."""
-    module_name, sep, attr = ref.rpartition(":")
-    if not sep or not module_name or not attr:
-        raise ValueError(f"factory {ref!r} must look like 'module:function' or 'file.py:function'")
-    module = _import(module_name, ref)
-    factory = getattr(module, attr, None)
-    if factory is None or not callable(factory):
-        raise ValueError(f"factory {ref!r}: {module_name} has no function {attr!r}")
-    return factory
-
-
-def _import(module_name: str, ref: str) -> Any:
-    path = Path(module_name)
-    if module_name.endswith(".py") or not path.suffix and "/" in module_name:
-        return _import_file(path if path.suffix else path.with_suffix(".py"), ref)
-    if "" not in sys.path and str(Path.cwd()) not in sys.path:
-        # A console script's sys.path does not hold the working directory: `my_graph:build`
-        # names a module there, as it would for `python -m`.
-        sys.path.append(str(Path.cwd()))
-    try:
-        return importlib.import_module(module_name)
-    except ModuleNotFoundError as exc:
-        # `examples.my_graph` run from the repository root (a folder with no __init__.py).
-        candidate = Path(*module_name.split(".")).with_suffix(".py")
-        if exc.name and module_name.startswith(exc.name) and candidate.is_file():
-            return _import_file(candidate, ref)
-        raise ValueError(f"factory {ref!r}: cannot import {module_name}: {exc}") from exc
-    except Exception as exc:
-        raise ValueError(
-            f"factory {ref!r}: importing {module_name} failed: {failure_reason(exc)}"
-        ) from exc
-
-
-def _import_file(path: Path, ref: str) -> Any:
-    if not path.is_file():
-        raise ValueError(f"factory {ref!r}: file {path} does not exist")
-    name = f"masenvs_workflow_{path.stem}"
-    spec = importlib.util.spec_from_file_location(name, path)
-    if spec is None or spec.loader is None:
-        raise ValueError(f"factory {ref!r}: cannot load {path}")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pydantic look their module up here
-    folder = str(path.resolve().parent)
-    if folder not in sys.path:  # the factory's own imports of its sibling modules
-        sys.path.insert(0, folder)
-    try:
-        spec.loader.exec_module(module)
-    except Exception as exc:
-        del sys.modules[name]
-        raise ValueError(
-            f"factory {ref!r}: importing {path} failed: {failure_reason(exc)}"
-        ) from exc
-    return module
 
 
 def check_factory(
@@ -364,33 +286,11 @@ async def run_workflow(
         run_index=run_index,
         task_info=dict(infos[solo].get("task", {})),
     )
-    limits = dataclasses.replace(  # the thread's deadline rules
-        spec.limits(), timeout_s=None, input_fields={"env": env.name, "seed": seed}
-    )
-
-    async def body(isolation: Isolation) -> str:
-        # Runs in the run's own thread and event loop: clients, program and all.
-        clients = Clients(spec.framework, url, spec.client_names(), settings)
-        isolation.on_timeout.append(
-            lambda: clients.revoke(f"run {rollout_id} ended at its timeout_s={spec.timeout_s:g}")
-        )
-        try:
-            program = factory(WorkflowContext(clients=clients, **context_of))
-            if inspect.isawaitable(program):
-                program = await program
-            check_program(spec.framework, program)
-            return await run_program(spec.framework, program, messages, limits)
-        finally:
-            await clients.aclose()
-
     started_at, started = time.time(), time.perf_counter()
     answer, error, detail = "", None, None
     isolation = Isolation(f"masenvs-run-{rollout_id}")
     try:
-        answer = await run_isolated(body, spec.timeout_s, isolation)
-        kind = ("workflow", spec.factory, spec.framework, spec.answer_from)
-        where = f"workflow run {rollout_id} ({spec.factory})"
-        warn_if_empty(answer, kind, spec.framework, spec.answer_from, where)
+        answer = await _answer(spec, factory, settings, context_of, isolation)
     except Exception as exc:  # the user's program failing ends this run, not the batch
         error, detail = failure_reason(exc), error_detail(exc, isolation)
         log.warning("workflow run %s (%s) failed: %s", rollout_id, task_id, error)
@@ -417,28 +317,78 @@ async def run_workflow(
         ended_at=ended_at,
     )
     if store is not None:
-        store.append(
-            EpisodeRecord(
-                rollout_id=rollout_id,
-                task_id=task_id,
-                env=env.name,
-                rewards=dict.fromkeys(spec.agents, run.reward),
-                success=run.success,
-                extra={
-                    "mode": "workflow",
-                    "framework": spec.framework,
-                    "seed": seed,
-                    "run_index": run_index,
-                    "error": error,
-                    "error_detail": detail,
-                    # framework warnings of a run that went on (a failed run's are in detail)
-                    "framework_logs": isolation.logs if error is None else [],
-                    "answer": answer[:2000],
-                },
-                policy_version=getattr(endpoint, "policy_version", None),
-            )
-        )
+        # framework warnings of a run that went on (a failed run's are in detail)
+        logs = isolation.logs if error is None else []
+        version = getattr(endpoint, "policy_version", None)
+        store.append(_episode_record(spec, run, env.name, detail, logs, version))
     return run
+
+
+async def _answer(
+    spec: WorkflowSpec,
+    factory: Factory,
+    settings: ClientSettings | None,
+    context_of: dict[str, Any],
+    isolation: Isolation,
+) -> str:
+    """Build the program for this run and run it in `isolation` (its own thread, event loop
+    and deadline): the program's final text. Raises what the program raised."""
+    url, rollout_id, messages = (context_of[k] for k in ("base_url", "rollout_id", "messages"))
+    limits = dataclasses.replace(  # the thread's deadline rules
+        spec.limits(),
+        timeout_s=None,
+        input_fields={"env": context_of["env"], "seed": context_of["seed"]},
+    )
+
+    async def body(isolation: Isolation) -> str:
+        # Runs in the run's own thread and event loop: clients, program and all.
+        clients = Clients(spec.framework, url, spec.client_names(), settings)
+        isolation.on_timeout.append(
+            lambda: clients.revoke(f"run {rollout_id} ended at its timeout_s={spec.timeout_s:g}")
+        )
+        try:
+            program = factory(WorkflowContext(clients=clients, **context_of))
+            if inspect.isawaitable(program):
+                program = await program
+            check_program(spec.framework, program)
+            return await run_program(spec.framework, program, messages, limits)
+        finally:
+            await clients.aclose()
+
+    answer = await run_isolated(body, spec.timeout_s, isolation)
+    kind = ("workflow", spec.factory, spec.framework, spec.answer_from)
+    where = f"workflow run {rollout_id} ({spec.factory})"
+    warn_if_empty(answer, kind, spec.framework, spec.answer_from, where)
+    return answer
+
+
+def _episode_record(
+    spec: WorkflowSpec,
+    run: WorkflowRun,
+    env_name: str,
+    detail: str | None,
+    framework_logs: list,
+    policy_version: int | None,
+) -> EpisodeRecord:
+    """The run as the trace store keeps it: every agent gets the run's reward."""
+    return EpisodeRecord(
+        rollout_id=run.rollout_id,
+        task_id=run.task_id,
+        env=env_name,
+        rewards=dict.fromkeys(spec.agents, run.reward),
+        success=run.success,
+        extra={
+            "mode": "workflow",
+            "framework": spec.framework,
+            "seed": run.seed,
+            "run_index": run.run_index,
+            "error": run.error,
+            "error_detail": detail,
+            "framework_logs": framework_logs,
+            "answer": run.answer[:2000],
+        },
+        policy_version=policy_version,
+    )
 
 
 async def check_server(server_url: str, api_key: str = "masenvs") -> str:
