@@ -21,16 +21,10 @@ from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.stack import Stack, start_stack
 from masenvs.traces import TraceStore
 from masenvs.trainer.config import DistributedConfig, TrainConfig, load_config
+from masenvs.trainer.rollout.ray_cluster import WorkerError, reachable_url, start_ray
 from masenvs.trainer.rollout.sources import env_factory, env_options
 from masenvs.trainer.rollout.tree import TaskRollout, collect_trajectory_batch, collect_tree_batch
-from masenvs.trainer.rollout.workers import (
-    RolloutPool,
-    WorkerError,
-    reachable_url,
-    shares,
-    start_ray,
-    worker_spec,
-)
+from masenvs.trainer.rollout.workers import RolloutPool, shares, worker_spec
 from masenvs.trainer.run.metrics import read_metrics
 from masenvs.trainer.run.train import train
 

@@ -15,13 +15,11 @@ import contextlib
 import logging
 import math
 import os
-import socket
 import sys
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
-from urllib.parse import urlsplit, urlunsplit
 
 from masenvs.adapters.episodes import EpisodeResult, run_episodes
 from masenvs.adapters.policy import ChatPolicy, Sampling
@@ -30,6 +28,7 @@ from masenvs.engine.protocol import honours_seed
 from masenvs.registry import make
 from masenvs.traces import EpisodeRecord
 from masenvs.trainer.config import DistributedConfig, TrainConfig
+from masenvs.trainer.rollout.ray_cluster import WorkerError, ray_reason, reachable_url, start_ray
 from masenvs.trainer.rollout.tree import TaskRollout, collect_trajectory_batch, collect_tree_batch
 from masenvs.trainer.samples import Sample
 
@@ -39,10 +38,6 @@ if TYPE_CHECKING:
     from masenvs.adapters.stack import Stack
 
 log = logging.getLogger(__name__)
-
-
-class WorkerError(RuntimeError):
-    """Rollout workers kept failing (or never started); the message names the cause."""
 
 
 @dataclass
@@ -246,16 +241,6 @@ async def collect_workflow(
     return workflow_samples(runs, calls, policy_of, spec.agent_of), runs
 
 
-def reachable_url(root_url: str) -> str:
-    """`root_url` as other nodes reach it: a wildcard bind address becomes this node's IP."""
-    parts = urlsplit(root_url)
-    if parts.hostname not in ("0.0.0.0", "::"):
-        return root_url
-    import ray.util
-
-    return urlunsplit(parts._replace(netloc=f"{ray.util.get_node_ip_address()}:{parts.port}"))
-
-
 def shares(seeds: Sequence[int], n: int) -> list[list[int]]:
     """`seeds` in at most `n` contiguous, non-empty shares of near-equal size, in order."""
     n = max(1, min(n, len(seeds)))
@@ -319,7 +304,7 @@ class RolloutPool:
             return ray.get(refs, timeout=timeout)
         except (ray.exceptions.RayError, ray.exceptions.GetTimeoutError) as exc:
             raise WorkerError(
-                f"the rollout workers did not start within {timeout:.0f}s ({_reason(exc)}); "
+                f"the rollout workers did not start within {timeout:.0f}s ({ray_reason(exc)}); "
                 "check that masenvs and the env's packages are installed on every Ray node "
                 "and that the cluster has a free CPU for each worker"
             ) from exc
@@ -417,7 +402,7 @@ class RolloutPool:
                     out[share] = ray.get(ready[0], timeout=timeout)
                     continue
                 except (ray.exceptions.RayActorError, ray.exceptions.WorkerCrashedError) as exc:
-                    why = f"rollout worker {worker} died ({_reason(exc)})"
+                    why = f"rollout worker {worker} died ({ray_reason(exc)})"
                 failed = [(share, worker, part)]
             else:  # every share past its deadline is a hung worker
                 now = time.monotonic()
@@ -470,43 +455,3 @@ class RolloutPool:
         self.workers = []
         if self._owns_ray and ray.is_initialized():
             ray.shutdown()
-
-
-def start_ray(dist: DistributedConfig) -> None:
-    """Join the cluster at `dist.ray_address`, or start a small local Ray instance."""
-    import ray
-
-    if dist.ray_address is None:
-        ray.init(
-            num_cpus=dist.rollout_workers + 1,  # room for a replacement
-            include_dashboard=False,
-            object_store_memory=200 * 2**20,
-            log_to_driver=False,
-        )
-        return
-    try:
-        _check_reachable(dist.ray_address)  # Ray itself retries for minutes
-        ray.init(address=dist.ray_address, log_to_driver=False)
-    except (OSError, RuntimeError, ValueError) as exc:
-        raise WorkerError(
-            f"could not join the Ray cluster at distributed.ray_address={dist.ray_address!r} "
-            f"({_reason(exc)}); start it (`ray start --head`) or set distributed.ray_address: "
-            "null for a local Ray instance"
-        ) from exc
-
-
-def _check_reachable(address: str, timeout: float = 10.0) -> None:
-    """Fail fast on a `host:port` (or `ray://host:port`) nobody listens on; 'auto' is Ray's."""
-    if address == "auto":
-        return
-    host, _, port = address.removeprefix("ray://").rpartition(":")
-    if not host or not port.isdigit():
-        return
-    with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout):
-        pass
-
-
-def _reason(exc: BaseException) -> str:
-    """The first line of a Ray error, which names the cause without its traceback."""
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0] if text else ''}".rstrip(": ")
