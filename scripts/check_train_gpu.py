@@ -138,7 +138,9 @@ def resolve_model(spec: str) -> Path:
         if not (path / "config.json").is_file():
             raise CheckError(f"{path} has no config.json; pass a Hugging Face model directory.")
         return path
-    if spec in ("tiny", "smollm2-135m"):  # masenvs's own models, built into its cache
+    from masenvs.cache import BUILT_IN_MODELS
+
+    if spec in BUILT_IN_MODELS:  # masenvs's own models, built into its cache
         from masenvs.engine.loading import cache_dir, load_tokenizer
 
         load_tokenizer(spec)
