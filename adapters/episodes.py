@@ -35,6 +35,7 @@ class EpisodeResult:
     seconds: float
     error: str | None = None  # why the episode stopped early, if it did
     actions: list[dict[str, str]] = field(default_factory=list)
+    metrics: dict[str, float] = field(default_factory=dict)  # env.episode_metrics()
 
 
 def new_rollout_id(prefix: str = "ro") -> str:
@@ -87,6 +88,7 @@ async def run_episode(
         seconds=time.perf_counter() - started,
         error=error,
         actions=actions_log,
+        metrics=env.episode_metrics(),
     )
     if store is not None:
         store.append(episode_record(result))
@@ -101,7 +103,12 @@ def episode_record(result: EpisodeResult) -> EpisodeRecord:
         env=result.env,
         rewards=result.rewards,
         success=result.success,
-        extra={"rounds": result.rounds, "seed": result.seed, "error": result.error},
+        extra={
+            "rounds": result.rounds,
+            "seed": result.seed,
+            "error": result.error,
+            **({"metrics": result.metrics} if result.metrics else {}),
+        },
     )
 
 

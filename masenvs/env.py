@@ -257,6 +257,12 @@ class MASEnv(ParallelEnv):
         """JSON-friendly facts about the task for `infos` (ids, sizes, optimal lengths)."""
         return {}
 
+    def episode_metrics(self) -> dict[str, float]:
+        """Rates reported beside success, each 0 or 1 for the episode so far (plan-path:
+        `optimal`, `exact_stop`); in `infos[agent]["metrics"]`, and averaged over episodes by
+        the trainer (`train/<name>`, `val/<name>`) and `masenvs eval`."""
+        return {}
+
     # --- PettingZoo API ---------------------------------------------------------------------
 
     def observation_space(self, agent: str) -> spaces.Space:
@@ -425,6 +431,9 @@ class MASEnv(ParallelEnv):
         }
         if parts is not None:
             info["reward_parts"] = dataclasses.asdict(parts)
+        metrics = self.episode_metrics()
+        if metrics:
+            info["metrics"] = metrics
         return info
 
 

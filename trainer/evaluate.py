@@ -170,6 +170,8 @@ class TargetResult:
     errors: int  # episodes cut short by a failed call (counted as failures)
     seconds: float
     per_task: list[dict[str, Any]] = field(default_factory=list)  # id, successes
+    # The env's rates beside success (plan-path: optimal, exact_stop), over every episode.
+    metrics: dict[str, float] = field(default_factory=dict)
 
 
 async def evaluate(
@@ -215,6 +217,8 @@ async def evaluate(
     for e in episodes:
         for agent, reward in e.rewards.items():
             rewards[agent].append(reward)
+    names = sorted({name for e in episodes for name in e.metrics})
+    metrics = {n: sum(e.metrics.get(n, 0.0) for e in episodes) / len(episodes) for n in names}
     return TargetResult(
         name=target.name,
         tasks=len(tasks),
@@ -227,14 +231,16 @@ async def evaluate(
         errors=sum(e.error is not None for e in episodes),
         seconds=seconds,
         per_task=per_task,
+        metrics=metrics,
     )
 
 
 def results_table(results: list[TargetResult], title: str) -> Table:
     table = Table(title=title)
     agents = sorted({a for r in results for a in r.rewards})
+    rates = sorted({name for r in results for name in r.metrics})
     n, k = (results[0].n, results[0].k) if results else (1, 1)
-    for column in ("policy", f"avg@{n}", f"pass@{k}"):
+    for column in ("policy", f"avg@{n}", f"pass@{k}", *(m.replace("_", " ") for m in rates)):
         table.add_column(column, justify="left" if column == "policy" else "right")
     for agent in agents:
         table.add_column(f"reward {agent}", justify="right")
@@ -245,6 +251,7 @@ def results_table(results: list[TargetResult], title: str) -> Table:
             r.name,
             f"{r.avg:.1%}",
             f"{r.pass_at_k:.1%}",
+            *(f"{r.metrics[m]:.1%}" if m in r.metrics else "" for m in rates),
             *(f"{r.rewards[a]:+.3f}" if a in r.rewards else "" for a in agents),
             str(r.completion_tokens),
             str(r.errors),

@@ -51,6 +51,13 @@ class PlanPathConfig(EnvConfig):
         "through G earns nothing (on 4x4 the best fixed 8-move answer reaches G on 50% of tasks "
         "with True, ends on it on 19% with False: docs/learning.md).",
     )
+    strict_success: bool = Field(
+        False,
+        description="Success only for a plan that stops on G: an answer with moves after the "
+        "goal fails the episode (no goal or optimal bonus). False: moves after G do not undo "
+        "the success (with stop_at_goal they are ignored); the `exact_stop` rate counts the "
+        "plans that stopped on G either way.",
+    )
     answer_example: bool = Field(
         True,
         description="The prompts show an example answer (`#### [R, D, D]`). SmolLM2-135M's "
@@ -83,6 +90,7 @@ class MoveOutcome:
     valid_moves: int
     shaping: float  # step costs + invalid-move penalties + potential shaping
     reached: bool
+    after_goal: int = 0  # moves listed after the one that first reached G (walked or not)
 
 
 def score_moves(
@@ -90,10 +98,12 @@ def score_moves(
 ) -> MoveOutcome:
     """Walk `moves` from `start`; stop at the goal (unless `cfg.stop_at_goal` is off). Invalid
     moves leave the position unchanged."""
-    pos, valid, shaping = start, 0, 0.0
-    for move in moves:
-        if pos == task.goal and cfg.stop_at_goal:
-            break
+    pos, valid, shaping, reached_at = start, 0, 0.0, None
+    for i, move in enumerate(moves):
+        if pos == task.goal:
+            reached_at = i if reached_at is None else reached_at
+            if cfg.stop_at_goal:
+                break
         nxt = grid.step_cell(pos, move)
         before = -grid.manhattan(pos, task.goal) / task.size
         shaping += cfg.step_cost
@@ -103,15 +113,25 @@ def score_moves(
             shaping += cfg.invalid_move
         after = -grid.manhattan(pos, task.goal) / task.size
         shaping += cfg.shaping * (cfg.gamma * after - before)
-    return MoveOutcome(end=pos, valid_moves=valid, shaping=shaping, reached=pos == task.goal)
+    reached = pos == task.goal
+    after_goal = len(moves) - (len(moves) if reached_at is None else reached_at)
+    return MoveOutcome(pos, valid, shaping, reached, after_goal if reached else 0)
 
 
 def outcome_reward(outcome: MoveOutcome, steps_so_far: int, task: PlanPathTask, cfg) -> float:
-    """Goal bonus, plus the optimal bonus when the total path length equals BFS's."""
-    if not outcome.reached:
+    """Goal bonus, plus the optimal bonus when the total path length equals BFS's; nothing for
+    a plan that goes past G under `strict_success`."""
+    if not outcome.reached or (cfg.strict_success and outcome.after_goal):
         return 0.0
     optimal = steps_so_far + outcome.valid_moves == task.optimal_length
     return cfg.goal_bonus + (cfg.optimal_bonus if optimal else 0.0)
+
+
+def past_goal(moves_after: int) -> str:
+    """What `strict_success` says of an answer: stopped on G, or how far past it."""
+    if moves_after == 0:
+        return "It stops on G."
+    return f"{moves_after} move(s) went on past the goal: the plan must stop on G."
 
 
 # --- task ----------------------------------------------------------------------------------
@@ -244,6 +264,8 @@ class PlanPathState(EpisodeState):
     steps: int = 0  # valid moves taken so far
     tool_runs: list[ToolRun] = field(default_factory=list)
     proposal: list[str] | None = None  # the tool's moves this round (tool_task "propose")
+    reached: bool = False  # the team's moves reached G (a success unless strict_success)
+    after_goal: int = 0  # moves the team gave after reaching G
 
 
 class PlanPathEnv(MASEnv):
@@ -270,6 +292,13 @@ class PlanPathEnv(MASEnv):
 
     def task_info(self) -> dict[str, Any]:
         return {"optimal_length": self.task.optimal_length, "size": self.task.size}
+
+    def episode_metrics(self) -> dict[str, float]:
+        """`exact_stop`: the team reached G and gave no move after it; `optimal`: that, along
+        a BFS-shortest path (invalid moves do not move A, so they are not part of it)."""
+        exact = self.state.reached and self.state.after_goal == 0
+        optimal = exact and self.state.steps == self.task.optimal_length
+        return {"optimal": float(optimal), "exact_stop": float(exact)}
 
     def board(self) -> list[str]:
         rows = [list(r) for r in self.task.rows]
@@ -333,6 +362,7 @@ class PlanPathEnv(MASEnv):
             head
             + f"\nYour moves {''.join(moves)} lead to {sim.end}"
             + (" — the goal." if sim.reached else ", not the goal.")
+            + (f" {past_goal(sim.after_goal)}" if sim.reached and cfg.strict_success else "")
         )
         return RewardParts(process=sim.shaping, agent=outcome_reward(sim, state.steps, task, cfg))
 
@@ -351,11 +381,15 @@ class PlanPathEnv(MASEnv):
             start, steps_before = state.pos, state.steps
             out = score_moves(task, start, moves, cfg)
             state.pos, state.steps = out.end, steps_before + out.valid_moves
-            state.success = out.reached
+            state.reached, state.after_goal = out.reached, out.after_goal
+            overshot = out.reached and out.after_goal > 0 and cfg.strict_success
+            state.success, state.failed = out.reached and not overshot, overshot
             invalid = len(moves) - out.valid_moves if not out.reached else 0
             feedback = f"Moves {''.join(moves)} took you to {out.end}" + (
                 " — the goal." if out.reached else f"; {invalid} move(s) were invalid."
             )
+            if overshot:
+                feedback += f" {past_goal(out.after_goal)}"
             parts = RewardParts(
                 process=out.shaping, team=outcome_reward(out, steps_before, task, cfg)
             )

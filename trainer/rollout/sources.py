@@ -89,6 +89,7 @@ def rollout_metrics(results: list[TaskRollout]) -> dict[str, float]:
         "train/rounds": sum(r.rounds for r in ok) / max(len(ok), 1),
         "train/failed_tasks": float(len(results) - len(ok)),
     }
+    out |= episode_rates("train", [r.metrics for r in ok])
     path_rewards: dict[str, list[float]] = defaultdict(list)
     for r in ok:
         for agent, reward in r.rewards.items():
@@ -244,6 +245,13 @@ class TreeSource:
         await self.policy.aclose()
 
 
+def episode_rates(kind: str, metrics: list[dict[str, float]]) -> dict[str, float]:
+    """The env's episode metrics (plan-path: optimal, exact_stop) averaged over the episodes,
+    as `<kind>/<name>`; an episode without one (cut short) counts 0."""
+    names = sorted({name for m in metrics for name in m})
+    return {f"{kind}/{n}": sum(m.get(n, 0.0) for m in metrics) / len(metrics) for n in names}
+
+
 def validation_metrics(results: list[EpisodeResult]) -> dict[str, float]:
     """Success and mean rewards; `val/errors` counts episodes cut short by a failed call (a
     timeout, a dead server), which count as failures, each logged with its error."""
@@ -251,6 +259,7 @@ def validation_metrics(results: list[EpisodeResult]) -> dict[str, float]:
     for r in failed:
         log.warning("validation episode %s:%d failed: %s", r.env, r.seed, r.error)
     out = {"val/success": sum(r.success for r in results) / len(results)}
+    out |= episode_rates("val", [r.metrics if not r.error else {} for r in results])
     out["val/episodes"], out["val/errors"] = float(len(results)), float(len(failed))
     for agent in sorted({a for r in results for a in r.rewards}):
         rewards = [r.rewards.get(agent, 0.0) for r in results]

@@ -41,6 +41,7 @@ class TaskRollout:
     # their calls are samples too (trainer/rollout/captured.py).
     captured: list[dict[str, Any]] = field(default_factory=list)
     designs: list[dict[str, Any]] = field(default_factory=list)  # auto-MAS: every candidate's
+    metrics: dict[str, float] = field(default_factory=dict)  # env.episode_metrics(), committed path
 
 
 @dataclass
@@ -132,6 +133,7 @@ async def tree_rollout(
         for sample in result.samples:
             sample.group = trajectory_group(task_id, sample.agent)
     result.success = bool(env.state.success)
+    result.metrics = env.episode_metrics()
     result.rounds = env.round
     result.rewards = dict(totals)
     return result
@@ -339,6 +341,7 @@ async def trajectory_rollout(
             sample.reward = totals[sample.agent]
             sample.group = trajectory_group(task_id, sample.agent)
     result.success = bool(env.state.success)
+    result.metrics = env.episode_metrics()
     result.rounds = env.round
     result.rewards = dict(totals)
     return result
