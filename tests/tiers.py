@@ -46,12 +46,14 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_envs_contract": ("process",),  # the sandbox (code, verilog, tools)
     "test_evaluate": (),
     "test_fast_lora": (),
+    "test_foreign_names": ("process",),  # `masenvs train` with a foreign name
     "test_frameworks_examples": ("process",),  # the shipped examples as scripts
     "test_frameworks_roles": ("serial",),  # times concurrent calls
     "test_frameworks_tools": (),
     "test_frameworks_workflow": ("process", "serial"),  # a program killed mid-call; timings
     "test_gymnasium": ("process",),
     "test_hub_models": (),
+    "test_inference_plan": (),
     "test_integration_openenv": ("process",),  # `masenvs openenv-serve`
     "test_integration_trl": ("process",),  # `masenvs serve`
     "test_integration_verifiers": ("process",),  # pytest in the verifiers venv
@@ -76,6 +78,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_oracle_isolation": ("process", "serial"),  # timing and cache side channels
     "test_paper_configs": ("process",),  # scripts/check_train_gpu.py
     "test_plan_path": (),
+    "test_plan_path_success": (),
     "test_prefix": (),
     "test_readme": (),
     "test_rl_sanity": (),
@@ -137,20 +140,13 @@ def classify(items: Iterable[pytest.Item]) -> None:
 
 def left_out_summary(deselected: Iterable[pytest.Item]) -> list[str]:
     """One line per tier a run left out: how many tests, and the command that runs them."""
-    counts: dict[str, int] = {}
-    others = 0
+    counts = dict.fromkeys(LEFT_OUT, 0)
     for item in deselected:
-        tiers = [m for m in LEFT_OUT if item.get_closest_marker(m)]
-        for tier in tiers:
-            counts[tier] = counts.get(tier, 0) + 1
-        others += not tiers
-    if not counts and not others:
-        return []
+        for tier in LEFT_OUT:
+            counts[tier] += item.get_closest_marker(tier) is not None
+    if not any(counts.values()):
+        return []  # a -k or a file named: nothing of a tier was left out
     lines = ["left out of this run (docs/testing.md):"]
-    for tier in LEFT_OUT:
-        if counts.get(tier):
-            lines.append(f"  {counts[tier]:4d} {tier:<8} pytest -m {tier}")
-    if others:
-        lines.append(f"  {others:4d} other    (deselected by -m or -k)")
+    lines += [f"  {n:4d} {tier:<8} pytest -m {tier}" for tier, n in counts.items() if n]
     lines.append("  all of them: pytest -m 'not fast'; everything: pytest")
     return lines
