@@ -14,6 +14,7 @@ import sys
 from typing import Any
 
 from masenvs.adapters.stack import StackError, make_backend
+from masenvs.cache import DEFAULT_MODEL
 from masenvs.engine.args import EngineArgs
 from masenvs.listeners import (
     API_KEY_ENV,
@@ -26,8 +27,6 @@ from masenvs.listeners import (
 )
 from masenvs.overrides import parse_pairs
 
-DEFAULT_MODEL = "smollm2-135m"
-
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
@@ -36,7 +35,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--model",
         default=DEFAULT_MODEL,
-        help="smollm2-135m (default), tiny, or a local model directory (with vllm: what "
+        help=f"{DEFAULT_MODEL} (default), tiny, or a local model directory (with vllm: what "
         "`vllm serve` loads when masenvs launches it)",
     )
     parser.add_argument(
@@ -155,8 +154,7 @@ def _make_backend(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[A
         return backend, launched
 
     try:
-        engine = EngineArgs.from_cli_args(args)
-        backend = make_backend(args.model, **engine.engine_kwargs())
+        backend = make_backend(args.model, engine=EngineArgs.from_cli_args(args))
     except StackError as exc:
         raise ValueError(str(exc)) from exc
     try:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -11,6 +12,7 @@ from typing import Any
 from masenvs import overrides
 from masenvs.adapters.endpoint import Endpoint, EndpointServer, create_app
 from masenvs.adapters.policy_map import PolicyMap
+from masenvs.cache import DEFAULT_MODEL
 from masenvs.engine.args import EngineArgs
 from masenvs.engine.protocol import Backend, BackendError
 from masenvs.registry import env_class
@@ -82,17 +84,20 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
-    """Keyword arguments for the embedded engine from the flags of `add_engine_arguments`."""
-    kwargs = EngineArgs.from_cli_args(args).engine_kwargs()
-    return {name: kwargs[name] for name in ENGINE_FLAGS}
+    """The `EngineArgs` fields the flags of `add_engine_arguments` set, by name."""
+    engine = EngineArgs.from_cli_args(args)
+    return {name: getattr(engine, name) for name in ENGINE_FLAGS}
 
 
 def make_backend(
-    model: str = "smollm2-135m",
+    model: str = DEFAULT_MODEL,
     backend: str = "embedded",
     vllm_url: str | None = None,
-    **engine: Any,
+    engine: EngineArgs | None = None,
+    **options: Any,
 ) -> Backend:
+    """A client of the vLLM server at `vllm_url`, or the embedded engine on `model`, built
+    from `engine` with `options` (`EngineArgs` fields) on top."""
     if backend == "vllm":
         from masenvs.adapters.backends.vllm import VLLMBackend
 
@@ -105,14 +110,15 @@ def make_backend(
     from masenvs.engine.loading import ModelLoadError
 
     try:
-        return EmbeddedBackend.from_spec(model, **engine)
+        args = dataclasses.replace(engine or EngineArgs(), **options)
+        return EmbeddedBackend.from_args(model, args)
     except (ModelLoadError, BackendError) as exc:
         raise StackError(str(exc)) from exc
 
 
 def start_stack(
     *,
-    model: str = "smollm2-135m",
+    model: str = DEFAULT_MODEL,
     backend: str | Backend = "embedded",
     vllm_url: str | None = None,
     traces: str | Path | None = None,

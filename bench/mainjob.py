@@ -115,16 +115,11 @@ def quickstart_batch(step: int, cfg: Any) -> list[Sample]:
 def decode_batch(cfg: Any, learner: Learner) -> Any:
     """The engine the run would start, after one validation-sized batch (32 greedy calls)."""
     from masenvs.engine.protocol import GenerateRequest, SamplingParams
-    from masenvs.trainer.inference.serving import training_backend
+    from masenvs.trainer.inference.engines import open_inference
+    from masenvs.trainer.inference.plan import inference_plan
 
-    backend = training_backend(
-        learner,
-        max_batch_size=cfg.backend.max_batch_size,
-        device=str(learner.device),
-        dtype=cfg.backend.dtype,
-        quantize=cfg.backend.quantize,
-        batch_invariant=cfg.backend.batch_invariant,
-    )
+    plan = inference_plan(cfg, learner.agents, device=str(learner.device))
+    backend = open_inference(plan, Path(cfg.run_dir))
     rng = random.Random(0)
     params = SamplingParams(max_tokens=cfg.rollout.max_tokens, temperature=0.0, ignore_eos=True)
 

@@ -25,6 +25,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from starlette.routing import Route, Router
 
+from masenvs.engine.args import EngineArgs
 from masenvs.engine.engine import EmbeddedBackend
 from masenvs.engine.protocol import (
     BackendError,
@@ -488,7 +489,7 @@ def main(argv: list[str]) -> int:
     parser.add_argument("--served-model-name")
     parser.add_argument("--api-key")
     args, _ = parser.parse_known_args(argv)  # vLLM flags it has no use for
-    backend = EmbeddedBackend(load_model(args.model), max_model_len=512)
+    backend = EmbeddedBackend(load_model(args.model), EngineArgs(max_model_len=512))
     app = FakeVLLM(
         backend,
         args.served_model_name or args.model,

@@ -201,9 +201,9 @@ def test_training_with_it_validates_the_same_weights_to_the_same_answers(
     started = []
     original = EmbeddedBackend.__init__
 
-    def spy(self, *args, **kwargs) -> None:
-        started.append(kwargs.get("batch_invariant"))
-        original(self, *args, **kwargs)
+    def spy(self, loaded, args) -> None:
+        started.append(args.batch_invariant)
+        original(self, loaded, args)
 
     monkeypatch.setattr(EmbeddedBackend, "__init__", spy)
     validations = []

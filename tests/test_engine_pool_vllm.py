@@ -63,6 +63,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
         if os.environ.get("CI", "").lower() in ("true", "1"):
             pytest.fail(f"CI runs the vllm tests against a real vLLM and found none: {exc}")
         pytest.skip(f"no vLLM here ({exc})")
+    from masenvs.trainer.inference import engines as engines_module
     from masenvs.trainer.run import train as train_module
 
     model = tiny_llama(tmp_path_factory.mktemp("tiny-vllm"), seed=0)
@@ -72,7 +73,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
     pools: list[EnginePool] = []
     stopped: list[str] = []
     load_adapter = VLLMBackend.load_adapter
-    engine_pools = train_module.engine_pools
+    engine_pools = engines_module.engine_pools
 
     async def recorded_load(self: VLLMBackend, name: str, path: str) -> None:
         loads.append((self.url, name, Path(path).name))
@@ -96,7 +97,7 @@ def engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Engines]:
         patch.setattr(VLLMBackend, "load_adapter", recorded_load)  # for the whole module
         try:
             with pytest.MonkeyPatch.context() as trainer:
-                trainer.setattr(train_module, "engine_pools", kept_pools)
+                trainer.setattr(engines_module, "engine_pools", kept_pools)
                 result = train_module.train(cfg)
             assert result.steps == 2 and len(pools) == 1
             urls = [e.backend.url for e in pools[0].engines]

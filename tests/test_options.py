@@ -102,15 +102,8 @@ def test_the_backend_section_takes_its_engine_fields_from_engine_args() -> None:
         load_config(None, ["backend.batch_invarant=true"])
     with pytest.raises(ConfigError, match="backend.dtype: Input should be 'auto', 'float32'"):
         load_config(None, ["backend.dtype=fp16"])
-    run = TrainConfig().backend.engine_args(device="cpu").engine_kwargs()
-    assert run == {
-        "device": "cpu",
-        "num_threads": None,
-        "max_batch_size": 32,
-        "dtype": "auto",
-        "quantize": "auto",
-        "batch_invariant": False,
-    }
+    # The run's engine: the YAML's fields, the run's device, EngineArgs' defaults elsewhere.
+    assert TrainConfig().backend.engine_args(device="cuda") == EngineArgs(device="cuda")
 
 
 def test_serve_help_and_the_yaml_description_are_one_text() -> None:
@@ -146,10 +139,35 @@ def test_batch_invariant_is_declared_only_in_engine_args() -> None:
     assert declared == ["masenvs/engine/args.py"]
 
 
+def test_the_engine_is_built_from_engine_args_and_restates_none_of_them() -> None:
+    """EmbeddedBackend's doors take an EngineArgs (from_spec: its fields by name), so no
+    parameter of theirs declares an engine option again, under its own name or another."""
+    import inspect
+
+    from masenvs.engine.engine import EmbeddedBackend
+
+    doors = {
+        EmbeddedBackend.__init__: ["self", "loaded", "args"],
+        EmbeddedBackend.from_args: ["model", "args"],
+        EmbeddedBackend.from_spec: ["spec", "options"],
+    }
+    for door, params in doors.items():
+        assert list(inspect.signature(door).parameters) == params, door.__qualname__
+    engine = EmbeddedBackend.from_spec("tiny", max_batch_size=2, prefix_cache_rows=1)
+    try:
+        assert engine.args == EngineArgs(max_batch_size=2, prefix_cache_rows=1)
+        assert (engine.max_batch_size, len(engine.scheduler.prefixes.rows)) == (2, 1)
+    finally:
+        engine.shutdown()
+    with pytest.raises(TypeError, match="num_threads"):  # the old spelling of threads
+        EmbeddedBackend.from_spec("tiny", num_threads=2)
+
+
 @pytest.mark.parametrize(
     "engine",
     [
         EngineArgs(),
+        EngineArgs(max_model_len=256, prefix_cache_rows=0, single_thread_rows=2),
         EngineArgs(device="cuda", threads=3, max_batch_size=8, dtype="float32", quantize="none"),
         EngineArgs(dtype="bfloat16", quantize="int8", batch_invariant=True),
         EngineArgs(batch_invariant="auto", threads=1),

@@ -17,7 +17,8 @@ from masenvs.engine.loading import TINY_CONFIG, load_model, load_tokenizer
 from masenvs.engine.protocol import BackendError, GenerateRequest, SamplingParams
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import TrainConfig, load_config
-from masenvs.trainer.inference.serving import training_backend
+from masenvs.trainer.inference.engines import open_inference
+from masenvs.trainer.inference.plan import inference_plan
 from masenvs.trainer.inference.sync import WeightSync
 from masenvs.trainer.learner.learner import Learner
 from masenvs.trainer.samples import Sample, tree_group
@@ -50,6 +51,12 @@ def other_base(tmp_path_factory: Any) -> Path:
 def config(*overrides: str) -> TrainConfig:
     base = ["model.name=tiny", "model.device=cpu", "lora.rank=4", "optim.warmup_steps=0"]
     return load_config(None, base + ["optim.lr=1e-3", "steps=4", *overrides])
+
+
+def open_engines(learner: Learner, tmp_path: Path) -> Any:
+    """The engines a run of `learner`'s config opens (small, float32 ones)."""
+    cfg = learner.cfg.model_copy(update={"backend": learner.cfg.backend.model_copy(update=ENGINE)})
+    return open_inference(inference_plan(cfg, learner.agents, "cpu"), tmp_path)
 
 
 def generate(backend: Any, model: str, seed: int = 0) -> tuple[list[int], list[int], list[float]]:
@@ -86,7 +93,7 @@ def train_step(learner: Learner, policy: str, seed: int) -> None:
 
 def test_full_weights_reach_the_engine_in_place(tmp_path: Path) -> None:
     learner = Learner(config("policy.finetune=full", "policy.mode=shared"), ["plan", "tool"])
-    backend = training_backend(learner, **ENGINE)
+    backend = open_engines(learner, tmp_path)
     try:
         assert isinstance(backend, RouterBackend) and backend.model_names() == ["shared"]
         sync = WeightSync(learner, backend, tmp_path)
@@ -148,7 +155,7 @@ def test_separate_bases_serve_each_agent_from_its_own_base(
         f"policy.models={{tool: {other_base}}}",
     )
     learner = Learner(cfg, ["plan", "tool"])
-    backend = training_backend(learner, **ENGINE)
+    backend = open_engines(learner, tmp_path)
     try:
         assert isinstance(backend, RouterBackend) and len(backend.backends) == 2
         sync = WeightSync(learner, backend, tmp_path)

@@ -475,40 +475,36 @@ def test_a_vllm_url_mapping_serves_each_policy_from_its_own_server(tmp_path) -> 
     assert {c.agent for c in calls} == {"tool", "plan"} and {c.backend for c in calls} == {"vllm"}
 
 
-def test_the_servers_a_run_needs_and_a_vllm_url_that_does_not_cover_them(tmp_path) -> None:
-    from types import SimpleNamespace
-
+def test_the_servers_a_run_needs_and_a_vllm_url_that_does_not_cover_them() -> None:
     from masenvs.adapters.stack import StackError
     from masenvs.trainer.config import TrainConfig
-    from masenvs.trainer.inference.sync import vllm_backend, vllm_servers
+    from masenvs.trainer.inference.plan import inference_plan
 
-    bases = {"plan": "tiny", "tool": "tiny", "critic": "tiny"}
-    learner = SimpleNamespace(
-        full=False,
-        policies={name: SimpleNamespace(base_name=base) for name, base in bases.items()},
-        trains=lambda policy: policy != "critic",  # frozen
-    )
+    agents = ["plan", "tool", "critic"]
+
+    def plan(**sections):
+        cfg = TrainConfig(model={"name": "tiny"}, agents={"critic": {"freeze": True}}, **sections)
+        return inference_plan(cfg, agents, "cpu")
+
     # LoRA: every adapter on its base's one server. Full: one per trained policy, and the
     # frozen one keeps the base's weights on a server of its own.
-    assert [s.policies for s in vllm_servers(learner)] == [["plan", "tool", "critic"]]
-    learner.full = True
-    assert [s.policies for s in vllm_servers(learner)] == [["plan"], ["tool"], ["critic"]]
+    lora = plan(backend={"kind": "vllm"})
+    assert [s.policies for s in lora.served] == [["plan", "tool", "critic"]]
+    full = plan(policy={"finetune": "full"}, backend={"kind": "vllm"})
+    assert [s.policies for s in full.served] == [["plan"], ["tool"], ["critic"]]
 
-    cfg = TrainConfig(policy={"finetune": "full"}, backend={"kind": "vllm"})
-    cfg.backend.vllm_url = "http://127.0.0.1:9"
     with pytest.raises(StackError, match=r"need 3 .*give a mapping"):
-        vllm_backend(cfg, learner, tmp_path)  # type: ignore[arg-type]
-    cfg.backend.vllm_url = {"plan": "http://127.0.0.1:9", "tiny": "http://127.0.0.1:10"}
+        plan(policy={"finetune": "full"}, backend={"kind": "vllm", "vllm_url": "http://h:9"})
+    urls = {"plan": "http://127.0.0.1:9", "tiny": "http://127.0.0.1:10"}
     with pytest.raises(StackError, match=r"\['tool'\] and 'critic' .* its own URL"):
-        vllm_backend(cfg, learner, tmp_path)  # type: ignore[arg-type]
+        plan(policy={"finetune": "full"}, backend={"kind": "vllm", "vllm_url": urls})
 
 
 def test_when_one_of_several_servers_cannot_start_the_others_stop(tmp_path, monkeypatch) -> None:
-    from types import SimpleNamespace
-
     from masenvs.adapters.stack import StackError
     from masenvs.trainer.config import TrainConfig
-    from masenvs.trainer.inference import sync
+    from masenvs.trainer.inference import engines
+    from masenvs.trainer.inference.plan import inference_plan
 
     broken = tmp_path / "broken-base"
     broken.mkdir()
@@ -519,26 +515,24 @@ def test_when_one_of_several_servers_cannot_start_the_others_stop(tmp_path, monk
     )
     monkeypatch.delenv("MASENVS_VLLM_PYTHON", raising=False)
     monkeypatch.setenv("MASENVS_VLLM_BIN", str(fake_vllm_executable(tmp_path, body)))
-    monkeypatch.setattr(sync, "cpu_only", lambda: False)  # the stand-in serves "tiny" anyway
+    monkeypatch.setattr(engines, "cpu_only", lambda: False)  # the stand-in serves "tiny" anyway
+    monkeypatch.setattr(engines, "_gpu_count", lambda: 0)  # two servers share one GPU
     launched: list[VLLMBackend] = []
-    launch = sync.VLLMBackend.launch
+    launch = engines.VLLMBackend.launch
 
     def spy(*args: Any, **kwargs: Any) -> VLLMBackend:
         launched.append(launch(*args, **kwargs))
         return launched[-1]
 
-    monkeypatch.setattr(sync.VLLMBackend, "launch", spy)
-    learner = SimpleNamespace(
-        full=False,
-        policies={
-            "plan": SimpleNamespace(base_name="tiny"),
-            "tool": SimpleNamespace(base_name=str(broken)),
-        },
-        trains=lambda policy: True,
+    monkeypatch.setattr(engines.VLLMBackend, "launch", spy)
+    cfg = TrainConfig(
+        model={"name": "tiny"},
+        policy={"mode": "separate", "models": {"tool": str(broken)}},
+        backend={"kind": "vllm", "request_timeout": 60},
     )
-    cfg = TrainConfig(backend={"kind": "vllm", "request_timeout": 60})
+    plan = inference_plan(cfg, ["plan", "tool"], "cpu")
     with pytest.raises(StackError, match=r"(?s)broken-base \(policies tool\).*no config.json"):
-        sync.vllm_backend(cfg, learner, tmp_path)  # type: ignore[arg-type]
+        engines.open_inference(plan, tmp_path)
     (started,) = launched  # the healthy server came up, and was stopped again
     assert started.process is not None and started.process.process.poll() is not None
     assert "--gpu-memory-utilization" in started.process.command  # 0.45 each, on a GPU

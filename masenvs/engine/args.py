@@ -4,7 +4,8 @@ Each option has one default, one set of allowed values and one help text here. T
 lines (`masenvs serve`, `rollout`, `eval`) add their flags with `add_cli_args` and read them
 with `from_cli_args`; the trainer's YAML `backend` section takes its engine fields from
 `config_fields` (same names, defaults and checks); an engine server started as a child
-process gets its flags from `to_cli_args`. A new engine option goes here and nowhere else.
+process gets its flags from `to_cli_args`; `EmbeddedBackend.from_args` reads the engine's
+options from it. A new engine option goes here and nowhere else.
 No torch at import: the CLIs' `--help` stays fast.
 """
 
@@ -74,6 +75,21 @@ class EngineArgs:
         "(docs/embedded-engine.md). Default: off; masenvs eval: the first checkpoint's setting.",
         config=True,
     )
+    max_model_len: int | None = _option(
+        None, "embedded engine: tokens of one sequence at most (default: the model's context)", ge=1
+    )
+    prefix_cache_rows: int = _option(
+        4,
+        "embedded engine: KV rows kept after their sequence finished, so a prompt that extends "
+        "one skips its prefill",
+        ge=0,
+    )
+    single_thread_rows: int | None = _option(
+        None,
+        "embedded engine: decode steps of at most this many rows run on one thread "
+        "(default: measured at start)",
+        ge=0,
+    )
 
     def __post_init__(self) -> None:
         if self.batch_invariant not in (True, False, "auto"):
@@ -140,7 +156,7 @@ class EngineArgs:
                 argv += [flag, str(value)]
         return argv
 
-    # ---- the trainer's YAML section and the engine itself -----------------------------------
+    # ---- the trainer's YAML section ---------------------------------------------------------
 
     @classmethod
     def config_fields(cls) -> dict[str, Any]:
@@ -163,12 +179,6 @@ class EngineArgs:
         (device and threads come from the run, not the YAML)."""
         names = [f.name for f in dataclasses.fields(cls) if f.metadata["config"]]
         return cls(**{**{n: getattr(section, n) for n in names}, **run})
-
-    def engine_kwargs(self) -> dict[str, Any]:
-        """Keyword arguments for `EmbeddedBackend.from_spec` (and `stack.make_backend`)."""
-        out = dataclasses.asdict(self)
-        out["num_threads"] = out.pop("threads")
-        return out
 
 
 _HINTS = typing.get_type_hints(EngineArgs)  # the annotations as types, not strings

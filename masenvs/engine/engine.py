@@ -25,6 +25,8 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from masenvs.cache import DEFAULT_MODEL
+from masenvs.engine.args import EngineArgs
 from masenvs.engine.forward import LlamaForward
 from masenvs.engine.loading import LoadedModel, engine_dtype, load_model
 from masenvs.engine.lora import LoraAdapter, lora_from_state_dict, lora_scale, read_peft_dir
@@ -57,45 +59,36 @@ def _shutdown_live_engines() -> None:
 class EmbeddedBackend:
     """Serves a transformers causal LM and its LoRA adapters from a background thread.
 
+    Built from `EngineArgs` (`from_args`, or `from_spec` with its fields); its
     `batch_invariant` True makes each answer independent of the requests batched with it
     (an error where it cannot run); 'auto' turns it on where that changes no weight (see
     `LlamaForward`); `forward.batch_invariant` says which.
     """
 
-    def __init__(
-        self,
-        loaded: LoadedModel,
-        *,
-        max_batch_size: int = 32,
-        max_model_len: int | None = None,
-        num_threads: int | None = None,
-        prefix_cache_rows: int = 4,
-        quantize: str | None = "auto",
-        single_thread_rows: int | None = None,
-        batch_invariant: bool | str = False,
-    ) -> None:
-        if num_threads is not None:
-            torch.set_num_threads(num_threads)
+    def __init__(self, loaded: LoadedModel, args: EngineArgs | None = None) -> None:
+        """Serve `loaded` with the serving options of `args` (its device and dtype matter
+        only to `from_args`, which loads the model by them)."""
+        args = args or EngineArgs()
+        self.args = args
+        if args.threads is not None:
+            torch.set_num_threads(args.threads)
         self.num_threads = torch.get_num_threads()
         self.loaded = loaded
         self.model = loaded.model
         self.tokenizer = loaded.tokenizer
         self.name = loaded.name
-        self.max_batch_size = max_batch_size
-        self.max_model_len = min(max_model_len or loaded.context_length, loaded.context_length)
+        self.max_batch_size = rows = args.max_batch_size
+        self.max_model_len = min(args.max_model_len or loaded.context_length, loaded.context_length)
         # No token spans more characters than the vocabulary's longest, so a prompt longer
         # than this cannot fit the context: it is refused before the tokenizer (whose memory
         # grows ~75x the text) ever sees it.
         self.max_prompt_chars = _longest_token(self.tokenizer) * self.max_model_len
         # Rows 0..max_batch_size-1 hold running sequences; the rows after them keep the
         # KV of recently finished sequences, so a prompt that extends one skips its prefill.
+        cached = args.prefix_cache_rows
         try:
             self.forward = LlamaForward(
-                self.model,
-                max_batch_size + prefix_cache_rows,
-                self.max_model_len,
-                quantize,
-                batch_invariant,
+                self.model, rows + cached, self.max_model_len, args.quantize, args.batch_invariant
             )
         except ValueError as exc:
             raise BackendError(str(exc)) from exc
@@ -104,41 +97,32 @@ class EmbeddedBackend:
         self.scheduler = Scheduler(
             self.forward,
             self.tokenizer,
-            max_batch_size=max_batch_size,
-            prefix_rows=range(max_batch_size, max_batch_size + prefix_cache_rows),
+            max_batch_size=rows,
+            prefix_rows=range(rows, rows + cached),
             num_threads=self.num_threads,
-            single_thread_rows=single_thread_rows,
+            single_thread_rows=args.single_thread_rows,
         )
         self.stats = self.scheduler.stats
         self.scheduler.start()
         _LIVE.add(self)
 
     @classmethod
-    def from_spec(
-        cls,
-        spec: str = "smollm2-135m",
-        *,
-        device: str = "cpu",
-        dtype: torch.dtype | str | None = None,
-        **kwargs: Any,
-    ) -> EmbeddedBackend:
-        """Load `spec` (see `load_model`) and serve it; `dtype` None or "auto" picks
-        `engine_dtype`.
+    def from_args(cls, model: str, args: EngineArgs) -> EmbeddedBackend:
+        """Load `model` (see `load_model`) on `args.device` in `args.dtype` ('auto':
+        `engine_dtype`) and serve it as `args` say.
 
         Loading runs on a short-lived thread: the calling thread then never starts an
         OpenMP pool of its own, so the engine thread's pool can be the process's only one
         (see `omp`), which makes every decode step cheaper.
         """
-        return run_off_thread(
-            lambda: cls(
-                load_model(
-                    spec,
-                    device=device,
-                    dtype=engine_dtype(device) if dtype in (None, "auto") else dtype,
-                ),
-                **kwargs,
-            )
-        )
+        dtype = engine_dtype(args.device) if args.dtype == "auto" else args.dtype
+        return run_off_thread(lambda: cls(load_model(model, device=args.device, dtype=dtype), args))
+
+    @classmethod
+    def from_spec(cls, spec: str = DEFAULT_MODEL, **options: Any) -> EmbeddedBackend:
+        """`from_args(spec, EngineArgs(**options))`: `options` are `EngineArgs` fields
+        (max_batch_size=8, dtype="float32", ...)."""
+        return cls.from_args(spec, EngineArgs(**options))
 
     @property
     def single_thread_rows(self) -> int | None:

@@ -6,31 +6,20 @@ fine-tuning (`policy.finetune: full`): the embedded engine copies the learner's 
 its base model; vLLM reloads them from a safetensors file (`VLLMBackend.update_weights`).
 `push` is awaited from the training loop, between a step's update and the next rollouts.
 
-One vLLM server serves one base model with one set of weights; `vllm_backend` starts (or
-connects to) as many as the policies need and puts a `RouterBackend` in front, and
-`WeightSync` sends each policy's weights to its own server.
+Sync only syncs: `engines.open_inference` started the backend from the run's plan, with a
+`RouterBackend` in front when the policies need several served models; `WeightSync` sends
+each policy's weights to its own.
 """
 
 from __future__ import annotations
 
 import contextlib
 import shutil
-from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
 from pathlib import Path
 
-from masenvs.adapters.backends.launch import (
-    VLLMLaunchError,
-    check_cpu_model,
-    cpu_only,
-    lora_rank_for,
-    model_dir,
-)
-from masenvs.adapters.backends.router import Route, RouterBackend
-from masenvs.adapters.backends.vllm import VLLMBackend
+from masenvs.adapters.backends.router import RouterBackend
 from masenvs.adapters.stack import StackError
-from masenvs.engine.protocol import Backend, BackendError
-from masenvs.trainer.config import TrainConfig
+from masenvs.engine.protocol import Backend
 from masenvs.trainer.learner.learner import Learner
 
 KEEP_VERSIONS = 2  # sync files kept per policy; the server has read the older ones
@@ -52,7 +41,6 @@ class WeightSync:
         self.backend = backend
         self.sync_dir = Path(sync_dir)
         self.full = learner.cfg.policy.finetune == "full"
-        self.routed = isinstance(backend, RouterBackend)
         targets = backend.backends if isinstance(backend, RouterBackend) else [backend]
         self._targets = targets
         if self.full:  # in place into an engine that takes whole weights, else via files
@@ -70,11 +58,6 @@ class WeightSync:
                     "or vllm backend"
                 )
             self._check_one_trained_policy_per_server()
-
-    def served_as(self, policy: str) -> str:
-        """The model name requests of `policy` go to: its adapter, or with full weights on one
-        server, the base model itself (it is the policy); a router resolves policy names."""
-        return "base" if self.full and not self.in_place and not self.routed else policy
 
     async def push(self, version: int) -> None:
         """Send every policy's weights; `version` names the files of a server sync.
@@ -151,165 +134,3 @@ class WeightSync:
 def _prune(folder: Path) -> None:
     for old in sorted(folder.glob("v*"))[:-KEEP_VERSIONS]:
         shutil.rmtree(old, ignore_errors=True)
-
-
-@dataclass
-class PolicyServer:
-    """One vLLM server of a run: the model it serves and the policies routed to it."""
-
-    model: str
-    policies: list[str] = field(default_factory=list)
-    url: str | None = None
-    trained: bool = False  # holds one fully fine-tuned policy's weights, so serves only it
-
-
-def vllm_servers(learner: Learner) -> list[PolicyServer]:
-    """The servers a run needs: one per base model with LoRA (its policies are adapters on
-    it); with full fine-tuning one per trained policy (the server's weights are that policy)
-    and one per base model that frozen policies share."""
-    servers: dict[str, PolicyServer] = {}
-    for name, policy in learner.policies.items():
-        own = learner.full and learner.trains(name)
-        key = f"policy:{name}" if own else f"base:{policy.base_name}"
-        servers.setdefault(key, PolicyServer(policy.base_name, trained=own)).policies.append(name)
-    return list(servers.values())
-
-
-def vllm_backend(cfg: TrainConfig, learner: Learner, run_dir: Path) -> Backend:
-    """The vLLM backend of a run: the servers at `backend.vllm_url`, or ones started here.
-
-    One server serves one base model, so the policies may need several (`vllm_servers`);
-    then a `RouterBackend` sends each policy's requests to its server. A started server
-    serves its model with LoRA (rank >= lora.rank, one slot per policy on it) and, for full
-    fine-tuning, the endpoints that take new weights; it logs to `<run_dir>/vllm.log`
-    (`vllm-<policies>.log` when there are several), and `shutdown()` (which `Stack.close`
-    calls) stops every one.
-    """
-    b = cfg.backend
-    servers = vllm_servers(learner)
-    if isinstance(b.vllm_url, str) and b.vllm_url:
-        if len(servers) > 1:
-            raise StackError(
-                f"backend.vllm_url names one vLLM server, but these policies need "
-                f"{len(servers)} ({_describe(servers)}); give a mapping {{policy or base model: "
-                "URL}, or leave it unset so the trainer starts them"
-            )
-        return _connect(b.vllm_url, b.request_timeout)
-    if b.vllm_url:  # a mapping: user-run servers, found by policy name, then base model
-        return _connect_servers(_assign_urls(servers, b.vllm_url), b.request_timeout, learner)
-    return _launch_servers(cfg, servers, run_dir)
-
-
-def _describe(servers: list[PolicyServer]) -> str:
-    return "; ".join(f"{'+'.join(s.policies)} on {s.model}" for s in servers)
-
-
-def _connect(url: str, timeout: float) -> VLLMBackend:
-    try:
-        return VLLMBackend(url, timeout=timeout)
-    except BackendError as exc:
-        raise StackError(f"backend.vllm_url: {exc}") from exc
-
-
-def _assign_urls(servers: list[PolicyServer], urls: dict[str, str]) -> list[PolicyServer]:
-    """Each policy's URL: `urls[policy]`, else `urls[its base model]`; policies that share
-    a URL share that server."""
-    by_url: dict[str, PolicyServer] = {}
-    for server in servers:
-        for policy in server.policies:
-            url = urls.get(policy) or urls.get(server.model)
-            if url is None:
-                raise StackError(
-                    f"backend.vllm_url has no server for policy {policy!r} (base model "
-                    f"{server.model}); add `{policy}: <url>` to it"
-                )
-            entry = by_url.setdefault(url, PolicyServer(server.model, url=url))
-            if entry.model != server.model:
-                raise StackError(
-                    f"backend.vllm_url sends {entry.policies} ({entry.model}) and {policy!r} "
-                    f"({server.model}) to one server {url}, which serves one base model; "
-                    "give each base model its own URL"
-                )
-            if entry.policies and (entry.trained or server.trained):
-                raise StackError(
-                    f"backend.vllm_url sends {entry.policies} and {policy!r} to one server "
-                    f"{url}, but a fully fine-tuned policy's server holds its weights alone; "
-                    "give each of them its own URL"
-                )
-            entry.trained = server.trained
-            entry.policies.append(policy)
-    return list(by_url.values())
-
-
-def _connect_servers(servers: list[PolicyServer], timeout: float, learner: Learner) -> Backend:
-    if len(servers) == 1:
-        return _connect(servers[0].url or "", timeout)
-    backends = [_connect(s.url or "", timeout) for s in servers]
-    return _router(servers, backends, learner.full)
-
-
-def _router(servers: list[PolicyServer], backends: list[VLLMBackend], full: bool) -> RouterBackend:
-    # Full fine-tuning: a policy is its server's base model (""); LoRA: its adapter there.
-    routes = {
-        policy: Route(backend, "" if full else policy)
-        for server, backend in zip(servers, backends, strict=True)
-        for policy in server.policies
-    }
-    return RouterBackend(routes)
-
-
-def _launch_servers(cfg: TrainConfig, servers: list[PolicyServer], run_dir: Path) -> Backend:
-    """Start every server at once (each waits for its own health check), or none."""
-    b = cfg.backend
-    full = cfg.policy.finetune == "full"
-    extra_args = list(b.vllm_args)
-    if len(servers) > 1 and not cpu_only() and "--gpu-memory-utilization" not in extra_args:
-        # vLLM's default (0.9 of the GPU) for each would leave the second one nothing.
-        extra_args += ["--gpu-memory-utilization", f"{0.9 / len(servers):.2f}"]
-
-    def error(server: PolicyServer, exc: Exception) -> StackError:
-        policies = ", ".join(server.policies)
-        return StackError(f"could not start vLLM for {server.model} (policies {policies}): {exc}")
-
-    paths = {}  # before any server starts, in this thread: "tiny"-style names convert once
-    for server in servers:
-        try:
-            paths[server.model] = model_dir(server.model)
-            if cpu_only():
-                check_cpu_model(paths[server.model])
-        except VLLMLaunchError as exc:
-            raise error(server, exc) from exc
-
-    def launch(server: PolicyServer) -> VLLMBackend:
-        name = "vllm" if len(servers) == 1 else f"vllm-{'+'.join(server.policies)}"
-        try:
-            return VLLMBackend.launch(
-                paths[server.model],
-                request_timeout=b.request_timeout,
-                python=b.vllm_python,
-                max_loras=max(len(server.policies), 1),
-                max_lora_rank=lora_rank_for(cfg.lora.rank),
-                extra_args=extra_args,
-                weight_updates=full,
-                log_path=run_dir / f"{name}.log",
-            )
-        except (VLLMLaunchError, BackendError) as exc:
-            raise error(server, exc) from exc
-
-    if len(servers) == 1:
-        return launch(servers[0])
-    pool = ThreadPoolExecutor(len(servers), thread_name_prefix="vllm-launch")
-    futures = [pool.submit(launch, server) for server in servers]
-    try:
-        pool.shutdown(wait=True)  # every launch ends: healthy, failed or timed out
-        for future in futures:
-            if future.exception() is not None:
-                raise future.exception()  # type: ignore[misc]
-        return _router(servers, [f.result() for f in futures], full)
-    except BaseException:
-        # Also on Ctrl-C: let the other launches end, then stop every server that started.
-        pool.shutdown(wait=True)
-        for future in futures:
-            if future.done() and future.exception() is None:
-                future.result().shutdown()
-        raise

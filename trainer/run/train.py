@@ -30,12 +30,13 @@ from masenvs.listeners import API_KEY_ENV, announce, listener_key
 from masenvs.memory import allocator_note, release_free_memory, tune_allocator
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import ConfigError, TrainConfig, save_config
-from masenvs.trainer.inference.engines import engine_pools, several_engines
-from masenvs.trainer.inference.serving import training_backend
-from masenvs.trainer.inference.sync import WeightSync, vllm_backend
+from masenvs.trainer.inference.engines import open_inference
+from masenvs.trainer.inference.plan import InferencePlan, inference_plan
+from masenvs.trainer.inference.sync import WeightSync
 from masenvs.trainer.learner.dist_learner import make_learner
 from masenvs.trainer.learner.flops import mfu_metrics
 from masenvs.trainer.learner.learner import Learner
+from masenvs.trainer.learner.policies import resolve_device
 from masenvs.trainer.rollout import sources
 from masenvs.trainer.run.checkpoint import TrainState, load_latest, save_checkpoint
 from masenvs.trainer.run.metrics import (
@@ -120,29 +121,9 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     run_dir = Path(cfg.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     seed_everything(cfg.seed)
-    if cfg.workflow is not None:
-        from masenvs.adapters.frameworks.workflow import check_factory
-
-        agents = list(cfg.workflow.agents)
-        from masenvs.adapters.frameworks.clients import UnknownAgent
-        from masenvs.trainer.rollout.workflow import UnknownAgentError
-
-        try:  # a bad env, factory or graph input fails in one line, before models load
-            check_factory(cfg.workflow, cfg.env.name, cfg.env.options)
-        except UnknownAgent as exc:
-            raise UnknownAgentError(f"factory {cfg.workflow.factory!r}: {exc}") from exc
-        except (ValueError, TypeError) as exc:
-            raise ConfigError(str(exc)) from exc
-    else:
-        env = sources.env_factory(cfg)()
-        agents = list(dict.fromkeys([*env.possible_agents, *env.callers]))
-    sources.agent_sampling(cfg, agents)
-    off = sorted(set(cfg.schedule.alternate) - set(agents))
-    if off:
-        raise ConfigError(
-            f"schedule.alternate names {off[0]!r}, not an agent of this run ({', '.join(agents)})"
-        )  # a misspelt agents.<name> fails here, before models load
-
+    agents = run_agents(cfg)
+    # The run's inference, decided once from the config: a misfit fails before models load.
+    plan = inference_plan(cfg, agents, device=str(resolve_device(cfg.model.device)))
     warning = schedule_warning(cfg)
     if warning is not None:
         _warn(console, warning)
@@ -158,42 +139,9 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     save_config(cfg, run_dir / "config.yaml")
 
     with _status(console, f"starting the {cfg.backend.kind} backend"):
-        engine = cfg.backend.engine_args(device=str(learner.device)).engine_kwargs()
-        if several_engines(cfg):  # distributed.engines: replicas behind pools
-            backend = engine_pools(cfg, learner, run_dir)
-        elif cfg.backend.kind == "embedded":  # one engine per base (or per trained model)
-            backend = training_backend(learner, **engine)
-        else:  # the servers at vllm_url, or ones started here (stopped by stack.close)
-            backend = vllm_backend(cfg, learner, run_dir)
-        try:
-            sync = WeightSync(learner, backend, run_dir / "sync")
-            asyncio.run(sync.push(version=state.step))
-            routes = PolicyMap(
-                {agent: sync.served_as(learner.policy_of(agent)) for agent in agents},
-                chat_template_kwargs={a: cfg.agent(a).chat_template_kwargs for a in agents},
-            )
-            if cfg.workflow is not None:  # and what other model names get (unknown_agents)
-                from masenvs.trainer.rollout.workflow import workflow_policy_map
-
-                routes = workflow_policy_map(
-                    cfg.workflow,
-                    lambda agent: sync.served_as(learner.policy_of(agent)),
-                    routes.chat_template_kwargs,
-                )
-            host, api_key = endpoint_binding(cfg)
-            stack = start_stack(
-                backend=backend,
-                traces=run_dir / "traces",
-                policy_map=routes,
-                host=host,
-                api_key=api_key,
-            )
-        except BaseException:
-            getattr(backend, "shutdown", lambda: None)()  # a vLLM started here stops too
-            raise
+        stack, sync = serve_run(cfg, plan, learner, state.step)
     for line in listening_lines(stack):
         console.print(escape(line))
-    stack.endpoint.policy_version = state.step
     metrics = MetricsLogger(
         run_dir, cfg.logging, cfg, resume_step=state.step if checkpoint is not None else -1
     )
@@ -213,6 +161,69 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     console.print(f"curves: {plot}\nmetrics: {run_dir / 'metrics.jsonl'}")
     validations = [r for r in read_metrics(run_dir / "metrics.jsonl") if "val/success" in r]
     return TrainResult(run_dir, cfg.steps, validations, plot)
+
+
+def run_agents(cfg: TrainConfig) -> list[str]:
+    """The agents this run trains and serves: the workflow's, else the env's (and the ones
+    its programs call); a bad env, factory, graph input or agent name fails here, in one
+    line, before models load."""
+    if cfg.workflow is not None:
+        from masenvs.adapters.frameworks.clients import UnknownAgent
+        from masenvs.adapters.frameworks.workflow import check_factory
+        from masenvs.trainer.rollout.workflow import UnknownAgentError
+
+        agents = list(cfg.workflow.agents)
+        try:
+            check_factory(cfg.workflow, cfg.env.name, cfg.env.options)
+        except UnknownAgent as exc:
+            raise UnknownAgentError(f"factory {cfg.workflow.factory!r}: {exc}") from exc
+        except (ValueError, TypeError) as exc:
+            raise ConfigError(str(exc)) from exc
+    else:
+        env = sources.env_factory(cfg)()
+        agents = list(dict.fromkeys([*env.possible_agents, *env.callers]))
+    sources.agent_sampling(cfg, agents)
+    off = sorted(set(cfg.schedule.alternate) - set(agents))
+    if off:
+        raise ConfigError(
+            f"schedule.alternate names {off[0]!r}, not an agent of this run ({', '.join(agents)})"
+        )  # a misspelt agents.<name> fails here, before models load
+    return agents
+
+
+def serve_run(
+    cfg: TrainConfig, plan: InferencePlan, learner: Learner, step: int
+) -> tuple[Stack, WeightSync]:
+    """The run's inference opened from `plan`, holding the learner's weights of `step`,
+    behind the capture endpoint; and the `WeightSync` that keeps it current."""
+    backend = open_inference(plan, Path(cfg.run_dir))
+    try:
+        sync = WeightSync(learner, backend, Path(cfg.run_dir) / "sync")
+        asyncio.run(sync.push(version=step))
+        host, api_key = endpoint_binding(cfg)
+        stack = start_stack(
+            backend=backend,
+            traces=Path(cfg.run_dir) / "traces",
+            policy_map=policy_map(cfg, plan),
+            host=host,
+            api_key=api_key,
+        )
+    except BaseException:
+        getattr(backend, "shutdown", lambda: None)()  # a vLLM started here stops too
+        raise
+    stack.endpoint.policy_version = step
+    return stack, sync
+
+
+def policy_map(cfg: TrainConfig, plan: InferencePlan) -> PolicyMap:
+    """The endpoint's routes: each agent to the model its plan serves it as (a workflow's
+    other model names too: its unknown_agents)."""
+    kwargs = {agent: cfg.agent(agent).chat_template_kwargs for agent in plan.models}
+    if cfg.workflow is None:
+        return PolicyMap(dict(plan.models), chat_template_kwargs=kwargs)
+    from masenvs.trainer.rollout.workflow import workflow_policy_map
+
+    return workflow_policy_map(cfg.workflow, plan.models.__getitem__, kwargs)
 
 
 async def _loop(
