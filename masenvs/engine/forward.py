@@ -75,30 +75,7 @@ class LlamaForward:
         self.embed = inner.embed_tokens.weight
         self.lm_head = fused_projection({"lm_head": model.lm_head}, ("lm_head",), self.quantize)
         self.norm = inner.norm.weight
-        self.layers = []
-        for layer in inner.layers:
-            linears = {
-                "q_proj": layer.self_attn.q_proj,
-                "k_proj": layer.self_attn.k_proj,
-                "v_proj": layer.self_attn.v_proj,
-                "o_proj": layer.self_attn.o_proj,
-                "gate_proj": layer.mlp.gate_proj,
-                "up_proj": layer.mlp.up_proj,
-                "down_proj": layer.mlp.down_proj,
-            }
-            self.layers.append(
-                _Layer(
-                    ln_attn=layer.input_layernorm.weight,
-                    ln_mlp=layer.post_attention_layernorm.weight,
-                    linears=linears,
-                    qkv=fused_projection(linears, ("q_proj", "k_proj", "v_proj"), self.quantize),
-                    o=fused_projection(linears, ("o_proj",), self.quantize),
-                    gate_up=fused_projection(linears, ("gate_proj", "up_proj"), self.quantize),
-                    down=fused_projection(linears, ("down_proj",), self.quantize),
-                    q_norm=_weight(getattr(layer.self_attn, "q_norm", None)),
-                    k_norm=_weight(getattr(layer.self_attn, "k_norm", None)),
-                )
-            )
+        self.layers = [self._layer(layer) for layer in inner.layers]
         self.device = self.embed.device
         self.dtype = self.embed.dtype
         # Where the native kernels run (kernels), decode steps attend (and write the
@@ -135,6 +112,29 @@ class LlamaForward:
         # step's q @ K^T reads them in place; values as [slot, kv head, position, dim].
         self.k_cache: list[Tensor] = []
         self.v_cache: list[Tensor] = []
+
+    def _layer(self, layer: Any) -> _Layer:
+        """One decoder layer's weights, its projections fused (and packed where quantized)."""
+        linears = {
+            "q_proj": layer.self_attn.q_proj,
+            "k_proj": layer.self_attn.k_proj,
+            "v_proj": layer.self_attn.v_proj,
+            "o_proj": layer.self_attn.o_proj,
+            "gate_proj": layer.mlp.gate_proj,
+            "up_proj": layer.mlp.up_proj,
+            "down_proj": layer.mlp.down_proj,
+        }
+        return _Layer(
+            ln_attn=layer.input_layernorm.weight,
+            ln_mlp=layer.post_attention_layernorm.weight,
+            linears=linears,
+            qkv=fused_projection(linears, ("q_proj", "k_proj", "v_proj"), self.quantize),
+            o=fused_projection(linears, ("o_proj",), self.quantize),
+            gate_up=fused_projection(linears, ("gate_proj", "up_proj"), self.quantize),
+            down=fused_projection(linears, ("down_proj",), self.quantize),
+            q_norm=_weight(getattr(layer.self_attn, "q_norm", None)),
+            k_norm=_weight(getattr(layer.self_attn, "k_norm", None)),
+        )
 
     def _projections(self) -> list[Projection]:
         projections = [self.lm_head]
