@@ -17,6 +17,8 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from masenvs.engine.protocol import Completion, GenerateRequest, SamplingParams
+from masenvs.sampling_args import DEFAULT as SAMPLING
+from masenvs.sampling_args import SamplingArgs
 
 MAX_STOPS = 64  # stop sequences in one request (OpenAI allows 4)
 MAX_STOP_CHARS = 1024  # characters of one stop sequence
@@ -68,18 +70,28 @@ def validation_error(exc: ValidationError) -> APIError:
     return APIError(400, message, param=loc or None, code="invalid_value")
 
 
+MIN_TOKENS = SamplingArgs.bounds("max_tokens")["ge"]
+
+
+def _or_default(value: Any, name: str) -> Any:
+    """A request's knob, or SamplingArgs' default where the request leaves it unset."""
+    return getattr(SAMPLING, name) if value is None else value
+
+
 class _Request(BaseModel):
     # Unknown fields are tolerated: clients send provider-specific extras.
     model_config = ConfigDict(extra="allow")
 
     model: str = Field(min_length=1)
     n: int = Field(1, ge=1, le=128)
-    temperature: float | None = Field(None, ge=0.0, le=2.0)
-    top_p: float | None = Field(None, gt=0.0, le=1.0)
-    top_k: int | None = Field(None, ge=-1)
+    # The sampling knobs' bounds are SamplingArgs' (masenvs/engine/sampling_args.py); unset,
+    # each takes its default there (OpenAI's: temperature and top_p 1).
+    temperature: float | None = Field(None, **SamplingArgs.bounds("temperature"))
+    top_p: float | None = Field(None, **SamplingArgs.bounds("top_p"))
+    top_k: int | None = Field(None, **SamplingArgs.bounds("top_k"))
     # vLLM's extra: scores of tokens already in the prompt or the answer are divided by it
     # (positive) or multiplied (negative) before sampling; log-probs stay the raw model's.
-    repetition_penalty: float | None = Field(None, gt=0.0)
+    repetition_penalty: float | None = Field(None, **SamplingArgs.bounds("repetition_penalty"))
     seed: int | None = None
     stop: str | list[str] | None = None
     stop_token_ids: list[int] | None = None
@@ -134,10 +146,10 @@ class _Request(BaseModel):
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
             max_tokens=max_tokens,
-            temperature=1.0 if self.temperature is None else self.temperature,
-            top_p=1.0 if self.top_p is None else self.top_p,
+            temperature=_or_default(self.temperature, "temperature"),
+            top_p=_or_default(self.top_p, "top_p"),
             top_k=max(self.top_k or 0, 0),  # vLLM's -1 and 0 both turn top-k off
-            repetition_penalty=self.repetition_penalty or 1.0,
+            repetition_penalty=_or_default(self.repetition_penalty, "repetition_penalty"),
             stop=stop,
             stop_token_ids=list(self.stop_token_ids or []),
             seed=self.seed,
@@ -168,10 +180,11 @@ class ChatRequest(_Request):
             max_tokens, param = self.max_tokens, "max_tokens"
         if max_tokens is None:
             max_tokens = default_max_tokens
-        elif max_tokens < 1:
+        elif max_tokens < MIN_TOKENS:
             raise APIError(
                 400,
-                f"Invalid '{param}': integer below minimum value. Expected a value >= 1, "
+                f"Invalid '{param}': integer below minimum value. Expected a value >= "
+                f"{MIN_TOKENS}, "
                 f"but got {max_tokens} instead.",
                 param=param,
                 code="integer_below_min_value",
@@ -207,10 +220,11 @@ class CompletionRequest(_Request):
         if self.suffix:
             raise APIError(400, "'suffix' is not supported by this endpoint.", param="suffix")
         max_tokens = 16 if self.max_tokens is None else self.max_tokens
-        if max_tokens < 1:
+        if max_tokens < MIN_TOKENS:
             raise APIError(
                 400,
-                "Invalid 'max_tokens': integer below minimum value. Expected a value >= 1, "
+                "Invalid 'max_tokens': integer below minimum value. Expected a value >= "
+                f"{MIN_TOKENS}, "
                 f"but got {max_tokens} instead.",
                 param="max_tokens",
                 code="integer_below_min_value",

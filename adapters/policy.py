@@ -9,6 +9,8 @@ from typing import TYPE_CHECKING, Any
 
 import httpx
 
+from masenvs.sampling_args import SamplingArgs
+
 if TYPE_CHECKING:  # openai takes ~1 s to import: loaded on first use (fast --help)
     from openai import AsyncOpenAI
 
@@ -29,17 +31,12 @@ def server_root(url: str) -> str:
     return root.removesuffix("/v1")
 
 
-@dataclass
-class Sampling:
-    """Sampling settings sent with every call (the endpoint's `top_k` and
-    `repetition_penalty` are vLLM's extra fields)."""
+@dataclass(frozen=True)
+class Sampling(SamplingArgs):
+    """Sampling settings sent with every call: `SamplingArgs` (the endpoint's `top_k` and
+    `repetition_penalty` are vLLM's extra fields) and a seed."""
 
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    max_tokens: int = 256
     seed: int | None = None
-    repetition_penalty: float = 1.0  # 1.0: off (vLLM's and transformers' meaning)
 
 
 @dataclass
@@ -53,6 +50,7 @@ class Reply:
     token_ids: list[int] = field(default_factory=list)
     prompt_token_ids: list[int] = field(default_factory=list)
     logprobs: list[float] = field(default_factory=list)
+    sampling: SamplingArgs | None = None  # what the request asked for
 
 
 class ChatPolicy:
@@ -141,6 +139,7 @@ class ChatPolicy:
                     token_ids=list(getattr(choice, "token_ids", None) or []),
                     prompt_token_ids=prompt_ids,
                     logprobs=logprobs,
+                    sampling=SamplingArgs.of(s),
                 )
             )
         return replies

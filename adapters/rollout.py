@@ -37,6 +37,7 @@ from masenvs.adapters.stack import add_engine_arguments, with_endpoint
 from masenvs.cache import DEFAULT_MODEL
 from masenvs.listeners import API_KEY_ENV, ListenerError, add_key_arguments, key_from
 from masenvs.registry import env_class, make
+from masenvs.sampling_args import SamplingArgs
 
 
 def summary_table(results: list[episodes.EpisodeResult], seconds: float) -> Table:
@@ -85,13 +86,14 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--concurrency", type=int, default=8, help="episodes in flight")
     add_engine_arguments(parser)
-    parser.add_argument(
-        "--max-tokens",
-        type=int,
-        help="completion tokens per call (default: the env's answer length, e.g. 64 for the "
-        "grid tasks, 256 for math and code)",
-    )
-    parser.add_argument("--temperature", type=float, default=0.7)
+    SamplingArgs.add_cli_args(
+        parser.add_argument_group("sampling"),
+        defaults={
+            "temperature": (0.7, "as masenvs eval, a little cooler than training's 1.0"),
+            "max_tokens": (None, "the env's answer length, e.g. 64 for the grid tasks, 256 "
+                           "for math and code"),
+        },
+    )  # fmt: skip
     parser.add_argument("--single-agent", action="store_true")
     parser.add_argument(
         "--turn-order",
@@ -192,7 +194,7 @@ def main(argv: list[str]) -> int:
         console.print(f"[red]{escape(str(exc))}[/red]")
         return 2
     env_config = with_endpoint(args.env, env_config, stack.root_url, stack.api_key)
-    sampling = Sampling(temperature=args.temperature, max_tokens=args.max_tokens)
+    sampling = Sampling.from_cli_args(args)
     seeds = list(range(args.seed, args.seed + args.episodes))
     started = time.perf_counter()
     if spec is not None:
@@ -267,7 +269,7 @@ def _remote(
     env_config = with_endpoint(args.env, env_config, server_root(args.url), args.api_key)
     if spec is not None:
         return _workflows(args, spec, env_config, console, args.url, None)
-    sampling = Sampling(temperature=args.temperature, max_tokens=args.max_tokens)
+    sampling = Sampling.from_cli_args(args)
     seeds = list(range(args.seed, args.seed + args.episodes))
     started = time.perf_counter()
 
@@ -303,7 +305,7 @@ def _workflows(
     from masenvs.adapters.frameworks.workflow import run_tasks
 
     settings = ClientSettings(
-        sampling=Sampling(temperature=args.temperature, max_tokens=args.max_tokens),
+        sampling=Sampling.from_cli_args(args),
         api_key=args.api_key or "masenvs",
     )
     seeds = list(range(args.seed, args.seed + args.episodes))

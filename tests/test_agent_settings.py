@@ -53,7 +53,8 @@ def test_workflow_clients_use_their_agents_sampling() -> None:
     settings = ClientSettings(Sampling(1.0, 1.0, 0, 256), agents={"solver": Sampling(0.3, 0.9)})
     solver = chat_openai("http://127.0.0.1:9/v1", "solver", settings)
     critic = chat_openai("http://127.0.0.1:9/v1", "critic", settings)
-    assert (solver.temperature, solver.top_p, solver.max_tokens) == (0.3, 0.9, 256)
+    # An agent's settings replace the run's whole: max_tokens is SamplingArgs' default.
+    assert (solver.temperature, solver.top_p, solver.max_tokens) == (0.3, 0.9, 512)
     assert (critic.temperature, critic.max_tokens) == (1.0, 256)
 
 

@@ -371,3 +371,72 @@ def test_a_client_asked_for_an_undeclared_agent_stops_training_too(tmp_path: Pat
     with pytest.raises(UnknownAgentError, match=r"agent 'selector' is not one of .*unknown_agents"):
         train(cfg)
     assert not (tmp_path / "run" / "checkpoints").exists()
+
+
+# -- the learner scores each sample at the parameters it was sampled with ---------------------
+
+
+def test_a_program_sampling_at_its_own_temperature_is_scored_at_it(
+    tmp_path: Path, loader: Any
+) -> None:
+    """The program's solver samples at 0.2 under rollout.temperature 1.0 (its checker at the
+    run's): before any update the learner's log-probs of each sample are those of the
+    distribution the engine sampled it from, the solver's and the checker's in one batch."""
+    import asyncio
+
+    from framework_support import serve
+
+    from masenvs.adapters.frameworks import ClientSettings
+    from masenvs.adapters.policy import Sampling
+    from masenvs.engine.engine import EmbeddedBackend
+    from masenvs.trainer.learner.learner import Learner
+    from masenvs.trainer.rollout.workflow import collect_workflow_samples
+
+    cfg = load_config(
+        None, ["model.name=tiny", "model.device=cpu", "lora.rank=4", "policy.mode=shared"]
+    )
+    assert cfg.rollout.temperature == 1.0
+    learner = Learner(cfg, ["solver", "checker"], loader)  # LoRA B = 0: the base model
+    engine = EmbeddedBackend.from_spec("tiny", max_batch_size=4, dtype="float32", quantize="none")
+    spec = WorkflowSpec(
+        factory="workflow_programs:langgraph_cold_solver",
+        framework="langgraph",
+        agents=["solver", "checker"],
+    )
+    sampling = Sampling(temperature=cfg.rollout.temperature, max_tokens=8)
+    try:
+        with serve(engine, tmp_path / "traces") as s:
+            samples, _ = asyncio.run(
+                collect_workflow_samples(
+                    spec,
+                    root_url=s.url,
+                    store=s.store,
+                    env_name="math",
+                    env_options={"level": 1},
+                    seeds=[3],
+                    branches=2,
+                    settings=ClientSettings(sampling=sampling),
+                    endpoint=s.endpoint,
+                    policy_of=cfg.policy.policy_of,
+                )
+            )
+    finally:
+        engine.shutdown()
+    temperatures = {"solver": 0.2, "checker": 1.0}
+    assert {s.agent for s in samples} == set(temperatures) and len(samples) == 4
+    for s in samples:  # the Sample keeps what the trace recorded of the call
+        assert s.sampling is not None and s.sampling.temperature == temperatures[s.agent]
+
+    model = learner.policies["shared"].model
+    scored = learner.logprobs("shared", samples)  # one micro-batch, two temperatures
+    for s, got in zip(samples, scored, strict=True):
+        ids = torch.tensor([s.prompt_token_ids + s.completion_token_ids])
+        with torch.no_grad():
+            logits = model(input_ids=ids).logits[0, len(s.prompt_token_ids) - 1 : -1].float()
+        tokens = torch.tensor(s.completion_token_ids)[:, None]
+        # Same weights as the engine: the raw (T=1) log-probs are the ones it reported ...
+        raw = torch.log_softmax(logits, -1).gather(1, tokens)[:, 0]
+        torch.testing.assert_close(raw, torch.tensor(s.behavior_logprobs), atol=1e-4, rtol=0)
+        # ... and the learner scores the distribution the token was drawn from.
+        sampled = torch.log_softmax(logits / temperatures[s.agent], -1).gather(1, tokens)[:, 0]
+        torch.testing.assert_close(got, sampled, atol=1e-5, rtol=1e-5)

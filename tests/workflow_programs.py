@@ -224,3 +224,27 @@ def llamaindex_steps(ctx: WorkflowContext) -> Any:
             return StopEvent(result=reply.message.content or "")
 
     return Critiqued(timeout=None)
+
+
+def langgraph_cold_solver(ctx: WorkflowContext) -> Any:
+    """solve -> check, the solver a client the program made at its own temperature (0.2);
+    the checker samples at the run's (rollout.temperature)."""
+    from langchain_core.messages import HumanMessage
+    from langgraph.graph import END, START, MessagesState, StateGraph
+
+    solver, checker = ctx.clients.client("solver", temperature=0.2), ctx.clients["checker"]
+
+    async def solve(state: MessagesState) -> dict:
+        return {"messages": [await solver.ainvoke(state["messages"])]}
+
+    async def check(state: MessagesState) -> dict:
+        reply = await checker.ainvoke([HumanMessage(f"Check: {state['messages'][-1].text}")])
+        return {"messages": [reply]}
+
+    graph = StateGraph(MessagesState)
+    graph.add_node("solve", solve)
+    graph.add_node("check", check)
+    graph.add_edge(START, "solve")
+    graph.add_edge("solve", "check")
+    graph.add_edge("check", END)
+    return graph.compile()

@@ -6,6 +6,7 @@ silently ignored setting). `load_config("run.yaml", ["optim.lr=1e-5"])` is the e
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from pathlib import Path
 from typing import Any, Literal
@@ -16,6 +17,7 @@ from pydantic import Field, ValidationError, create_model, model_validator
 from masenvs.adapters.frameworks.workflow import WorkflowSpec
 from masenvs.engine.args import EngineArgs
 from masenvs.overrides import ConfigError, Section, apply_override, explain
+from masenvs.sampling_args import SamplingArgs
 from masenvs.trainer import foreign_names
 from masenvs.trainer.distributed_config import DistributedConfig
 from masenvs.trainer.distributed_config import EnginesConfig as EnginesConfig  # its old home
@@ -58,7 +60,7 @@ class EnvSpec(Section):
     )
 
 
-class RolloutConfig(Section):
+class _RolloutFields(Section):
     """How training episodes are sampled (AT-GRPO tree sampling, or independent trajectories)."""
 
     mode: Literal["tree", "trajectory"] = Field(
@@ -84,24 +86,6 @@ class RolloutConfig(Section):
     max_rounds: int | None = Field(
         None, ge=1, description="Round limit per episode; None keeps the env's own max_rounds."
     )
-    temperature: float = Field(
-        1.0,
-        gt=0.0,
-        description="Sampling temperature during training. The learner scores tokens at this "
-        "temperature too, so the PPO ratio is against the distribution that was sampled.",
-    )
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="Nucleus sampling mass.")
-    top_k: int = Field(
-        0, ge=0, description="Sample among the k most likely tokens only; 0 turns it off."
-    )
-    repetition_penalty: float = Field(
-        1.0,
-        gt=0.0,
-        description="vLLM's repetition penalty over the prompt's and the answer's tokens "
-        "(>1 repeats less); 1.0 is off. Sampling only: the learner scores the raw policy, so "
-        "with a penalty the samples are not the policy's own (the PPO ratio does not see it).",
-    )
-    max_tokens: int = Field(512, ge=1, description="Completion token limit per LLM call.")
     select_by: Literal["team", "agent"] = Field(
         "agent",
         description="Which reward picks the candidate that continues: the acting agent's own "
@@ -127,6 +111,18 @@ class RolloutConfig(Section):
         "branches each agent in that order. 'simultaneous': every agent acts on the same "
         "observation and sees the others' actions only next round.",
     )
+
+
+# Sampling (temperature, top_p, top_k, max_tokens, repetition_penalty) is SamplingArgs':
+# declared once there, with its defaults, bounds and descriptions. Training samples above 0:
+# K greedy candidates would be one answer.
+RolloutConfig = create_model(
+    "RolloutConfig",
+    __base__=_RolloutFields,
+    __module__=__name__,
+    __doc__=_RolloutFields.__doc__,
+    **SamplingArgs.config_fields(bounds={"temperature": {"gt": 0.0}}),
+)
 
 
 class _BackendClients(Section):
@@ -353,20 +349,9 @@ class LoRAParams(Section):
     )
 
 
-class AgentConfig(Section):
+class _AgentFields(Section):
     """Per-agent settings under `agents.<name>`; unset fields fall back to the run's."""
 
-    temperature: float | None = Field(
-        None, gt=0.0, description="Sampling temperature of this agent (rollout.temperature)."
-    )
-    top_p: float | None = Field(None, gt=0.0, le=1.0, description="Nucleus mass (rollout.top_p).")
-    top_k: int | None = Field(None, ge=0, description="Top-k of this agent (rollout.top_k).")
-    repetition_penalty: float | None = Field(
-        None, gt=0.0, description="Repetition penalty of this agent (rollout.repetition_penalty)."
-    )
-    max_tokens: int | None = Field(
-        None, ge=1, description="Completion token limit of this agent (rollout.max_tokens)."
-    )
     chat_template_kwargs: dict[str, Any] = Field(
         default_factory=dict,
         description="Extra variables for the chat template of this agent's prompts, e.g. "
@@ -378,6 +363,17 @@ class AgentConfig(Section):
     freeze: bool = Field(
         False, description="Serve this agent but never train it (its samples are dropped)."
     )
+
+
+# An agent's sampling knobs are SamplingArgs' too, each unset (None): a partial update of
+# the rollout section's.
+AgentConfig = create_model(
+    "AgentConfig",
+    __base__=_AgentFields,
+    __module__=__name__,
+    __doc__=_AgentFields.__doc__,
+    **SamplingArgs.config_fields(optional=True, bounds={"temperature": {"gt": 0.0}}),
+)
 
 
 class CheckpointConfig(Section):
@@ -419,7 +415,11 @@ class ValidationConfig(Section):
         description="First validation task seed; seeds [seed_start, seed_start + episodes) "
         "must not overlap the training seeds.",
     )
-    temperature: float = Field(0.0, ge=0.0, description="Sampling temperature (0 is greedy).")
+    temperature: float = Field(
+        0.0,
+        description="Sampling temperature (0 is greedy).",
+        **SamplingArgs.bounds("temperature"),
+    )
     env_options: dict[str, Any] = Field(
         default_factory=dict,
         description="Env options for the validation episodes, over `env.options`: e.g. train "
@@ -499,20 +499,16 @@ class TrainConfig(Section):
     def agent(self, name: str) -> AgentConfig:
         """`agents.<name>` with its unset sampling fields taken from `rollout`."""
         own = self.agents.get(name) or AgentConfig()
-        r = self.rollout
-        return own.model_copy(
-            update={
-                "temperature": r.temperature if own.temperature is None else own.temperature,
-                "top_p": r.top_p if own.top_p is None else own.top_p,
-                "top_k": r.top_k if own.top_k is None else own.top_k,
-                "repetition_penalty": (
-                    r.repetition_penalty
-                    if own.repetition_penalty is None
-                    else own.repetition_penalty
-                ),
-                "max_tokens": r.max_tokens if own.max_tokens is None else own.max_tokens,
-            }
-        )
+        return own.model_copy(update=dataclasses.asdict(self.sampling(name)))
+
+    def sampling(self, agent: str | None = None) -> SamplingArgs:
+        """How `agent` samples in training: `agents.<name>`'s knobs over `rollout`'s (all of
+        `rollout`'s without an agent)."""
+        run = SamplingArgs.of(self.rollout)
+        own = self.agents.get(agent) if agent is not None else None
+        if own is None:
+            return run
+        return run.replace(**{n: v for n in run.names() if (v := getattr(own, n)) is not None})
 
     @property
     def sample_seed(self) -> int | None:

@@ -1,7 +1,9 @@
 """The trainer's unit of data: one `Sample` is one LLM call with its reward.
 
 Token ids and behaviour log-probabilities come from the backend that generated them
-(never re-tokenized). The group key decides which samples share an advantage baseline.
+(never re-tokenized), and so do the sampling parameters the call used: the learner scores
+each sample at its own temperature. The group key decides which samples share an advantage
+baseline.
 """
 
 from __future__ import annotations
@@ -11,6 +13,7 @@ from collections.abc import Hashable
 from dataclasses import dataclass, field
 from typing import Any
 
+from masenvs.sampling_args import SamplingArgs
 from masenvs.traces import CallRecord
 
 GroupKey = tuple[Hashable, ...]
@@ -50,6 +53,9 @@ class Sample:
     reward: float
     advantage: float | None = None  # filled by group_advantages
     meta: dict[str, Any] = field(default_factory=dict)  # free-form: trace id, episode, round
+    # How the call sampled (from its request, or its trace record); None: not known, and the
+    # learner scores at the agent's configured temperature.
+    sampling: SamplingArgs | None = None
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:
@@ -81,8 +87,10 @@ def call_samples(
     reward: float,
     meta: dict[str, Any],
 ) -> list[Sample]:
-    """One sample per sampled choice of a recorded call (workflow runs, calls an env made);
-    behaviour log-probs kept only when there is one per token."""
+    """One sample per sampled choice of a recorded call (workflow runs, calls an env made),
+    with the sampling parameters the record says it used; behaviour log-probs kept only
+    when there is one per token."""
+    sampling = SamplingArgs.from_record(call.params)
     samples = []
     for choice in call.choices:
         logprobs = choice.logprobs if len(choice.logprobs) == len(choice.token_ids) else []
@@ -96,6 +104,7 @@ def call_samples(
                 group=group,
                 reward=reward,
                 meta=dict(meta),
+                sampling=sampling,
             )
         )
     return samples

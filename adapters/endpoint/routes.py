@@ -44,6 +44,7 @@ from masenvs.adapters.openai_schema import (
 from masenvs.adapters.policy_map import BASE, PolicyMap, UnknownModel
 from masenvs.adapters.tool_parsers import ParsedOutput
 from masenvs.engine.protocol import Backend, BackendError, Generation
+from masenvs.sampling_args import DEFAULT as SAMPLING
 from masenvs.traces import TraceStore
 
 log = logging.getLogger("masenvs.endpoint")
@@ -80,7 +81,7 @@ class Endpoint:
         policy_map: PolicyMap | None = None,
         api_key: str | None = None,
         served_model_names: Iterable[str] = (),
-        default_max_tokens: int = 512,
+        default_max_tokens: int = SAMPLING.max_tokens,
         tool_parser: str | None = "auto",
         backend_name: str | None = None,
         engine: bool = False,

@@ -40,6 +40,7 @@ from masenvs.engine.protocol import (
 )
 from masenvs.engine.scheduler import AdapterUpdate, Scheduler
 from masenvs.engine.sequence import Request, Sequence
+from masenvs.sampling_args import SamplingArgs
 
 BASE_NAMES = ("", "base")
 MAX_TOP_LOGPROBS = 20
@@ -397,17 +398,7 @@ class EmbeddedBackend:
 
 
 def _validate(params: SamplingParams, max_batch_size: int) -> None:
-    problems = []
-    if params.max_tokens < 1:
-        problems.append("max_tokens must be at least 1")
-    if params.temperature < 0:
-        problems.append("temperature must be >= 0")
-    if not 0 < params.top_p <= 1:
-        problems.append("top_p must be in (0, 1]")
-    if params.top_k < 0:
-        problems.append("top_k must be >= 0 (0 turns it off)")
-    if params.repetition_penalty <= 0:
-        problems.append("repetition_penalty must be > 0 (1.0 turns it off)")
+    problems = SamplingArgs.problems(params)  # temperature, top_p, ...: their declared bounds
     if not 1 <= params.n <= max_batch_size:
         problems.append(f"n must be between 1 and {max_batch_size}")
     if not 0 <= params.top_logprobs <= MAX_TOP_LOGPROBS:

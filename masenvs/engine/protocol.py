@@ -10,6 +10,8 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
+from masenvs.sampling_args import DEFAULT as SAMPLING
+
 
 class BackendError(Exception):
     """A request the backend cannot serve; `status` is the HTTP code the endpoint returns."""
@@ -22,15 +24,17 @@ class BackendError(Exception):
 
 @dataclass
 class SamplingParams:
-    """How to sample. Log-probabilities are always of the raw model distribution (T=1)."""
+    """How to sample: `SamplingArgs`' knobs (their defaults and bounds are declared there;
+    the backend checks them) and the request's own. Log-probabilities are always of the raw
+    model distribution (T=1)."""
 
-    max_tokens: int = 256
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 turns top-k off
+    max_tokens: int = SAMPLING.max_tokens
+    temperature: float = SAMPLING.temperature
+    top_p: float = SAMPLING.top_p
+    top_k: int = SAMPLING.top_k  # 0 (or -1) turns top-k off
     # >1 makes tokens already in the prompt or the answer less likely (vLLM's and
     # transformers' rule); 1.0 is off. Sampling only: log-probs stay the raw model's.
-    repetition_penalty: float = 1.0
+    repetition_penalty: float = SAMPLING.repetition_penalty
     stop: list[str] = field(default_factory=list)
     stop_token_ids: list[int] = field(default_factory=list)
     seed: int | None = None

@@ -32,6 +32,7 @@ from masenvs.mas.blocks import answer_of
 from masenvs.mas.design import DesignRun, DesignRunner, extract_design
 from masenvs.mas.llm import EXECUTOR
 from masenvs.parsing import clip_text, last_code_block
+from masenvs.sampling_args import SamplingArgs
 from masenvs.tasks.loaders import TaskSource, open_source, task_from_dict
 from masenvs.tasks.records import CodeTask, MathTask
 
@@ -84,9 +85,13 @@ class AutoMASConfig(EnvConfig):
     max_tool_runs: int = Field(
         16, ge=0, description="Runs of the Python tool (ToolAgent nodes) one execution may make."
     )
-    max_tokens: int | None = Field(256, ge=1, description="Tokens per executor call.")
+    max_tokens: int | None = Field(
+        256, description="Tokens per executor call.", **SamplingArgs.bounds("max_tokens")
+    )
     temperature: float | None = Field(
-        None, ge=0, description="Executor temperature (None: the endpoint's default)."
+        None,
+        description="Executor temperature (None: the endpoint's default).",
+        **SamplingArgs.bounds("temperature"),
     )
     design_seconds: float = Field(120.0, gt=0, description="Wall seconds of one execution.")
     design_memory_mb: int = Field(1024, ge=256, description="Memory of one execution's process.")

@@ -32,6 +32,8 @@ from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.cache import DEFAULT_MODEL
 from masenvs.listeners import add_key_arguments, key_from
 from masenvs.registry import make
+from masenvs.sampling_args import DEFAULT as SAMPLING
+from masenvs.sampling_args import SamplingArgs
 from masenvs.tasks.records import TaskSourceError
 from masenvs.traces import TraceStore
 from masenvs.trainer.evaluate import (
@@ -76,11 +78,15 @@ def build_parser() -> argparse.ArgumentParser:
     scoring = parser.add_argument_group("scoring and sampling")
     scoring.add_argument("-k", type=int, default=1, help="k of pass@k (default 1)")
     scoring.add_argument("-n", type=int, help="episodes per task (default k)")
-    scoring.add_argument("--temperature", type=float, default=0.7)
-    scoring.add_argument("--top-p", type=float, default=1.0)
-    scoring.add_argument(
-        "--max-tokens", type=int, help="per call (default: the checkpoint's, else 512)"
-    )
+    SamplingArgs.add_cli_args(
+        scoring,
+        defaults={
+            "temperature": (0.7, "answers sampled for pass@k, a little cooler than "
+                            "training's 1.0"),
+            "max_tokens": (None, "the checkpoint's rollout.max_tokens, else "
+                           f"{SAMPLING.max_tokens}"),
+        },
+    )  # fmt: skip
     scoring.add_argument(
         "--chat-template-kwargs",
         type=json.loads,
@@ -206,8 +212,8 @@ def _main(args: argparse.Namespace, console: Console) -> int:
         raise ValueError(f"-k {args.k} must be between 1 and -n {n} (episodes per task)")
 
     # Every policy samples alike; template variables: the checkpoint's per agent, then ours.
-    max_tokens = args.max_tokens or (first.rollout.max_tokens if first else 512)
-    sampling = Sampling(args.temperature, args.top_p, 0, max_tokens)
+    max_tokens = first.rollout.max_tokens if first else SAMPLING.max_tokens
+    sampling = Sampling.from_cli_args(args, max_tokens=max_tokens)
     template = {
         a: {**(first.agent(a).chat_template_kwargs if first else {}), **args.chat_template_kwargs}
         for a in agents

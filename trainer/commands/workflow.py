@@ -29,6 +29,7 @@ from masenvs.adapters.frameworks.clients import ClientSettings
 from masenvs.adapters.frameworks.workflow import Factory, WorkflowRun, WorkflowSpec, check_factory
 from masenvs.adapters.policy import Sampling
 from masenvs.cache import DEFAULT_MODEL
+from masenvs.sampling_args import SamplingArgs
 from masenvs.traces import CallRecord
 from masenvs.trainer.rollout.workflow import (
     collect_workflow_samples,
@@ -50,8 +51,10 @@ def build_parser(description: str) -> argparse.ArgumentParser:
     parser.add_argument("--seed", type=int, default=0, help="first task seed")
     parser.add_argument("--train-steps", type=int, default=1, help="0: rollouts only")
     parser.add_argument("--policy", choices=["per_agent", "shared"], default="per_agent")
-    parser.add_argument("--max-tokens", type=int, default=128)
-    parser.add_argument("--temperature", type=float, default=1.0)
+    SamplingArgs.add_cli_args(
+        parser.add_argument_group("sampling"),
+        defaults={"max_tokens": (128, "short answers keep a CPU run of the examples quick")},
+    )
     parser.add_argument("--lr", type=float, default=1e-4)
     parser.add_argument("--concurrency", type=int, default=8, help="runs in flight")
     parser.add_argument("--traces", type=Path, help="trace directory (default runs/<name>-*)")
@@ -112,9 +115,7 @@ def main(
     except StackError as exc:
         console.print(f"[red]{exc}[/red]")
         return 2
-    settings = ClientSettings(
-        sampling=Sampling(temperature=args.temperature, max_tokens=args.max_tokens)
-    )
+    settings = ClientSettings(sampling=Sampling.from_cli_args(args))
     try:
         for step in range(1, max(args.train_steps, 1) + 1):
             seeds = list(range(args.seed, args.seed + args.episodes))

@@ -321,8 +321,8 @@ class Learner:
     ) -> list[torch.Tensor]:
         """Per-token log-probs of each sample's completion under the current weights (no grad).
 
-        At the training temperature; `base=True` scores with the base model (the adapter
-        disabled, or the frozen reference copy of full fine-tuning).
+        Each at the temperature it was sampled with; `base=True` scores with the base model
+        (the adapter disabled, or the frozen reference copy of full fine-tuning).
         """
         return self._score(self.policy(policy), list(samples), base=base)[0]
 
@@ -403,13 +403,21 @@ class Learner:
             yield mb
 
     def _temperature(self, samples: list[Sample]) -> float | torch.Tensor:
-        """Each sample's agent's sampling temperature (`agents.<name>`, else rollout's)."""
-        of = {a: self.cfg.agent(a).temperature for a in {s.agent for s in samples}}
-        if len(set(of.values())) == 1:
-            return float(next(iter(of.values())))
+        """The temperature each sample was drawn at, one number or one per token."""
+        temps = [self.sample_temperature(s) for s in samples]
+        if len(set(temps)) == 1:
+            return temps[0]
         return torch.cat(
-            [torch.full((len(s.completion_token_ids), 1), of[s.agent]) for s in samples]
+            [torch.full((len(s.completion_token_ids), 1), t) for s, t in zip(samples, temps)]
         )
+
+    def sample_temperature(self, sample: Sample) -> float:
+        """The temperature `sample` was drawn at, as its call recorded it; the agent's
+        configured one (`agents.<name>`, else rollout's) where it is not known, or where the
+        call was greedy (0: its tokens were drawn from no distribution to score)."""
+        if sample.sampling is not None and sample.sampling.temperature > 0.0:
+            return float(sample.sampling.temperature)
+        return float(self.cfg.agent(sample.agent).temperature)
 
     def forward(
         self,

@@ -114,7 +114,7 @@ class MicroBatch:
     score_index: torch.Tensor  # [n] flat positions whose next token is a completion token
     targets: torch.Tensor  # [n] those completion tokens
     attention_mask: torch.Tensor | None  # [rows, 1, width, width] bool, when prompts are shared
-    # Sampling temperature the tokens are scored at: one for all, or [n, 1] when agents differ.
+    # Sampling temperature the tokens are scored at: one for all, or [n, 1] when samples differ.
     temperature: float | torch.Tensor = 1.0
     tokens: int = 0  # real (not padding) input tokens, for the FLOP count
     attended: int = 0  # (query, key) pairs among real tokens that attention computes

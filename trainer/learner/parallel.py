@@ -17,7 +17,7 @@ from masenvs.trainer.learner.scoring import Mismatch
 from masenvs.trainer.samples import Sample
 
 Scores = dict[int, tuple[torch.Tensor, torch.Tensor]]
-"""Batch index -> (log-probs at the training temperature, log-probs at T=1) of its tokens."""
+"""Batch index -> (log-probs at each sample's temperature, log-probs at T=1) of its tokens."""
 
 
 class DataParallel(Protocol):

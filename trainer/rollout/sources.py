@@ -6,6 +6,7 @@ settings of a run, which the training loop and the rollout workers share."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from collections import defaultdict
@@ -72,14 +73,23 @@ def agent_sampling(
         )
     out = {}
     for name in agents:
-        a = cfg.agent(name)
+        a = cfg.sampling(name)
         if validation:  # the ref validates without top-k and repetition penalty
-            out[name] = Sampling(cfg.validation.temperature, a.top_p, 0, a.max_tokens, cfg.seed)
+            out[name] = validation_sampling(cfg, top_p=a.top_p, max_tokens=a.max_tokens)
         else:
-            out[name] = Sampling(
-                a.temperature, a.top_p, a.top_k, a.max_tokens, None, a.repetition_penalty
-            )
+            out[name] = Sampling(**dataclasses.asdict(a))
     return out
+
+
+def validation_sampling(cfg: TrainConfig, **agent: Any) -> Sampling:
+    """`validation.temperature` and the run's seed, over the rollout's max_tokens (or the
+    agent's `agent` settings)."""
+    return Sampling(
+        temperature=cfg.validation.temperature,
+        max_tokens=agent.pop("max_tokens", cfg.rollout.max_tokens),
+        seed=cfg.seed,
+        **agent,
+    )
 
 
 def rollout_metrics(results: list[TaskRollout]) -> dict[str, float]:
@@ -123,14 +133,7 @@ class TreeSource:
             check_env(cfg)
         self.policy = ChatPolicy(
             stack.root_url,
-            sampling=Sampling(
-                cfg.rollout.temperature,
-                cfg.rollout.top_p,
-                cfg.rollout.top_k,
-                cfg.rollout.max_tokens,
-                None,
-                cfg.rollout.repetition_penalty,
-            ),
+            sampling=Sampling(**dataclasses.asdict(cfg.sampling())),
             agent_sampling=agent_sampling(cfg, learner.agents),
             api_key=stack.api_key or "masenvs",
         )
@@ -208,7 +211,7 @@ class TreeSource:
 
     async def validate(self, step: int) -> dict[str, float]:
         cfg = self.cfg
-        sampling = Sampling(cfg.validation.temperature, 1.0, 0, cfg.rollout.max_tokens, cfg.seed)
+        sampling = validation_sampling(cfg)
         if self.pool is not None:
             agents = agent_sampling(cfg, self.learner.agents, validation=True)
             seeds = list(cfg.validation_seeds())
@@ -277,16 +280,13 @@ class WorkflowSource:
         if cfg.validation.env_options:  # an error: a workflow validates on the tasks it is given
             check_env(cfg)
         self.spec = cfg.workflow
-        r = cfg.rollout
         self.settings = ClientSettings(
-            sampling=Sampling(
-                r.temperature, r.top_p, r.top_k, r.max_tokens, None, r.repetition_penalty
-            ),
+            sampling=Sampling(**dataclasses.asdict(cfg.sampling())),
             agents=agent_sampling(cfg, learner.agents),
             api_key=stack.api_key or "masenvs",
         )
         self.val_settings = ClientSettings(
-            sampling=Sampling(cfg.validation.temperature, 1.0, 0, r.max_tokens, cfg.seed),
+            sampling=validation_sampling(cfg),
             agents=agent_sampling(cfg, learner.agents, validation=True),
             api_key=stack.api_key or "masenvs",
         )

@@ -240,6 +240,7 @@ def _sample(
             "round": round_,
             "reward_parts": s.infos.get(agent, {}).get("reward_parts"),
         },
+        sampling=reply.sampling,
     )
 
 
