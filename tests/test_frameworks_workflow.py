@@ -136,6 +136,8 @@ def test_a_shared_adapter_serves_and_trains_every_agent(backend, tmp_path) -> No
     assert {s.meta["served_by"] for s in samples} == {"shared"}
     assert {s.policy for s in samples} == {"shared"}
     assert {s.agent for s in samples} == set(agents)  # groups still keep agents apart
+    # plan-path's rates beside success (tests/test_plan_path_success.py), per run
+    assert all(set(r.metrics) == {"optimal", "exact_stop"} for r in runs if r.error is None)
 
 
 def test_an_agent_workflow_and_the_example_programs_run(backend, tmp_path) -> None:

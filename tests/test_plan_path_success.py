@@ -144,3 +144,37 @@ def test_eval_reports_the_rates_beside_avg() -> None:
     Console(file=printed, width=200).print(results_table(results, "plan_path"))
     header = printed.getvalue()
     assert "optimal" in header and "exact stop" in header and "100.0%" in header
+
+
+def test_workflow_runs_report_the_rates_too() -> None:
+    from masenvs.adapters.frameworks.workflow import WorkflowRun
+    from masenvs.trainer.rollout.workflow import workflow_metrics
+
+    def run(success: bool, metrics: dict, error: str | None = None) -> WorkflowRun:
+        return WorkflowRun("r", "plan_path:0", 0, 0, 1.0, success, "", error, 0.1, 0.0,
+                           metrics=metrics)  # fmt: skip
+
+    clean, overshoot = {"optimal": 1.0, "exact_stop": 1.0}, {"optimal": 0.0, "exact_stop": 0.0}
+    metrics = workflow_metrics([run(True, clean), run(True, overshoot), run(False, {}, "boom")], [])
+    assert metrics["train/success"] == pytest.approx(2 / 3)
+    assert metrics["train/exact_stop"] == pytest.approx(1 / 3)
+    assert metrics["train/optimal"] == pytest.approx(1 / 3)
+
+
+def test_a_workflow_training_run_reports_the_rates_in_metrics_jsonl(tmp_path: Path) -> None:
+    run_dir = tmp_path / "run"
+    overrides = [
+        "model.name=tiny",
+        "steps=1",
+        "rollout.max_tokens=6",
+        "validation.every=1",
+        "validation.episodes=1",
+        "workflow.factory=framework_programs:langgraph_pair",
+        "workflow.framework=langgraph",
+        "workflow.agents=[solver, checker]",
+    ]
+    train(load_config(None, plan_path_run(run_dir, *overrides)), console=Console(file=StringIO()))
+    lines = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    for kind in ("train", "val"):
+        line = next(m for m in lines if f"{kind}/success" in m)
+        assert 0.0 <= line[f"{kind}/optimal"] <= line[f"{kind}/exact_stop"] <= 1.0

@@ -24,7 +24,7 @@ import inspect
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import httpx
@@ -188,6 +188,7 @@ class WorkflowRun:
     seconds: float
     started_at: float  # unix time
     ended_at: float = 0.0  # unix time; calls that start later (a hung run's) never train
+    metrics: dict[str, float] = field(default_factory=dict)  # env.episode_metrics(); {} if failed
 
 
 def check_factory(
@@ -315,6 +316,7 @@ async def run_workflow(
         seconds=time.perf_counter() - started,
         started_at=started_at,
         ended_at=ended_at,
+        metrics=env.episode_metrics() if error is None else {},
     )
     if store is not None:
         # framework warnings of a run that went on (a failed run's are in detail)
@@ -386,6 +388,7 @@ def _episode_record(
             "error_detail": detail,
             "framework_logs": framework_logs,
             "answer": run.answer[:2000],
+            **({"metrics": run.metrics} if run.metrics else {}),
         },
         policy_version=policy_version,
     )

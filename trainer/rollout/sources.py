@@ -359,7 +359,7 @@ class WorkflowSource:
         return {
             "val/success": sum(r.success for r in runs) / len(runs),
             "val/reward": sum(r.reward for r in runs) / len(runs),
-        }
+        } | episode_rates("val", [r.metrics for r in runs])
 
     async def aclose(self) -> None:
         if self.pool is not None:

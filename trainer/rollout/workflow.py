@@ -152,6 +152,8 @@ class UnknownAgentError(ConfigError):
 
 def workflow_metrics(runs: Sequence[WorkflowRun], samples: Sequence[Sample]) -> dict[str, float]:
     """Run-level numbers worth logging (`sample_metrics` has rewards and lengths per agent)."""
+    from masenvs.trainer.rollout.sources import episode_rates  # sources loads torch: lazily
+
     n = max(len(runs), 1)
     out: dict[str, float] = {
         "train/success": sum(r.success for r in runs) / n,
@@ -159,6 +161,7 @@ def workflow_metrics(runs: Sequence[WorkflowRun], samples: Sequence[Sample]) -> 
         "train/failed_runs": float(sum(r.error is not None for r in runs)),
         "time/run_s": sum(r.seconds for r in runs) / n,
     }
+    out |= episode_rates("train", [r.metrics for r in runs]) if runs else {}
     for agent in sorted({s.agent for s in samples}):
         out[f"train/calls_per_run/{agent}"] = sum(s.agent == agent for s in samples) / n
     return out
