@@ -24,7 +24,14 @@ from masenvs.adapters.openai_schema import (
     completion_logprobs,
 )
 from masenvs.adapters.tool_parsers import ParsedOutput, ToolParser
-from masenvs.engine.protocol import Backend, BackendError, GenerateRequest, Generation, StreamDelta
+from masenvs.engine.protocol import (
+    Backend,
+    BackendError,
+    Completion,
+    GenerateRequest,
+    Generation,
+    StreamDelta,
+)
 
 log = logging.getLogger("masenvs.endpoint")
 
@@ -124,53 +131,64 @@ async def chat_chunks(
         text = held[event.index].push(event.text)
         if not text and not event.token_ids:
             continue
-        choice: dict[str, Any] = {
-            "index": event.index,
-            "delta": {"content": text} if text else {},
-            "logprobs": None,
-            "finish_reason": None,
-        }
-        if body.logprobs:
-            choice["logprobs"] = chat_logprobs(
-                event.token_ids,
-                event.logprobs,
-                event.top_logprobs,
-                body.top_logprobs or 0,
-                texts,
-            )
-        if body.return_token_ids:
-            choice["token_ids"] = event.token_ids
-        yield chunk([choice])
+        yield chunk([_delta_choice(event, text, body, texts)])
     if generation is None:
         raise RuntimeError("the backend's stream ended without its final Generation")
     outputs = [parse_tools(c.text, parser) for c in generation.completions]
     await record(call, generation, outputs)
     # Finish reasons go out only now, after the record is stored.
     for i, (completion, output) in enumerate(zip(generation.completions, outputs, strict=True)):
-        delta: dict[str, Any] = {}
-        rest = held[i].rest(output)
-        if rest:
-            delta["content"] = rest
-        if output.tool_calls:
-            delta["tool_calls"] = [
-                {"index": k, **call_} for k, call_ in enumerate(output.tool_calls)
-            ]
         extra: dict[str, Any] = {}
         if body.return_token_ids and i == 0:
             # vLLM sends these in its first chunk; the backend reports them at the end.
             extra["prompt_token_ids"] = generation.prompt_token_ids
-        finish: dict[str, Any] = {
-            "index": i,
-            "delta": delta,
-            "logprobs": None,
-            "finish_reason": "tool_calls" if output.tool_calls else completion.finish_reason,
-            "stop_reason": completion.stop_reason,
-        }
-        if body.return_token_ids:
-            finish["token_ids"] = []
+        finish = _finish_choice(i, completion, output, held[i].rest(output), body)
         yield chunk([finish], **extra)
     if body.include_usage:
         yield chunk([], usage=generation_usage(generation))
+
+
+def _delta_choice(event: StreamDelta, text: str, body: ChatRequest, texts: Any) -> dict[str, Any]:
+    """A streamed piece of one choice: its text (held back where it may open a tool call),
+    log-probs and token ids as the request asked."""
+    choice: dict[str, Any] = {
+        "index": event.index,
+        "delta": {"content": text} if text else {},
+        "logprobs": None,
+        "finish_reason": None,
+    }
+    if body.logprobs:
+        choice["logprobs"] = chat_logprobs(
+            event.token_ids,
+            event.logprobs,
+            event.top_logprobs,
+            body.top_logprobs or 0,
+            texts,
+        )
+    if body.return_token_ids:
+        choice["token_ids"] = event.token_ids
+    return choice
+
+
+def _finish_choice(
+    index: int, completion: Completion, output: ParsedOutput, rest: str, body: ChatRequest
+) -> dict[str, Any]:
+    """A choice's last chunk: the text held back, its tool calls and why it finished."""
+    delta: dict[str, Any] = {}
+    if rest:
+        delta["content"] = rest
+    if output.tool_calls:
+        delta["tool_calls"] = [{"index": k, **call_} for k, call_ in enumerate(output.tool_calls)]
+    finish: dict[str, Any] = {
+        "index": index,
+        "delta": delta,
+        "logprobs": None,
+        "finish_reason": "tool_calls" if output.tool_calls else completion.finish_reason,
+        "stop_reason": completion.stop_reason,
+    }
+    if body.return_token_ids:
+        finish["token_ids"] = []
+    return finish
 
 
 async def completion_chunks(
