@@ -107,17 +107,49 @@ def create_app(
 ) -> Starlette:
     """The app over `paths`; with `api_key`, every request must carry it (header, cookie or
     `?key=` once, which sets the cookie)."""
-    catalog = Catalog(paths)
-    # Handlers are plain functions: Starlette runs them in its thread pool, so a slow query
-    # of one page never holds another (sqlite and file reads block).
-    templates = Jinja2Templates(directory=str(HERE / "templates"))
-    templates.env.globals["poll_seconds"] = POLL_SECONDS
-    templates.env.globals["tasks_per_page"] = TASKS_PER_PAGE
-    templates.env.globals["v"] = _asset_version()
-    templates.env.filters["num"] = _num
+    pages = Pages(Catalog(paths))
+    routes = [
+        Route("/", pages.index),
+        Route("/run/{rid}", pages.run_page),
+        Route("/run/{rid}/step/{step:int}", pages.step_page),
+        Route("/run/{rid}/call/{cid:path}", pages.call_page),
+        Route("/run/{rid}/design/{did}", pages.design_page),
+        Route("/run/{rid}/rollout/{rollout:path}", pages.rollout_page),
+        Route("/eval/{eid}", pages.eval_page),
+        Mount("/static", _CachedStatic(directory=str(HERE / "static")), name="static"),
+    ]
+    middleware = []
+    if _is_loopback(host):  # a page on another site cannot reach us by DNS rebinding
+        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=LOOPBACK_HOSTS))
+    app = Starlette(
+        routes=routes, middleware=middleware, exception_handlers={NotFound: pages.not_found}
+    )
+    app.state.catalog = pages.catalog
+    if api_key:
+        return _NoBodies(_KeyGate(app, api_key))  # type: ignore[return-value]
+    return _NoBodies(app)  # type: ignore[return-value]
+
+
+class Pages:
+    """The app's pages over one catalog of runs. Handlers are plain functions: Starlette runs
+    them in its thread pool, so a slow query of one page never holds another (sqlite and file
+    reads block)."""
+
+    def __init__(self, catalog: Catalog) -> None:
+        self.catalog = catalog
+        self.templates = Jinja2Templates(directory=str(HERE / "templates"))
+        self.templates.env.globals["poll_seconds"] = POLL_SECONDS
+        self.templates.env.globals["tasks_per_page"] = TASKS_PER_PAGE
+        self.templates.env.globals["v"] = _asset_version()
+        self.templates.env.filters["num"] = _num
 
     def page(
-        request: Request, name: str, context: dict[str, Any], live: Any = None, poll: bool = False
+        self,
+        request: Request,
+        name: str,
+        context: dict[str, Any],
+        live: Any = None,
+        poll: bool = False,
     ) -> Response:
         indexing = live.open_index().progress() if isinstance(live, Run) else 1.0
         version = live.version() if live is not None else ""
@@ -136,36 +168,36 @@ def create_app(
             "indexing": indexing,
             **context,
         }
-        return templates.TemplateResponse(request, name, context)
+        return self.templates.TemplateResponse(request, name, context)
 
-    def index(request: Request) -> Response:
-        catalog.rescan()
-        runs = catalog.training_runs()
+    def index(self, request: Request) -> Response:
+        self.catalog.rescan()
+        runs = self.catalog.training_runs()
         chosen = request.query_params.getlist("run") or [r.id for r in runs]
         shown = [r for r in runs if r.id in chosen]
-        live = _Combined(shown, [r.id for r in runs] + list(catalog.reports))
-        return page(
+        live = _Combined(shown, [r.id for r in runs] + list(self.catalog.reports))
+        return self.page(
             request,
             "runs.html",
             {
                 "runs": runs,
                 "chosen": chosen,
-                "reports": list(catalog.reports.values()),
+                "reports": list(self.catalog.reports.values()),
                 "charts": charts.curves(shown, several=len(shown) > 1),
             },
             live,
             poll=True,  # a new run directory shows up by itself
         )
 
-    def run_page(request: Request) -> Response:
-        run = catalog.run(request.path_params["rid"])
+    def run_page(self, request: Request) -> Response:
+        run = self.catalog.run(request.path_params["rid"])
         metrics = run.metrics()
         index = run.index
         steps = run.steps()
         by_step = {r["step"]: r for r in metrics}
         summary = step_summary(run)
         designs = index.query("SELECT COUNT(*) AS n FROM designs")[0]["n"]
-        return page(
+        return self.page(
             request,
             "run.html",
             {
@@ -183,8 +215,8 @@ def create_app(
             run,
         )
 
-    def step_page(request: Request) -> Response:
-        run = catalog.run(request.path_params["rid"])
+    def step_page(self, request: Request) -> Response:
+        run = self.catalog.run(request.path_params["rid"])
         step = request.path_params["step"]
         view = step_view(run, step)
         # a step of many tasks opens on TASKS_PER_PAGE of them; the index links every one
@@ -207,7 +239,7 @@ def create_app(
             (step,),
         )
         live = run if not tasks else None  # a step still running fills in by itself
-        return page(
+        return self.page(
             request,
             "step.html",
             {
@@ -221,8 +253,8 @@ def create_app(
             live,
         )
 
-    def call_page(request: Request) -> Response:
-        run = catalog.run(request.path_params["rid"])
+    def call_page(self, request: Request) -> Response:
+        run = self.catalog.run(request.path_params["rid"])
         try:
             tolerance = float(request.query_params.get("tol", "0.05"))
         except ValueError:
@@ -232,55 +264,36 @@ def create_app(
             progress = run.open_index().progress()
             later = f" yet (indexing: {progress:.0%})" if progress < 1 else ""
             raise NotFound(f"no call {request.path_params['cid']!r} in run {run.id!r}{later}")
-        return page(request, "call.html", {"run": run, "view": view})
+        return self.page(request, "call.html", {"run": run, "view": view})
 
-    def design_page(request: Request) -> Response:
-        run = catalog.run(request.path_params["rid"])
+    def design_page(self, request: Request) -> Response:
+        run = self.catalog.run(request.path_params["rid"])
         view = workflows.design_view(run, request.path_params["did"])
         if view is None:
             raise NotFound(f"no design {request.path_params['did']!r} in run {run.id!r}")
-        return page(request, "design.html", {"run": run, "view": view})
+        return self.page(request, "design.html", {"run": run, "view": view})
 
-    def rollout_page(request: Request) -> Response:
-        run = catalog.run(request.path_params["rid"])
+    def rollout_page(self, request: Request) -> Response:
+        run = self.catalog.run(request.path_params["rid"])
         rollout = request.path_params["rollout"]
         view = workflows.rollout_view(run, rollout)
         if not view["calls"] and view["episode"] is None:
             raise NotFound(f"no rollout {rollout!r} in run {run.id!r}")
-        return page(request, "rollout.html", {"run": run, "rollout": rollout, "view": view})
+        return self.page(request, "rollout.html", {"run": run, "rollout": rollout, "view": view})
 
-    def eval_page(request: Request) -> Response:
-        catalog.rescan()
-        report = catalog.reports.get(request.path_params["eid"])
+    def eval_page(self, request: Request) -> Response:
+        self.catalog.rescan()
+        report = self.catalog.reports.get(request.path_params["eid"])
         if report is None:
             raise NotFound(f"no eval report {request.path_params['eid']!r}")
         view = evals.eval_task_view(report, request.query_params.get("task"))
-        swaps = evals.swap_results(report, list(catalog.reports.values()))
-        return page(request, "eval.html", {"report": report, "view": view, "swaps": swaps})
+        swaps = evals.swap_results(report, list(self.catalog.reports.values()))
+        return self.page(request, "eval.html", {"report": report, "view": view, "swaps": swaps})
 
-    async def not_found(request: Request, exc: Exception) -> Response:
-        return templates.TemplateResponse(
+    async def not_found(self, request: Request, exc: Exception) -> Response:
+        return self.templates.TemplateResponse(
             request, "error.html", {"request": request, "message": str(exc)}, status_code=404
         )
-
-    routes = [
-        Route("/", index),
-        Route("/run/{rid}", run_page),
-        Route("/run/{rid}/step/{step:int}", step_page),
-        Route("/run/{rid}/call/{cid:path}", call_page),
-        Route("/run/{rid}/design/{did}", design_page),
-        Route("/run/{rid}/rollout/{rollout:path}", rollout_page),
-        Route("/eval/{eid}", eval_page),
-        Mount("/static", _CachedStatic(directory=str(HERE / "static")), name="static"),
-    ]
-    middleware = []
-    if _is_loopback(host):  # a page on another site cannot reach us by DNS rebinding
-        middleware.append(Middleware(TrustedHostMiddleware, allowed_hosts=LOOPBACK_HOSTS))
-    app = Starlette(routes=routes, middleware=middleware, exception_handlers={NotFound: not_found})
-    app.state.catalog = catalog
-    if api_key:
-        return _NoBodies(_KeyGate(app, api_key))  # type: ignore[return-value]
-    return _NoBodies(app)  # type: ignore[return-value]
 
 
 class _CachedStatic(StaticFiles):
