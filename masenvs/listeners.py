@@ -1,19 +1,16 @@
 """The rules every masenvs listener follows: a key beyond loopback and never on screen,
-request bodies bounded in bytes and in what they parse into, connections no idle client
-can use up.
+request bodies bounded in bytes and in what they parse into (request_bodies.py), connections
+no idle client can use up.
 
 A port bound to anything but loopback needs an API key: `listener_key` gives the key to
 use (the one given, a generated one, or None on loopback) or refuses to start; only an
 explicit open flag skips it, with a warning. Keys come from the environment or a file
 (`add_key_arguments`, `key_from`), never from argv (where `ps` shows them), and are never
 printed or logged: `announce` says only "key: set", `scrub_keys` masks `key=` in access
-logs. `parse_json` counts the objects, arrays and values a body would parse into before
-parsing it (a 30 MB `[{},{},...]` is ten million dicts), and `read_json_body` reads a body
-that http.server's handlers receive, refusing a missing, negative or oversized length
-before reading a byte of it. `ConnectionCap` (threaded servers) and
-`head_timeout_protocol` (uvicorn) close connections that have not sent a request, after a
-timeout or as soon as a new connection needs the room, so idle or trickling clients cannot
-lock others out.
+logs. `ConnectionCap` (threaded servers) and `head_timeout_protocol` (uvicorn) close
+connections that have not sent a request, after a timeout or as soon as a new connection
+needs the room, so idle or trickling clients cannot lock others out; `CappedHandler.read_json`
+reads a body by the rules of request_bodies.py.
 """
 
 from __future__ import annotations
@@ -22,7 +19,6 @@ import argparse
 import contextlib
 import hmac
 import ipaddress
-import json
 import logging
 import os
 import re
@@ -31,11 +27,11 @@ import socket
 import sys
 import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
-MAX_JSON_DEPTH = 64  # nesting no request of ours needs; deeper input is an attack
+from masenvs.request_bodies import JsonLimits, read_json_body
+
 # The environment variables keys come from, one per kind of server (a key for one must not
 # open another): masenvs's own model servers (`serve`, its engine servers, the trainer's
 # endpoint, `ui`, `openenv-serve`; `rollout --url` sends it) ...
@@ -49,22 +45,6 @@ HEAD_TIMEOUT = 10.0  # seconds a new connection to a uvicorn listener has to sen
 
 class ListenerError(ValueError):
     """A listener would leave loopback with no key; the message says how to fix it."""
-
-
-class BodyError(ValueError):
-    """A request body refused before or while reading it: `status` is the HTTP answer."""
-
-    def __init__(self, status: int, message: str) -> None:
-        super().__init__(message)
-        self.status = status
-
-
-class JsonTooLarge(BodyError):
-    """A JSON body that would parse into more objects, values or levels than allowed (400:
-    no request needs them; 413 stays for bytes)."""
-
-    def __init__(self, message: str) -> None:
-        super().__init__(400, message)
 
 
 def is_loopback(host: str) -> bool:
@@ -222,107 +202,6 @@ def key_matches(header: str | None, api_key: str) -> bool:
     return scheme.lower() == "bearer" and hmac.compare_digest(
         given.strip().encode(), api_key.encode()
     )
-
-
-# -- request bodies: bounded in bytes and in what they parse into ------------------------------
-
-
-@dataclass(frozen=True)
-class JsonLimits:
-    """What one request body may hold. Bytes alone do not bound memory: each `{}` of a
-    `[{},{},...]` body is 3 bytes on the wire and a 64-byte dict once parsed."""
-
-    max_bytes: int
-    max_containers: int = 10_000  # objects and arrays
-    max_items: int = 100_000  # values and keys (a list of a million token ids is a million)
-    max_depth: int = MAX_JSON_DEPTH
-
-
-_STRING = re.compile(rb'"[^"]*"')  # a JSON string once its escaped quotes are removed
-
-
-def json_size(raw: bytes | bytearray) -> tuple[int, int]:
-    """(objects and arrays, values and keys) that `raw` would parse into, counted without
-    parsing: `{[,:` outside strings (each starts a value or key) plus the root."""
-    outside = _STRING.sub(b"", raw.replace(b"\\\\", b"").replace(b'\\"', b""))
-    containers = outside.count(b"{") + outside.count(b"[")
-    return containers, containers + outside.count(b",") + outside.count(b":") + 1
-
-
-def check_json_size(raw: bytes | bytearray, limits: JsonLimits) -> None:
-    """BodyError if `raw` is over `limits`: 413 over its bytes, JsonTooLarge (400) if it
-    would parse into more objects or values. Counting bytes runs at memory speed; strings
-    are skipped only when a raw count is over a limit, and only once their number is known
-    to be within it."""
-    if len(raw) > limits.max_bytes:
-        raise BodyError(413, f"request too large: at most {limits.max_bytes} bytes")
-    containers = raw.count(b"{") + raw.count(b"[")  # brackets in strings counted too
-    items = containers + raw.count(b",") + raw.count(b":") + 1
-    if containers <= limits.max_containers and items <= limits.max_items:
-        return
-    strings = 0
-    if b'"' in raw:  # else the counts are exact already
-        unescaped = raw.replace(b"\\\\", b"")
-        strings = (unescaped.count(b'"') - unescaped.count(b'\\"')) // 2  # values or keys
-        if strings <= limits.max_items:
-            containers, items = json_size(raw)
-    if containers > limits.max_containers:
-        if re.match(rb"(?:\s*[\[{]){%d}" % (limits.max_depth + 1), raw):  # `[[[[...`
-            raise JsonTooLarge(f"the JSON body is nested deeper than {limits.max_depth} levels")
-        raise JsonTooLarge(
-            f"the JSON body holds {containers} objects and arrays; at most "
-            f"{limits.max_containers} are accepted"
-        )
-    if max(items, strings) > limits.max_items:
-        raise JsonTooLarge(
-            f"the JSON body holds {max(items, strings)} values; at most {limits.max_items} "
-            "are accepted"
-        )
-
-
-def parse_json(raw: bytes | bytearray | str, limits: JsonLimits) -> Any:
-    """`raw` as JSON, or BodyError: 413 over `limits.max_bytes`, 400 if it would parse into
-    more than `limits` allow (counted before parsing), is not JSON or nests too deep."""
-    data = raw.encode() if isinstance(raw, str) else raw
-    check_json_size(data, limits)
-    try:
-        value = json.loads(data)
-    except RecursionError:  # deeper than the interpreter's recursion limit
-        raise BodyError(
-            400, f"the JSON body is nested deeper than {limits.max_depth} levels"
-        ) from None
-    except (ValueError, UnicodeDecodeError):
-        raise BodyError(400, "the body is not JSON") from None
-    if json_depth(value) > limits.max_depth:
-        raise BodyError(400, f"the JSON body is nested deeper than {limits.max_depth} levels")
-    return value
-
-
-def read_json_body(headers: Any, stream: BinaryIO, limits: JsonLimits) -> Any:
-    """A request's JSON body from an http.server handler (`headers`, `rfile`), or BodyError:
-    411 without a valid Content-Length (chunked, missing, negative), 413 over
-    `limits.max_bytes` (before reading), 400 if it would parse into more than `limits`
-    allow, is not JSON or nests deeper than `limits.max_depth`."""
-    if headers.get("transfer-encoding"):
-        raise BodyError(411, "chunked bodies are not accepted: send Content-Length")
-    length = (headers.get("content-length") or "").strip()
-    if not length.isdigit():
-        raise BodyError(411, "a POST needs a Content-Length: a non-negative number of bytes")
-    if int(length) > limits.max_bytes:
-        raise BodyError(413, f"request too large: at most {limits.max_bytes} bytes")
-    return parse_json(stream.read(int(length)), limits)
-
-
-def json_depth(value: Any) -> int:
-    """How deep lists and dicts nest in `value` (a scalar is 0), without recursion."""
-    deepest, stack = 0, [(value, 1)]
-    while stack:
-        item, depth = stack.pop()
-        if isinstance(item, (dict, list)):
-            deepest = max(deepest, depth)
-            children = item.values() if isinstance(item, dict) else item
-            stack.extend((c, depth + 1) for c in children if isinstance(c, (dict, list)))
-    return deepest
 
 
 # -- connections: no idle client can use them up ------------------------------------------------

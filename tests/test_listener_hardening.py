@@ -137,7 +137,7 @@ def parsed_size(value: Any) -> tuple[int, int]:
 
 
 def test_the_size_of_a_body_is_counted_before_it_is_parsed() -> None:
-    from masenvs.listeners import BodyError, JsonLimits, json_size, parse_json
+    from masenvs.request_bodies import BodyError, JsonLimits, json_size, parse_json
 
     limits = JsonLimits(max_bytes=MB, max_containers=100, max_items=1000)
     assert json_size(b'{"a": [1, 2, {"b": null}], "c": "x"}') == (3, 10)

@@ -11,7 +11,7 @@ from starlette.responses import JSONResponse, Response
 
 from masenvs.adapters.openai_schema import APIError
 from masenvs.engine.protocol import BackendError
-from masenvs.listeners import BodyError, JsonLimits, JsonTooLarge, parse_json
+from masenvs.request_bodies import BodyError, JsonLimits, JsonTooLarge, parse_json
 
 MAX_BODY_BYTES = 32 << 20
 # What one body may parse into: a chat of 50k messages or a prompt of 250k token ids, not

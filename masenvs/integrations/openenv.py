@@ -39,13 +39,8 @@ from starlette.websockets import WebSocketDisconnect
 
 from masenvs.env import MAX_TEXT
 from masenvs.integrations.episode import EpisodeOver, Player, StepResult, TextEpisode, Turn
-from masenvs.listeners import (
-    BodyError,
-    JsonLimits,
-    check_json_size,
-    head_timeout_protocol,
-    key_matches,
-)
+from masenvs.listeners import head_timeout_protocol, key_matches
+from masenvs.request_bodies import BodyError, JsonLimits, check_json_size
 
 MAX_MESSAGE_BYTES = 1 << 20  # one request or WebSocket message: a MiB of action text and framing
 

@@ -32,7 +32,8 @@ from http.server import BaseHTTPRequestHandler
 from pathlib import Path
 from typing import Any
 
-from masenvs.listeners import BodyError, CappedHandler, ConnectionCap, JsonLimits, parse_json
+from masenvs.listeners import CappedHandler, ConnectionCap
+from masenvs.request_bodies import BodyError, JsonLimits, parse_json
 
 GATE_DIR = Path(os.environ.get("MASENVS_GATE_DIR", "/var/tmp/masenvs-gates"))
 MAX_BODY = 4 << 20  # bytes of one request

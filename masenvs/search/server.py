@@ -20,10 +20,8 @@ from typing import Any
 
 from masenvs.listeners import (
     SEARCH_API_KEY_ENV,
-    BodyError,
     CappedHandler,
     ConnectionCap,
-    JsonLimits,
     ListenerError,
     add_listener_arguments,
     announce,
@@ -31,6 +29,7 @@ from masenvs.listeners import (
     key_matches,
     listener_key,
 )
+from masenvs.request_bodies import BodyError, JsonLimits
 from masenvs.search.backends import BM25Backend, SearchBackend
 from masenvs.search.data import load_corpus_jsonl
 
