@@ -15,21 +15,20 @@ import yaml
 from pydantic import Field, ValidationError, create_model, model_validator
 
 from masenvs.adapters.frameworks.workflow import WorkflowSpec
+from masenvs.cache import DEFAULT_MODEL
 from masenvs.engine.args import EngineArgs
 from masenvs.overrides import ConfigError, Section, apply_override, explain
 from masenvs.sampling_args import SamplingArgs
 from masenvs.trainer import foreign_names
 from masenvs.trainer.distributed_config import DistributedConfig
-from masenvs.trainer.distributed_config import EnginesConfig as EnginesConfig  # its old home
-from masenvs.trainer.distributed_config import LearnerDistConfig as LearnerDistConfig
 
 
 class ModelConfig(Section):
     """The base model every adapter is trained on."""
 
     name: str = Field(
-        "smollm2-135m",
-        description="Base model: 'smollm2-135m', 'tiny' (tests), a local Hugging Face model "
+        DEFAULT_MODEL,
+        description=f"Base model: {DEFAULT_MODEL!r}, 'tiny' (tests), a local Hugging Face model "
         "directory or a hub id ('Qwen/Qwen3-1.7B': read from the HF cache, $HF_HOME, or "
         "downloaded into it), as `masenvs.engine.loading.load_model` accepts.",
     )
