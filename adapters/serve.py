@@ -136,22 +136,15 @@ def main(argv: list[str] | None = None) -> int:
 def _make_backend(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[Any, Any]:
     """The backend with `adapters` loaded, and the vLLM process if masenvs launched one."""
     if args.backend == "vllm":
-        from masenvs.adapters.backends.launch import launch_vllm
         from masenvs.adapters.backends.vllm import VLLMBackend
 
-        launched = None
-        url = args.vllm_url
-        if url is None:
-            launched = launch_vllm(args.model, port=0, lora_modules=adapters)
-            url, adapters = launched.url, {}
-        backend = VLLMBackend(
-            url,
-            tokenizer=None if launched is None else args.model,
-            honours_seed=None if launched is None else not launched.cpu,
-        )
+        if args.vllm_url is None:  # started here, as the trainer starts its servers
+            backend = VLLMBackend.launch(args.model, lora_modules=adapters)
+            return backend, backend.process
+        backend = VLLMBackend(args.vllm_url)
         for name, path in adapters.items():
             asyncio.run(backend.load_adapter(name, path))
-        return backend, launched
+        return backend, None
 
     try:
         backend = make_backend(args.model, engine=EngineArgs.from_cli_args(args))
