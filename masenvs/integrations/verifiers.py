@@ -91,7 +91,14 @@ def plugin() -> dict[str, type]:
     import verifiers.v1 as vf
     from verifiers.v1.dialects.chat import message_to_wire
 
-    # --- the taskset: which episodes to play ---
+    classes = _taskset_classes(vf)
+    classes |= _env_classes(vf, classes["MasenvsTasksetConfig"], classes["MasenvsTask"])
+    classes |= _harness_classes(vf, message_to_wire)
+    return classes
+
+
+def _taskset_classes(vf: Any) -> dict[str, type]:
+    """The taskset: which episodes to play."""
 
     class MasenvsTasksetConfig(vf.TasksetConfig):
         """`--env.taskset.*`: the masenvs env, its options, the seeds, and the role to train."""
@@ -138,7 +145,15 @@ def plugin() -> dict[str, type]:
                     config.task,
                 )
 
-    # --- the env: one masenvs episode per rollout ---
+    return {name: value for name, value in locals().items() if name in PLUGIN}
+
+
+def _env_classes(
+    vf: Any,
+    MasenvsTasksetConfig: type,
+    MasenvsTask: type,  # named as the classes they are
+) -> dict[str, type]:
+    """The env: one masenvs episode per rollout."""
 
     class OthersConfig(vf.BaseConfig):
         """`--env.others.*`: the fixed player of the roles that are not trained."""
@@ -210,7 +225,11 @@ def plugin() -> dict[str, type]:
                 max_tokens=others.max_tokens,
             )
 
-    # --- the harness: one chat call per turn, the env's prompt as it is ---
+    return {name: value for name, value in locals().items() if name in PLUGIN}
+
+
+def _harness_classes(vf: Any, message_to_wire: Any) -> dict[str, type]:
+    """The harness: one chat call per turn, the env's prompt as it is."""
 
     class MasenvsHarnessConfig(vf.HarnessConfig):
         pass
