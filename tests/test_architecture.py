@@ -8,7 +8,8 @@ import inside a function is allowed there; a test imports every core module to c
 module (bench/, scripts/ and examples/ included) imports another module's private names or keeps
 a deprecation layer (masenvs is unreleased: a move updates every user, the old name is deleted),
 and no file of the package or examples/ is over 500 lines unless its docstring says why (data), nor
-any function over 80 lines but an argparse builder. A self-test runs each rule on a small bad tree.
+any function over 80 lines but an argparse builder. The default model and the API-key variables
+are spelled in one module each. A self-test runs each rule on a small bad tree.
 
 Each failure names file:line and the rule; the fix is to move the code to its layer (or the
 shared piece down a layer), to make the private name public, or to split the file.
@@ -480,6 +481,37 @@ def test_no_non_test_function_is_over_80_lines() -> None:
     assert not found, _report("function size", found)
 
 
+# Names several layers share: each is spelled in one module, and the others import its constant.
+DECLARED_ONCE = {
+    "smollm2-135m": "masenvs/cache.py",  # SMOLLM2_135M, the DEFAULT_MODEL
+    "MASENVS_API_KEY": "masenvs/listeners.py",  # API_KEY_ENV: masenvs's own servers
+    "MASENVS_SEARCH_API_KEY": "masenvs/listeners.py",  # SEARCH_API_KEY_ENV: search-serve
+    "MASENVS_ENGINES_API_KEY": "masenvs/listeners.py",  # ENGINES_API_KEY_ENV: engines by URL
+}
+
+
+def spelled_again(tree: Tree) -> list[str]:
+    """Where a DECLARED_ONCE name is a string of its own outside its home (prose that names
+    it, in a docstring or a help text, is not a declaration)."""
+    found = []
+    for m in [*tree.modules.values(), *tree.users]:
+        for node in ast.walk(m.tree):
+            if not (isinstance(node, ast.Constant) and isinstance(node.value, str)):
+                continue
+            home = DECLARED_ONCE.get(node.value)
+            if home is not None and m.where != home:
+                found.append(
+                    f"{m.where}:{node.lineno}: spells {node.value!r} again; import its constant "
+                    f"from {home}"
+                )
+    return found
+
+
+def test_the_default_model_and_each_key_variable_are_declared_once() -> None:
+    found = spelled_again(repo())
+    assert not found, _report("one constant per name", found)
+
+
 def test_importing_every_core_module_loads_no_torch_and_no_upper_layer() -> None:
     """What the AST rule says, run: each core module imported in a fresh interpreter pulls in
     neither torch (also through a third-party import) nor the engine, adapters or trainer."""
@@ -529,6 +561,10 @@ BAD_TREE = {
         "def lazy():\n    import torch\n    from masenvs.trainer import learner\n"
     ),
     "masenvs/uses_cli.py": "from masenvs.cli import main\n",
+    "masenvs/listeners.py": 'API_KEY_ENV = "MASENVS_API_KEY"\n',  # its home
+    "masenvs/uses_key.py": (
+        '"""Reads MASENVS_API_KEY."""\nimport os\n\nKEY = os.environ.get("MASENVS_API_KEY")\n'
+    ),
     "masenvs/engine/__init__.py": "",
     "masenvs/engine/forward.py": "def f():\n    from masenvs.adapters.stack import x\n",
     "masenvs/tasks/__init__.py": "",
@@ -613,6 +649,7 @@ def test_the_checker_flags_each_kind_of_violation(bad_tree: Tree) -> None:
     ]
     assert lines(long_files(bad_tree.root)) == ["examples/big.py:1"]
     assert lines(long_functions(bad_tree.root)) == ["examples/long.py:1"]
+    assert lines(spelled_again(bad_tree)) == ["masenvs/uses_key.py:4"]  # prose may name it
     assert bad_tree.layer("masenvs.adapters.old") == "adapters"
     assert bad_tree.layer("masenvs.trainer.cli.main") == "CLI"
 
