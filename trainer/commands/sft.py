@@ -203,30 +203,14 @@ def sft(
 ) -> SFTResult:
     """Fine-tune the run's policies on `data` and write them as checkpoint 0 of `cfg.run_dir`."""
     from masenvs.engine.loading import load_tokenizer
-    from masenvs.registry import make
     from masenvs.trainer.config import save_config
     from masenvs.trainer.learner.learner import Learner
-    from masenvs.trainer.rollout.sources import env_factory
-    from masenvs.trainer.run.checkpoint import TrainState, list_checkpoints, save_checkpoint
+    from masenvs.trainer.run.checkpoint import TrainState, save_checkpoint
     from masenvs.trainer.run.train import seed_everything
     from masenvs.trainer.samples import Sample
 
     run_dir = Path(cfg.run_dir)
-    if cfg.distributed.learner.world_size > 1:
-        raise ConfigError(
-            "sft runs the learner in this process: --set distributed.learner.world_size=1"
-        )
-    if list_checkpoints(run_dir):
-        raise ConfigError(
-            f"{run_dir} already holds checkpoints: sft writes the first one of a new run; "
-            "pass --set run_dir=... for a fresh directory"
-        )
-    if cfg.workflow is not None:
-        make(cfg.env.name, **cfg.env.options)
-        agents = list(cfg.workflow.agents)
-    else:
-        env = env_factory(cfg)()
-        agents = list(dict.fromkeys([*env.possible_agents, *env.callers]))
+    agents = _new_run_agents(cfg, run_dir)
     conversations = read_traces(data, default_agent)
     unknown = sorted({c.agent for c in conversations} - set(agents))
     if unknown:
@@ -262,7 +246,52 @@ def sft(
         f"{max_tokens} tokens"
     )
 
-    rng = random.Random(cfg.seed)
+    losses, metrics = _epochs(learner, by_policy, epochs, batch_size, lr, cfg.seed, log)
+
+    run_dir.mkdir(parents=True, exist_ok=True)
+    with open(run_dir / "sft_metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in metrics)
+    save_config(cfg, run_dir / "config.yaml")
+    extra = {"sft": {"data": [str(p) for p in data], "epochs": epochs, "lr": lr, "loss": losses}}
+    state = TrainState(step=0, next_task_seed=cfg.env.seed_start, extra=extra)
+    path = save_checkpoint(run_dir, learner, state, cfg, cfg.checkpoint.keep_last)
+    return SFTResult(path, losses, len(found), cut)
+
+
+def _new_run_agents(cfg: TrainConfig, run_dir: Path) -> list[str]:
+    """The agents of the run `sft` starts; a run that cannot start here stops with the fix."""
+    from masenvs.registry import make
+    from masenvs.trainer.rollout.sources import env_factory
+    from masenvs.trainer.run.checkpoint import list_checkpoints
+
+    if cfg.distributed.learner.world_size > 1:
+        raise ConfigError(
+            "sft runs the learner in this process: --set distributed.learner.world_size=1"
+        )
+    if list_checkpoints(run_dir):
+        raise ConfigError(
+            f"{run_dir} already holds checkpoints: sft writes the first one of a new run; "
+            "pass --set run_dir=... for a fresh directory"
+        )
+    if cfg.workflow is not None:
+        make(cfg.env.name, **cfg.env.options)
+        return list(cfg.workflow.agents)
+    env = env_factory(cfg)()
+    return list(dict.fromkeys([*env.possible_agents, *env.callers]))
+
+
+def _epochs(
+    learner: Any,
+    by_policy: dict[str, list[Any]],
+    epochs: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    log: Any,
+) -> tuple[list[float], list[dict[str, Any]]]:
+    """`epochs` passes over each policy's samples in shuffled batches: each epoch's mean loss
+    per token, and a metrics row per batch."""
+    rng = random.Random(seed)
     optimizers = {name: _optimizer(learner, name, lr) for name in by_policy}
     losses: list[float] = []
     metrics = []
@@ -278,15 +307,7 @@ def sft(
                 metrics.append({"epoch": epoch + 1, "policy": name, "loss": loss, "tokens": n})
         losses.append(total / max(tokens, 1))
         log(f"sft: epoch {epoch + 1}/{epochs} loss {losses[-1]:.4f} ({tokens} tokens)")
-
-    run_dir.mkdir(parents=True, exist_ok=True)
-    with open(run_dir / "sft_metrics.jsonl", "w") as f:
-        f.writelines(json.dumps(m) + "\n" for m in metrics)
-    save_config(cfg, run_dir / "config.yaml")
-    extra = {"sft": {"data": [str(p) for p in data], "epochs": epochs, "lr": lr, "loss": losses}}
-    state = TrainState(step=0, next_task_seed=cfg.env.seed_start, extra=extra)
-    path = save_checkpoint(run_dir, learner, state, cfg, cfg.checkpoint.keep_last)
-    return SFTResult(path, losses, len(found), cut)
+    return losses, metrics
 
 
 def _optimizer(learner: Any, policy: str, lr: float) -> Any:
