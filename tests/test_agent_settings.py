@@ -127,3 +127,47 @@ def test_training_samples_each_agent_with_its_settings(tmp_path: Path) -> None:
     assert all(
         len(choice.token_ids) <= 3 for c in calls if c.agent == "plan" for choice in c.choices
     )
+
+
+def test_tree_samples_carry_the_sampling_their_request_asked_for(tmp_path: Path) -> None:
+    """Each env-rollout sample knows how its call sampled (the learner scores it at that
+    temperature): the agent's settings, as the trace recorded them."""
+    import asyncio
+
+    from framework_support import serve
+
+    from masenvs.adapters.policy import ChatPolicy
+    from masenvs.engine.engine import EmbeddedBackend
+    from masenvs.registry import make
+    from masenvs.sampling_args import SamplingArgs
+    from masenvs.trainer.rollout.tree import collect_tree_batch
+
+    cfg = config("agents.plan.temperature=0.5", "agents.plan.top_k=5", "rollout.max_tokens=4")
+    engine = EmbeddedBackend.from_spec("tiny", max_batch_size=4, dtype="float32", quantize="none")
+    try:
+        with serve(engine, tmp_path / "traces") as served:
+
+            async def rollouts() -> list[Any]:
+                policy = ChatPolicy(
+                    served.url, agent_sampling=agent_sampling(cfg, ["plan", "tool"])
+                )
+                try:
+                    return await collect_tree_batch(
+                        lambda: make("plan_path", size=4, max_rounds=1),
+                        [0],
+                        policy,
+                        branches=2,
+                        policy_of=cfg.policy.policy_of,
+                    )
+                finally:
+                    await policy.aclose()
+
+            (result,) = asyncio.run(rollouts())
+            calls = {c.id: c for c in served.store.calls()}
+    finally:
+        engine.shutdown()
+    assert result.error is None and {s.agent for s in result.samples} == {"plan", "tool"}
+    for s in result.samples:
+        assert s.sampling == cfg.sampling(s.agent)
+        assert s.sampling == SamplingArgs.from_record(calls[s.meta["call_id"]].params)
+    assert cfg.sampling("plan") == SamplingArgs(temperature=0.5, top_k=5, max_tokens=4)

@@ -127,9 +127,13 @@ class DirectPolicy(ChatPolicy):
         sampling: Sampling | None = None,
     ) -> list[Reply]:
         s = sampling or self.agent_sampling.get(agent, self.sampling)
-        extra = {}
+        extra: dict[str, Any] = {}
         if self.template_kwargs.get(agent):
             extra["chat_template_kwargs"] = self.template_kwargs[agent]
+        if s.top_k:  # vLLM's extras, sent only when set (--top-k, --repetition-penalty)
+            extra["top_k"] = s.top_k
+        if s.repetition_penalty != 1.0:
+            extra["repetition_penalty"] = s.repetition_penalty
         async with self._limit:
             response = await self.client(rollout_id).chat.completions.create(
                 model=self.models.get(agent, agent),
