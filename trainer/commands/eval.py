@@ -178,34 +178,14 @@ def main(argv: list[str]) -> int:
 
 def _main(args: argparse.Namespace, console: Console) -> int:
     from masenvs.adapters.stack import StackError
-    from masenvs.overrides import parse_overrides
 
     checkpoints = [_checkpoint(p) for p in args.checkpoint]
     first = checkpoints[0].config if checkpoints else None
     env_name = args.env or (first.env.name if first else None)
     if env_name is None:
         raise ValueError("name the environment with --env (or give a --checkpoint)")
-    env_options: dict[str, Any] = {}
-    if first and env_name == first.env.name:  # the env as the checkpoint was validated on
-        env_options.update(first.env.options)
-        if first.rollout.max_rounds is not None:
-            env_options["max_rounds"] = first.rollout.max_rounds
-        env_options.update(first.validation.env_options)  # e.g. a curriculum's whole task
-    env_options.update(parse_overrides(args.set))
-    if args.source:
-        env_options["source"] = args.source
-    if args.data_path:
-        env_options["data_path"] = args.data_path
-    try:
-        agents = list(make(env_name, **env_options).possible_agents)
-        tasks = dataset_tasks(env_name, env_options, args.episodes) if args.source else []
-    except (KeyError, TypeError, ValueError, TaskSourceError) as exc:
-        raise ValueError(f"{env_name} with options {env_options}: {exc}") from None
-    if not args.source:
-        seed_start = args.seed_start
-        if seed_start is None:
-            seed_start = first.validation.seed_start if first else DEFAULT_SEED_START
-        tasks = seed_tasks(env_name, seed_start, args.episodes or 32)
+    env_options = _env_options(args, env_name, first)
+    agents, tasks = _agents_and_tasks(args, env_name, env_options, first)
     args.swap_map = parse_swaps(args.swap, agents)
     n = args.n or args.k
     if not 1 <= args.k <= n:
@@ -268,6 +248,43 @@ def _main(args: argparse.Namespace, console: Console) -> int:
     out.write_text(json.dumps(report, indent=2, default=str) + "\n")
     console.print(f"results: {out}")
     return 0
+
+
+def _env_options(args: argparse.Namespace, env_name: str, first: Any) -> dict[str, Any]:
+    """The env's options: the first checkpoint's validation env (when it is the same env),
+    then `--set`, `--source` and `--data-path`."""
+    from masenvs.overrides import parse_overrides
+
+    env_options: dict[str, Any] = {}
+    if first and env_name == first.env.name:  # the env as the checkpoint was validated on
+        env_options.update(first.env.options)
+        if first.rollout.max_rounds is not None:
+            env_options["max_rounds"] = first.rollout.max_rounds
+        env_options.update(first.validation.env_options)  # e.g. a curriculum's whole task
+    env_options.update(parse_overrides(args.set))
+    if args.source:
+        env_options["source"] = args.source
+    if args.data_path:
+        env_options["data_path"] = args.data_path
+    return env_options
+
+
+def _agents_and_tasks(
+    args: argparse.Namespace, env_name: str, env_options: dict[str, Any], first: Any
+) -> tuple[list[str], list[Any]]:
+    """The env's agents, and the tasks: a dataset's (`--source`) or seeds from `--seed-start`
+    (else the checkpoint's validation seeds)."""
+    try:
+        agents = list(make(env_name, **env_options).possible_agents)
+        tasks = dataset_tasks(env_name, env_options, args.episodes) if args.source else []
+    except (KeyError, TypeError, ValueError, TaskSourceError) as exc:
+        raise ValueError(f"{env_name} with options {env_options}: {exc}") from None
+    if not args.source:
+        seed_start = args.seed_start
+        if seed_start is None:
+            seed_start = first.validation.seed_start if first else DEFAULT_SEED_START
+        tasks = seed_tasks(env_name, seed_start, args.episodes or 32)
+    return agents, tasks
 
 
 @dataclass
