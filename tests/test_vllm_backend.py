@@ -32,6 +32,7 @@ from masenvs.adapters.backends.launch import (
 )
 from masenvs.adapters.backends.vllm import VLLMBackend
 from masenvs.adapters.backends.vllm_protocol import ChoiceState as _Choice
+from masenvs.adapters.backends.vllm_protocol import read_completion
 from masenvs.adapters.endpoint import EndpointServer, create_app
 from masenvs.engine.engine import EmbeddedBackend
 from masenvs.engine.loading import load_model
@@ -167,8 +168,9 @@ def test_a_stop_token_stays_in_the_ids_but_not_the_text(vllm, engine) -> None:
 
 def test_eos_is_named_by_its_id_like_the_engine(vllm) -> None:
     eos = vllm.tokenizer.eos_token_id
-    completion = vllm._completion(
-        _Choice([28, 29, eos], [-1.0, -2.0, -0.5], [{}, {}, {}]), "stop", None, SamplingParams()
+    choice = _Choice([28, 29, eos], [-1.0, -2.0, -0.5], [{}, {}, {}])
+    completion = read_completion(
+        vllm.decode, frozenset([eos]), choice, "stop", None, SamplingParams()
     )
     assert completion.stop_reason == eos and completion.token_ids == [28, 29, eos]
     assert completion.text == vllm.decode([28, 29])

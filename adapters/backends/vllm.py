@@ -39,17 +39,16 @@ from masenvs.adapters.backends.vllm_protocol import (
     choice_logprobs,
     device_of,
     error_from,
-    keep_before,
+    held_delta,
+    read_completion,
     request_body,
     status_of,
     unreachable,
 )
 from masenvs.engine.protocol import (
     BackendError,
-    Completion,
     GenerateRequest,
     Generation,
-    SamplingParams,
     StreamDelta,
 )
 
@@ -171,7 +170,9 @@ class VLLMBackend:
                 raise BackendError("vLLM returned no token_ids for a choice.", 502, "vllm_error")
             logprobs, top = choice_logprobs(choice, route, request.params.top_logprobs)
             completions.append(
-                self._completion(
+                read_completion(
+                    self.decode,
+                    self._eos_ids,
                     ChoiceState(list(ids), logprobs, top),
                     choice.get("finish_reason") or "length",
                     choice.get("stop_reason"),
@@ -315,7 +316,7 @@ class VLLMBackend:
                         if choice.get("finish_reason"):
                             finished[index] = (choice["finish_reason"], choice.get("stop_reason"))
                         else:
-                            delta = self._held_delta(index, state, params)
+                            delta = held_delta(self.decode, self._eos_ids, index, state, params)
                             if delta is not None:
                                 yield delta
         except httpx.HTTPError as exc:
@@ -330,7 +331,9 @@ class VLLMBackend:
         for index in sorted(choices):
             state = choices[index]
             reason, stop_reason = finished.get(index, ("length", None))
-            completion = self._completion(state, reason, stop_reason, params)
+            completion = read_completion(
+                self.decode, self._eos_ids, state, reason, stop_reason, params
+            )
             completions.append(completion)
             sent = state.sent_tokens
             yield StreamDelta(
@@ -342,66 +345,6 @@ class VLLMBackend:
                 top_logprobs=completion.top_logprobs[sent:] if completion.top_logprobs else None,
             )
         yield Generation(prompt_ids, completions, request.model or self.served_model)
-
-    def _held_delta(
-        self, index: int, state: ChoiceState, params: SamplingParams
-    ) -> StreamDelta | None:
-        """The tokens whose text no stop string can cut any more, if any are new."""
-        hold = max((len(s) for s in params.stop), default=1) - 1
-        full = self.decode(state.token_ids)
-        safe = len(full) - hold
-        upto, text = state.sent_tokens, state.sent_text
-        for k in range(len(state.token_ids), state.sent_tokens, -1):
-            candidate = full if k == len(state.token_ids) else self.decode(state.token_ids[:k])
-            if (
-                len(candidate) <= safe
-                and not candidate.endswith("\ufffd")
-                and candidate.startswith(state.sent_text)
-            ):
-                upto, text = k, candidate
-                break
-        # A final stop token's text is not part of the completion: never send it early.
-        if upto and state.token_ids[upto - 1] in self._eos_ids | set(params.stop_token_ids):
-            return None
-        if upto == state.sent_tokens:
-            return None
-        delta = StreamDelta(
-            index=index,
-            token_ids=state.token_ids[state.sent_tokens : upto],
-            text=text[len(state.sent_text) :],
-            logprobs=state.logprobs[state.sent_tokens : upto],
-            top_logprobs=state.top[state.sent_tokens : upto] if params.top_logprobs else None,
-        )
-        state.sent_tokens, state.sent_text = upto, text
-        return delta
-
-    def _completion(
-        self, choice: ChoiceState, finish_reason: str, stop_reason: Any, params: SamplingParams
-    ) -> Completion:
-        """vLLM's choice in the embedded backend's terms (see the module docstring)."""
-        ids, logprobs, top = list(choice.token_ids), list(choice.logprobs), list(choice.top)
-        if finish_reason == "stop" and isinstance(stop_reason, str):
-            keep = keep_before(self.decode, ids, stop_reason)
-            del ids[keep:], logprobs[keep:], top[keep:]
-            text = self.decode(ids)
-        elif (
-            finish_reason == "stop"
-            and ids
-            and (stop_reason is None or stop_reason == ids[-1])
-            and (ids[-1] in self._eos_ids or ids[-1] in params.stop_token_ids)
-        ):
-            stop_reason = ids[-1]  # vLLM says None for EOS; the trace names the token
-            text = self.decode(ids[:-1])
-        else:
-            text = self.decode(ids)
-        return Completion(
-            token_ids=ids,
-            text=text,
-            logprobs=logprobs,
-            finish_reason=finish_reason,
-            top_logprobs=top if params.top_logprobs else None,
-            stop_reason=stop_reason,
-        )
 
     # -- HTTP --------------------------------------------------------------------------------
 

@@ -8,10 +8,17 @@ older flat shape) and become `BackendError`s with an OpenAI status and code.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from masenvs.engine.protocol import BackendError, GenerateRequest
+from masenvs.engine.protocol import (
+    BackendError,
+    Completion,
+    GenerateRequest,
+    SamplingParams,
+    StreamDelta,
+)
 
 
 def request_body(
@@ -113,6 +120,79 @@ def keep_before(decode: Any, ids: list[int], stop: str) -> int:
             break
         keep -= 1
     return keep
+
+
+def held_delta(
+    decode: Callable[[list[int]], str],
+    eos_ids: frozenset[int],
+    index: int,
+    state: ChoiceState,
+    params: SamplingParams,
+) -> StreamDelta | None:
+    """A streamed choice's tokens whose text no stop string can cut any more, if any are new
+    (`state` then counts them as sent)."""
+    hold = max((len(s) for s in params.stop), default=1) - 1
+    full = decode(state.token_ids)
+    safe = len(full) - hold
+    upto, text = state.sent_tokens, state.sent_text
+    for k in range(len(state.token_ids), state.sent_tokens, -1):
+        candidate = full if k == len(state.token_ids) else decode(state.token_ids[:k])
+        if (
+            len(candidate) <= safe
+            and not candidate.endswith("\ufffd")
+            and candidate.startswith(state.sent_text)
+        ):
+            upto, text = k, candidate
+            break
+    # A final stop token's text is not part of the completion: never send it early.
+    if upto and state.token_ids[upto - 1] in eos_ids | set(params.stop_token_ids):
+        return None
+    if upto == state.sent_tokens:
+        return None
+    delta = StreamDelta(
+        index=index,
+        token_ids=state.token_ids[state.sent_tokens : upto],
+        text=text[len(state.sent_text) :],
+        logprobs=state.logprobs[state.sent_tokens : upto],
+        top_logprobs=state.top[state.sent_tokens : upto] if params.top_logprobs else None,
+    )
+    state.sent_tokens, state.sent_text = upto, text
+    return delta
+
+
+def read_completion(
+    decode: Callable[[list[int]], str],
+    eos_ids: frozenset[int],
+    choice: ChoiceState,
+    finish_reason: str,
+    stop_reason: Any,
+    params: SamplingParams,
+) -> Completion:
+    """vLLM's choice in the embedded backend's terms: ids cut to whole tokens before a stop
+    string, a final EOS named as the stop reason and left out of the text."""
+    ids, logprobs, top = list(choice.token_ids), list(choice.logprobs), list(choice.top)
+    if finish_reason == "stop" and isinstance(stop_reason, str):
+        keep = keep_before(decode, ids, stop_reason)
+        del ids[keep:], logprobs[keep:], top[keep:]
+        text = decode(ids)
+    elif (
+        finish_reason == "stop"
+        and ids
+        and (stop_reason is None or stop_reason == ids[-1])
+        and (ids[-1] in eos_ids or ids[-1] in params.stop_token_ids)
+    ):
+        stop_reason = ids[-1]  # vLLM says None for EOS; the trace names the token
+        text = decode(ids[:-1])
+    else:
+        text = decode(ids)
+    return Completion(
+        token_ids=ids,
+        text=text,
+        logprobs=logprobs,
+        finish_reason=finish_reason,
+        top_logprobs=top if params.top_logprobs else None,
+        stop_reason=stop_reason,
+    )
 
 
 def device_of(info: dict[str, Any]) -> str | None:
