@@ -134,3 +134,17 @@ def test_servers_that_do_not_fit_the_policies_fail_before_anything_loads() -> No
             "backend.vllm_url=http://h:1",
             agents=["reasoner", "tool"],
         )
+
+
+def test_training_stops_on_a_misfit_before_the_learner_loads(tmp_path, monkeypatch) -> None:
+    from rich.console import Console
+
+    from masenvs.trainer.run import train as train_module
+
+    monkeypatch.setattr(train_module, "make_learner", lambda *_: pytest.fail("a model loaded"))
+    cfg = load_config(
+        EXAMPLES / "quickstart.yaml",
+        [f"run_dir={tmp_path}", "backend.vllm_url=http://h:1", "distributed.engines.count=2"],
+    )
+    with pytest.raises(StackError, match="both say where the engines are"):
+        train_module.train(cfg, console=Console(quiet=True))
