@@ -1,4 +1,5 @@
-"""The shipped examples run end to end on CPU: K runs per task, then one training step."""
+"""The shipped examples run end to end on CPU through the one training loop: K runs per task,
+then one training step."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ from pathlib import Path
 import pytest
 
 from masenvs.traces import TraceStore
+from masenvs.trainer.run.metrics import read_metrics
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = {
@@ -21,20 +23,22 @@ EXAMPLES = {
 
 @pytest.mark.parametrize("script", list(EXAMPLES))
 def test_example_runs_and_takes_a_training_step(tmp_path, script) -> None:
-    traces = tmp_path / "traces"
+    run_dir = tmp_path / "run"
     command = [
         sys.executable,
         str(ROOT / "examples" / script),
         *("--model", "tiny", "--episodes", "2", "--branches", "2", "--train-steps", "1"),
-        *("--max-tokens", "16", "--traces", str(traces)),
+        *("--max-tokens", "16", "--run-dir", str(run_dir)),
     ]
     env = {**os.environ, "COLUMNS": "200"}
     done = subprocess.run(
         command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600
     )
     assert done.returncode == 0, done.stdout + done.stderr
-    assert "step 1: 4 runs" in done.stdout and "step 1: update" in done.stdout
-    store = TraceStore(traces)
+    assert "step 1/1" in done.stdout, done.stdout  # the training loop's step line
+    (row,) = read_metrics(run_dir / "metrics.jsonl")
+    assert row["step"] == 1 and row["train/failed_runs"] == 0 and row["groups/groups"] > 0
+    store = TraceStore(run_dir / "traces")
     calls = list(store.calls())
     episodes = list(store.episodes())
     assert len(episodes) == 4 and all(e.extra["error"] is None for e in episodes)

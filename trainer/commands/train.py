@@ -12,7 +12,7 @@ from rich.markup import escape
 from masenvs.adapters.stack import StackError
 from masenvs.engine.protocol import BackendError
 from masenvs.memory import restart_with_jemalloc
-from masenvs.trainer.config import ConfigError, load_config
+from masenvs.trainer.config import ConfigError, TrainConfig, load_config
 from masenvs.trainer.run.checkpoint import list_checkpoints
 
 
@@ -45,14 +45,20 @@ def main(argv: list[str]) -> int:
     except ConfigError as exc:
         console.print(f"[red]{escape(str(exc))}[/red]")
         return 2
+    return run(cfg, console, resume=args.resume)
+
+
+def run(cfg: TrainConfig, console: Console, resume: bool = False) -> int:
+    """Train `cfg` (the one training loop), its errors as one red line: `masenvs train`, and
+    the example scripts' workflow command."""
     existing = list_checkpoints(cfg.run_dir)
-    if existing and not args.resume:
+    if existing and not resume:
         console.print(
             f"[red]{cfg.run_dir} already holds checkpoints (latest {existing[-1].name}): pass "
             "--resume to continue that run, or --set run_dir=... to start a new one[/red]"
         )
         return 2
-    cfg.checkpoint.resume = args.resume
+    cfg.checkpoint.resume = resume
     if cfg.workflow is not None:  # the user's program is checked before torch and the model load
         from masenvs.adapters.frameworks.workflow import check_factory
 
