@@ -56,7 +56,7 @@ class InferencePlan:
     engine: EngineArgs  # the embedded engine's options, on the learner's device
     engines: EnginesConfig  # distributed.engines: replicas per served model, or their URLs
     lora_rank: int  # the LoRA rank a started vLLM server must take (--max-lora-rank)
-    timeout: float  # backend.request_timeout: any one request, and a launch's health wait
+    timeout: float  # backend.request_timeout: any one request (and an engine server's start)
     vllm_python: str | None = None  # the vLLM install a started server runs from
     vllm_args: tuple[str, ...] = ()  # extra flags of every vLLM server started here
 
