@@ -246,7 +246,8 @@ async def _run(base_url, sampling, args, seeds, env_config, stack, progress):
 
 
 def _workflow_spec(args: argparse.Namespace) -> Any:
-    from masenvs.adapters.frameworks.workflow import WorkflowSpec, load_factory
+    from masenvs.adapters.frameworks.factory import load_factory
+    from masenvs.adapters.frameworks.workflow import WorkflowSpec
 
     if not args.framework or not args.agents:
         raise ValueError("--workflow needs --framework and --agents (the model names it uses)")

@@ -15,7 +15,8 @@ from typing import Any
 
 from masenvs.adapters.frameworks.calls import read_calls
 from masenvs.adapters.frameworks.clients import ClientSettings, UnknownAgent
-from masenvs.adapters.frameworks.workflow import Factory, WorkflowRun, WorkflowSpec, run_tasks
+from masenvs.adapters.frameworks.factory import Factory
+from masenvs.adapters.frameworks.workflow import WorkflowRun, WorkflowSpec, run_tasks
 from masenvs.adapters.policy_map import BASE, PolicyMap
 from masenvs.traces import CallRecord, TraceStore
 from masenvs.trainer.config import ConfigError
