@@ -41,21 +41,21 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_embedded": (),
     "test_endpoint": ("process",),  # `masenvs serve` killed with -9
     "test_engine_paths": ("process",),  # fresh interpreters import the old paths
-    "test_engine_pool": ("process",),  # two `masenvs serve --engine` servers
+    "test_engine_pool": ("process", "slow"),  # two `masenvs serve --engine` servers, trainings
     "test_engine_pool_vllm": ("vllm", "process"),
     "test_envs_contract": ("process",),  # the sandbox (code, verilog, tools)
     "test_evaluate": (),
     "test_fast_lora": (),
     "test_foreign_names": ("process",),  # `masenvs train` with a foreign name
     "test_frameworks_examples": ("process",),  # the shipped examples as scripts
-    "test_frameworks_roles": ("serial",),  # times concurrent calls
+    "test_frameworks_roles": ("serial", "slow"),  # times concurrent calls; trainings
     "test_frameworks_tools": (),
     "test_frameworks_workflow": ("process", "serial"),  # a program killed mid-call; timings
     "test_gymnasium": ("process",),
     "test_hub_models": (),
     "test_inference_plan": (),
     "test_integration_openenv": ("process",),  # `masenvs openenv-serve`
-    "test_integration_trl": ("process",),  # `masenvs serve`
+    "test_integration_trl": ("process", "slow"),  # `masenvs serve`, TRL trainings
     "test_integration_verifiers": ("process",),  # pytest in the verifiers venv
     "test_integrations_same_reward": ("process",),  # the sandbox (code, verilog)
     "test_integrity": ("process", "serial"),  # hostile clients; host shared-memory bounds
@@ -81,7 +81,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_plan_path_success": (),
     "test_prefix": (),
     "test_readme": (),
-    "test_rl_sanity": (),
+    "test_rl_sanity": ("slow",),  # trainings to a learned bandit
     "test_rollout_workers": ("cluster",),  # a local Ray cluster
     "test_sampling_knobs": (),
     "test_sandbox": ("process", "serial"),  # CPU-time and wall limits
@@ -104,7 +104,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_validation_env_options": (),
     "test_verifiers": ("process",),  # tests/verifiers_env, in its own venv: `masenvs serve`
     "test_verilog_env": ("process",),  # iverilog in the sandbox
-    "test_vllm_backend": ("process",),  # `masenvs serve --backend vllm` before a stand-in
+    "test_vllm_backend": ("process", "slow"),  # `masenvs serve --backend vllm`, stand-in servers
     "test_vllm_real": ("vllm", "process"),
     "test_web_search": ("process",),  # `masenvs search-serve`
     "test_wheel": ("process",),  # pip builds the wheel
@@ -116,13 +116,55 @@ TESTS: dict[str, tuple[str, ...]] = {
     "test_listeners::test_ray_workers_sample_through_a_keyed_endpoint_on_this_machines_address": (
         "cluster",
     ),
-    "test_models::test_smollm2_answers_coherently": ("slow",),  # the real SmolLM2
 }
+
+# The `slow` tests, by measurement (docs/testing.md, Times): each took over 4 s of CPU (its
+# own and its children's, all parameters together) or 30 s of wall time beside a busy
+# benchmark. A few cheaper tests over the line stay fast for what they show a newcomer: a
+# training step in every env, `--help` without torch, this tier's own footer.
+SLOW: frozenset[str] = frozenset(
+    {
+        "test_batch_invariant::test_a_prefill_token_gets_the_logits_a_decode_step_would",
+        "test_batch_invariant::test_a_seeded_run_repeats_bit_for_bit",
+        "test_batch_invariant::test_training_with_it_validates_the_same_weights_to_the_same_answers",
+        "test_checkpoint::test_a_process_killed_mid_write_resumes_from_the_previous_checkpoint",
+        "test_checkpoint::test_full_finetuning_resumes_exactly_and_saves_servable_models",
+        "test_checkpoint::test_resume_gives_the_same_weights_as_an_uninterrupted_run",
+        "test_cli_errors::test_a_script_that_never_shuts_its_engine_down_exits_cleanly",
+        "test_cli_errors::test_serve_with_a_missing_adapter_exits_cleanly",
+        "test_endpoint::test_kill_9_after_n_responses_keeps_all_n_in_the_store",
+        "test_evaluate::test_a_checkpoint_is_scored_beside_its_base_model",
+        "test_frameworks_examples::test_example_runs_and_takes_a_training_step",
+        "test_frameworks_workflow::test_masenvs_rollout_runs_your_factory_against_masenvs_serve",
+        "test_integration_openenv::test_docs_example_runs",
+        "test_integration_openenv::test_the_command_stays_up_with_bounded_memory_under_100_hostile_sessions",
+        "test_integration_openenv::test_trl_trains_on_the_server_as_the_docs_say",
+        "test_integrity::test_a_step_saved_again_survives_a_kill_at_any_moment",
+        "test_integrity::test_judges_refuse_a_sandbox_that_cannot_hide_the_tests",
+        "test_langgraph_state::test_a_graph_with_its_own_state_trains_with_the_mapping_in_the_config",
+        "test_learner_scale::test_chunked_logprobs_give_the_unchunked_loss_gradients_and_entropy",
+        "test_listener_hardening::test_idle_connections_cannot_use_up_the_file_descriptors_of_serve",
+        "test_listeners::test_an_engine_server_beyond_loopback_needs_a_key",
+        "test_models::test_smollm2_answers_coherently",
+        "test_paper_configs::test_gpu_check_rehearsal_on_cpu",
+        "test_paper_configs::test_gpu_rehearsal_runs_every_paper_config_on_cpu",  # the same run
+        "test_paper_configs::test_paper_config_trains_two_tiny_steps",
+        "test_prefix::test_feeding_the_prefix_once_changes_no_loss_and_no_gradient",
+        "test_prefix::test_the_scoring_passes_feed_the_prefix_once_too",
+        "test_serving::test_separate_bases_serve_each_agent_from_its_own_base",
+        "test_sft::test_full_sft_learns_the_replies",
+        "test_sft::test_sft_lowers_the_loss_and_train_resumes_from_its_adapters",
+        "test_unknown_models::test_serve_answers_an_unknown_model_with_404_naming_the_known_ones",
+        "test_unknown_models::test_serve_unknown_agents_base_answers_any_name",
+        "test_unknown_models::test_the_banner_snippet_asks_for_the_served_agent",
+    }
+)
 
 
 def marks_of(module: str, function: str) -> set[str]:
-    """The tier marks of one test: its module's, and its own from TESTS."""
-    return set(MODULES.get(module, ())) | set(TESTS.get(f"{module}::{function}", ()))
+    """The tier marks of one test: its module's, and its own from TESTS and SLOW."""
+    name = f"{module}::{function}"
+    return {*MODULES.get(module, ()), *TESTS.get(name, ()), *(("slow",) if name in SLOW else ())}
 
 
 def classify(items: Iterable[pytest.Item]) -> None:
