@@ -13,7 +13,7 @@ config's hub id from the HF cache; --model for all of them; --random-init auto: 
 shape of the config's size) and its own backend, one after another; a table of what ran and
 what failed goes to $OUT/check_train_gpu_all.json beside each config's own results.
 --offline-tasks gives math, code and auto-MAS their built-in tasks (no dataset download);
-tests/test_paper_configs.py runs exactly this on CPU with the tiny model.
+tests/test_paper_configs.py runs this (for 2 steps) on CPU with the tiny model.
 
 A lent GPU machine cannot reach the model hub, so --model names a local model directory
 (config.json + safetensors). Without --model the config's hub id is looked up in the local
