@@ -10,8 +10,8 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from masenvs.trainer.atgrpo import group_advantages
-from masenvs.trainer.config import AlgorithmConfig
 from masenvs.trainer.samples import Sample, tree_group, workflow_group
+from masenvs.trainer.update_config import AlgorithmConfig
 
 EPS = 1e-6
 

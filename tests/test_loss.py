@@ -11,10 +11,11 @@ import pytest
 import torch
 
 from masenvs.trainer.atgrpo import LossSums, group_advantages, policy_loss
-from masenvs.trainer.config import AlgorithmConfig, load_config
+from masenvs.trainer.config import load_config
 from masenvs.trainer.learner import scoring as scoring_module
 from masenvs.trainer.learner.learner import Learner
 from masenvs.trainer.samples import Sample, tree_group
+from masenvs.trainer.update_config import AlgorithmConfig
 
 
 def tokens(ratios: list[float], advantages: list[float]) -> tuple[torch.Tensor, ...]:

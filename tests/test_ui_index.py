@@ -117,9 +117,9 @@ def test_a_path_that_is_not_a_run_is_refused_with_its_cause(tmp_path: Path) -> N
 
 def test_each_sample_says_whether_its_group_trained_and_why_not() -> None:
     from masenvs.trainer.atgrpo import group_advantages
-    from masenvs.trainer.config import AlgorithmConfig
     from masenvs.trainer.run.steplog import step_records
     from masenvs.trainer.samples import Sample
+    from masenvs.trainer.update_config import AlgorithmConfig
 
     def s(group: str, agent: str, reward: float, k: int) -> Sample:
         meta = {"call_id": f"{group}-call", "choice": k, "continued": k == 0}

@@ -21,8 +21,8 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from masenvs.trainer.config import AlgorithmConfig
 from masenvs.trainer.samples import GroupKey, Sample
+from masenvs.trainer.update_config import AlgorithmConfig
 
 # ---------------------------------------------------------------------------------------------
 # 1. Advantages

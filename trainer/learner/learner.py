@@ -26,11 +26,12 @@ import torch
 from peft import PeftModel
 
 from masenvs.trainer.atgrpo import LossSums
-from masenvs.trainer.config import OptimConfig, TrainConfig
+from masenvs.trainer.config import TrainConfig
 from masenvs.trainer.learner import flops, packing, policies, prefix, scoring, weights
 from masenvs.trainer.learner.parallel import DataParallel, OneProcess, Scores
 from masenvs.trainer.learner.policies import causal_lm_of, has_dropout
 from masenvs.trainer.samples import Sample
+from masenvs.trainer.update_config import OptimConfig
 
 
 def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:

@@ -17,8 +17,9 @@ import torch
 from peft import LoraConfig, PeftModel, get_peft_model
 from peft.tuners.lora import LoraLayer
 
-from masenvs.trainer.config import OptimConfig, TrainConfig
+from masenvs.trainer.config import TrainConfig
 from masenvs.trainer.learner import fast_lora
+from masenvs.trainer.update_config import OptimConfig
 
 ModelLoader = Callable[[str, torch.device, torch.dtype], Any]
 """(model name, device, dtype) -> a transformers causal LM."""

@@ -12,8 +12,8 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 from masenvs.trainer.atgrpo import LossSums, policy_loss
-from masenvs.trainer.config import AlgorithmConfig
 from masenvs.trainer.samples import Sample
+from masenvs.trainer.update_config import AlgorithmConfig
 
 
 @dataclass
