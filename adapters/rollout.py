@@ -246,7 +246,6 @@ async def _run(base_url, sampling, args, seeds, env_config, stack, progress):
 
 
 def _workflow_spec(args: argparse.Namespace) -> Any:
-    from masenvs.adapters.frameworks.factory import load_factory
     from masenvs.adapters.frameworks.workflow import WorkflowSpec
 
     if not args.framework or not args.agents:
@@ -259,7 +258,7 @@ def _workflow_spec(args: argparse.Namespace) -> Any:
         timeout_s=args.timeout_s,
         unknown_agents=args.unknown_agents,
     )
-    load_factory(spec.factory)  # a bad factory fails before any model loads
+    spec.builder()  # a bad factory, or a builder parameter no agent maps to, fails here
     return spec
 
 

@@ -257,6 +257,11 @@ class MASEnv(ParallelEnv):
         """JSON-friendly facts about the task for `infos` (ids, sizes, optimal lengths)."""
         return {}
 
+    def answer_action(self, answer: str) -> str:
+        """The action that gives `answer`, read bare from a program's own state (a LangGraph
+        `answer_from` key), in the format this env parses: math boxes it, code fences it."""
+        return answer
+
     def episode_metrics(self) -> dict[str, float]:
         """Rates reported beside success, each 0 or 1 for the episode so far (plan-path:
         `optimal`, `exact_stop`); in `infos[agent]["metrics"]`, and averaged over episodes by

@@ -34,6 +34,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_check_env": (),
     "test_checkpoint": ("process",),  # a writer killed mid-write
     "test_cli_errors": ("process",),  # each command as a user runs it
+    "test_client_builders": (),
     "test_code_env": ("process",),  # the sandbox
     "test_config": (),
     "test_cpu_kernels": ("process",),  # gcc builds the kernels

@@ -8,6 +8,7 @@ of agent `answer_from` if given, else the last chat message of any agent.
 from __future__ import annotations
 
 import asyncio
+import difflib
 from typing import Any
 
 from autogen_agentchat.base import ChatAgent, TaskResult, Team
@@ -44,3 +45,17 @@ def answer_text(result: TaskResult, answer_from: str | None = None) -> str:
             f"(speakers: {', '.join(sources) or 'none'})"
         )
     return ""
+
+
+def check_answer_from(program: Team | ChatAgent, answer_from: str | None) -> None:
+    """Fail with one line, and the closest name, if no agent of the team is `answer_from`."""
+    agents = getattr(program, "_participants", None) or [program]  # a team's, or the agent
+    names = [name for name in (getattr(a, "name", None) for a in agents) if isinstance(name, str)]
+    if answer_from is None or not names or answer_from in names:
+        return
+    close = difflib.get_close_matches(answer_from, names, n=1)
+    guess = f"did you mean {close[0]!r}? " if close else ""
+    raise ValueError(
+        f"workflow.answer_from={answer_from!r} is not an agent of the team; {guess}"
+        f"its agents: {', '.join(names)}"
+    )

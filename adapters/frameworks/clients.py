@@ -72,6 +72,34 @@ def rollout_url(server_url: str, rollout_id: str) -> str:
     return f"{server_root(server_url)}/r/{rollout_id}/v1"
 
 
+async def check_server(server_url: str, api_key: str = "masenvs") -> str:
+    """The server's root, once it answers on a rollout URL as a masenvs endpoint does; one
+    sentence naming the cause and the fix otherwise. Takes the root or the `/v1` URL."""
+    root = server_root(server_url)
+    try:
+        async with httpx.AsyncClient(timeout=10.0) as http:
+            response = await http.get(
+                f"{root}/r/check/v1/models", headers={"Authorization": f"Bearer {api_key}"}
+            )
+    except httpx.HTTPError as exc:
+        raise ConnectionError(
+            f"cannot reach the masenvs server at {root} ({type(exc).__name__}: {exc}); start "
+            "it (`masenvs serve`) or fix the URL"
+        ) from exc
+    if response.status_code == 401:
+        raise PermissionError(
+            f"the server at {root} refused the API key; pass the key it was started with "
+            "($MASENVS_API_KEY or --api-key-file, ClientSettings(api_key=...))"
+        )
+    if response.status_code != 200:
+        raise ValueError(
+            f"{root} answered {response.status_code} on a rollout URL (/r/<id>/v1/models): "
+            "workflow runs need a masenvs endpoint (`masenvs serve`, or the trainer's own) "
+            "to record their calls; check the URL"
+        )
+    return root
+
+
 @functools.cache
 def _ssl_context() -> ssl.SSLContext:
     # httpx's default trust (certifi), built once: loading it costs ~50 ms per client.

@@ -1,12 +1,19 @@
 """A workflow's factory: the function that builds the user's program for each run, named
-`module:function` or `path/file.py:function`, and the `WorkflowContext` it gets."""
+`module:function` or `path/file.py:function`, and the `WorkflowContext` it gets.
+
+A factory takes the `WorkflowContext` (`def make(ctx)`), or is the agent's own builder
+taking one framework client per parameter (`def make_graph(solver_llm, checker_llm)`):
+`bind_clients` maps each parameter to an agent, from `workflow.llm_args` or the names.
+"""
 
 from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
+import logging
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -87,3 +94,105 @@ def _import_file(path: Path, ref: str) -> Any:
             f"factory {ref!r}: importing {path} failed: {failure_reason(exc)}"
         ) from exc
     return module
+
+
+# -- builders that take clients, not a context -------------------------------------------------
+
+log = logging.getLogger("masenvs.frameworks")
+CONTEXT_NAMES = ("ctx", "context")
+CLIENT_NAMES = ("llm", "model_client", "client", "model", "chat_model")  # of a lone agent
+CLIENT_SUFFIXES = ("_llm", "_model_client", "_client", "_chat_model", "_model")
+_said: set[str] = set()
+
+
+def bind_clients(
+    factory: Factory, ref: str, agents: Sequence[str], llm_args: Mapping[str, str]
+) -> Factory:
+    """`factory` as a function of the `WorkflowContext`: each client parameter gets its agent's
+    framework client (`llm_args`, else inferred from the names and logged once); a parameter
+    named `ctx`/`context` or typed `WorkflowContext` gets the context. One-line errors."""
+    if getattr(factory, "binds", None) is not None:
+        return factory  # bound already (the trainer hands the pre-checked factory on)
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin or an extension: called with the context
+        return factory
+    params = [
+        p for p in signature.parameters.values() if p.kind not in (p.VAR_POSITIONAL, p.VAR_KEYWORD)
+    ]
+    names = [p.name for p in params]
+    extra = [name for name in llm_args if name not in names]
+    if extra:
+        raise ValueError(
+            f"workflow.llm_args maps {', '.join(map(repr, extra))}, which factory {ref!r} does "
+            f"not take (its parameters: {', '.join(names) or 'none'})"
+        )
+    required = [p for p in params if p.default is p.empty]
+    if not llm_args and len(required) == 1 and _is_context(required[0], agents, strict=False):
+        return factory  # def make(ctx): the context as it is
+    plan, inferred, context, missing = {}, {}, None, []
+    for p in params:
+        agent = llm_args.get(p.name) or _agent_of(p.name, agents)
+        if p.name in llm_args:
+            plan[p.name] = llm_args[p.name]
+        elif _is_context(p, agents, strict=True):
+            context = p.name
+        elif agent is not None:
+            plan[p.name] = inferred[p.name] = agent
+        elif p.default is p.empty:
+            missing.append(p.name)
+    if missing:
+        raise ValueError(
+            f"factory {ref!r} takes {', '.join(missing)}, which masenvs cannot map to an agent "
+            f"({', '.join(agents)}): set workflow.llm_args, e.g. "
+            f"{{{missing[0]}: {agents[0]}}}, or take a WorkflowContext (def make(ctx))"
+        )
+    if inferred and ref not in _said:
+        _said.add(ref)
+        given = ", ".join(f"{name} -> {agent}" for name, agent in inferred.items())
+        log.warning(
+            "factory %s: each parameter gets its agent's client: %s (inferred from the "
+            "parameter names; set workflow.llm_args to map them otherwise)",
+            ref,
+            given,
+        )
+    positional = {p.name for p in params if p.kind == p.POSITIONAL_ONLY}
+
+    def build(ctx: WorkflowContext) -> Any:
+        values = {name: ctx.clients[agent] for name, agent in plan.items()}
+        if context is not None:
+            values[context] = ctx
+        args = [values.pop(p.name) for p in params if p.name in positional and p.name in values]
+        return factory(*args, **values)
+
+    build.binds = factory  # type: ignore[attr-defined]
+    return build
+
+
+def _is_context(param: inspect.Parameter, agents: Sequence[str], strict: bool) -> bool:
+    """Typed or named as the context; with `strict` off, also any lone parameter whose name
+    is not a client's (today's `def make(c)`)."""
+    annotation = param.annotation
+    if annotation is WorkflowContext or (
+        isinstance(annotation, str) and annotation.rpartition(".")[2] == "WorkflowContext"
+    ):
+        return True
+    if param.name in CONTEXT_NAMES:
+        return True
+    return not strict and not _looks_like_client(param.name, agents)
+
+
+def _looks_like_client(name: str, agents: Sequence[str]) -> bool:
+    return name in agents or name in CLIENT_NAMES or name.endswith(CLIENT_SUFFIXES)
+
+
+def _agent_of(name: str, agents: Sequence[str]) -> str | None:
+    """solver_llm -> solver, checker -> checker; llm or model_client -> the only agent."""
+    if name in agents:
+        return name
+    for suffix in CLIENT_SUFFIXES:
+        if name.endswith(suffix) and name[: -len(suffix)] in agents:
+            return name[: -len(suffix)]
+    if name in CLIENT_NAMES and len(agents) == 1:
+        return agents[0]
+    return None

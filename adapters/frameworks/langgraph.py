@@ -9,6 +9,7 @@ last AI message.
 
 from __future__ import annotations
 
+import difflib
 import typing
 from typing import Any
 
@@ -26,9 +27,10 @@ class GraphInputError(ValueError):
     """The graph's state cannot take the input masenvs passes; the message says how to map it."""
 
 
-def input_keys(graph: Pregel) -> list[str] | None:
-    """The keys of the graph's input state (its TypedDict or pydantic schema); None: unknown."""
-    schema = getattr(getattr(graph, "builder", None), "input_schema", None)
+def input_keys(graph: Pregel, schema_of: str = "input_schema") -> list[str] | None:
+    """The keys of the graph's input state (its TypedDict or pydantic schema; `schema_of`
+    "output_schema": of its final state); None: unknown."""
+    schema = getattr(getattr(graph, "builder", None), schema_of, None)
     if schema is None:
         return None
     fields = getattr(schema, "model_fields", None)
@@ -76,6 +78,19 @@ def check_input(graph: Pregel, mapping: dict[str, Any] | None) -> None:
     missing = [k for k in passed if k not in keys]
     if missing:
         raise GraphInputError(input_hint(keys, mapping, f"has no key {missing[0]!r}"))
+
+
+def check_answer_from(graph: Pregel, answer_from: str | None) -> None:
+    """Fail with one line, and the closest key, if the final state has no `answer_from`."""
+    keys = input_keys(graph, "output_schema")
+    if answer_from is None or keys is None or answer_from in keys:
+        return
+    close = difflib.get_close_matches(answer_from, keys, n=1)
+    guess = f"did you mean {close[0]!r}? " if close else ""
+    raise GraphInputError(
+        f"workflow.answer_from={answer_from!r} is not a key of the graph's state; {guess}"
+        f"its keys: {', '.join(keys)}"
+    )
 
 
 def input_hint(keys: list[str] | None, mapping: dict[str, Any] | None, what: str) -> str:

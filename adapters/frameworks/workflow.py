@@ -27,11 +27,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
-import httpx
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from masenvs.adapters.frameworks.clients import Clients, ClientSettings, UnknownAgent, rollout_url
-from masenvs.adapters.frameworks.factory import Factory, WorkflowContext, load_factory
+from masenvs.adapters.frameworks.clients import (
+    Clients,
+    ClientSettings,
+    UnknownAgent,
+    check_server,
+    rollout_url,
+)
+from masenvs.adapters.frameworks.factory import (
+    Factory,
+    WorkflowContext,
+    bind_clients,
+    load_factory,
+)
 from masenvs.adapters.frameworks.programs import (
     Isolation,
     RunLimits,
@@ -42,7 +52,6 @@ from masenvs.adapters.frameworks.programs import (
     run_program,
     warn_if_empty,
 )
-from masenvs.adapters.policy import server_root
 from masenvs.env import messages_to_text
 from masenvs.registry import make
 from masenvs.traces import EpisodeRecord, TraceStore
@@ -78,6 +87,13 @@ class WorkflowSpec(BaseModel):
     agent_map: dict[str, str] = Field(
         default_factory=dict,
         description="With unknown_agents 'map': {model name: agent}, e.g. {critic_v2: critic}.",
+    )
+    llm_args: dict[str, str] = Field(
+        default_factory=dict,
+        description="For a factory that is the agent's own builder, taking one client per "
+        "parameter: {parameter: agent}, e.g. {solver_llm: solver}; each parameter gets that "
+        "agent's framework client. Empty: inferred from the names (solver_llm, solver_client "
+        "-> solver; llm, model_client -> the only agent).",
     )
     answer_from: str | None = Field(
         None,
@@ -155,6 +171,12 @@ class WorkflowSpec(BaseModel):
                 )
             if name in self.agents:
                 raise ValueError(f"agent_map maps {name!r}, which already is an agent")
+        for param, agent in self.llm_args.items():
+            if agent not in self.agents and agent not in self.agent_map:
+                raise ValueError(
+                    f"llm_args gives {param!r} the client of {agent!r}, which is not one of "
+                    f"agents ({', '.join(self.agents)})"
+                )
         return self
 
     def agent_of(self, name: str) -> str | None:
@@ -168,6 +190,12 @@ class WorkflowSpec(BaseModel):
         if self.unknown_agents == "base":
             return None
         return [*self.agents, *self.agent_map]
+
+    def builder(self, factory: Factory | None = None) -> Factory:
+        """The factory (imported unless given) as a function of the WorkflowContext."""
+        factory = factory or load_factory(self.factory)
+        names = self.client_names() or self.agents
+        return bind_clients(factory, self.factory, names, self.llm_args)
 
     def limits(self) -> RunLimits:
         return RunLimits(self.answer_from, self.recursion_limit, self.timeout_s, self.input)
@@ -200,7 +228,7 @@ def check_factory(
     """Import the factory, build the program for the first task with clients that answer no
     call, and check it (its kind, a LangGraph graph's input state): a broken factory fails
     in one line before any model loads. Returns the factory."""
-    factory = factory or load_factory(spec.factory)
+    factory = spec.builder(factory)
     env = make(env_name, **task_env_options(env_options or {}))
     _, infos = env.reset(seed=0)
     messages = infos[env.possible_agents[0]]["messages"]
@@ -233,10 +261,20 @@ def check_factory(
                 ) from exc
             check_program(spec.framework, program)
             if spec.framework == "langgraph":
-                from masenvs.adapters.frameworks.langgraph import check_input, is_program
+                from masenvs.adapters.frameworks.langgraph import (
+                    check_answer_from,
+                    check_input,
+                    is_program,
+                )
 
                 if is_program(program):
                     check_input(program, spec.input)
+                    check_answer_from(program, spec.answer_from)
+            elif spec.framework == "autogen":
+                from masenvs.adapters.frameworks import autogen
+
+                if autogen.is_program(program):
+                    autogen.check_answer_from(program, spec.answer_from)
         finally:
             await clients.aclose()
 
@@ -265,7 +303,7 @@ async def run_workflow(
 ) -> WorkflowRun:
     """One run of the program on task `seed` of `env_name`; never raises for the program's
     failures (they give the failure reward). `endpoint` (optional) gets the run's metadata."""
-    factory = factory or load_factory(spec.factory)
+    factory = spec.builder(factory)
     rollout_id = rollout_id or f"wf-{seed}-{run_index}"
     env = make(env_name, **task_env_options(env_options or {}))
     _, infos = env.reset(seed=seed)
@@ -300,7 +338,11 @@ async def run_workflow(
             endpoint.end_rollout(rollout_id, refuse_late_calls=True)
     ended_at = time.time()
     # Env steps may run sandboxed programs: keep them off the event loop.
-    _, rewards, _, _, _ = await asyncio.to_thread(env.step, {solo: answer})
+    # An answer read from the graph's own state is bare ('14'): the env puts it in its format.
+    action = (
+        env.answer_action(answer) if spec.answer_from and spec.framework == "langgraph" else answer
+    )
+    _, rewards, _, _, _ = await asyncio.to_thread(env.step, {solo: action})
     reward = rewards[solo]
     if error is not None and spec.failure_reward is not None:
         reward = spec.failure_reward
@@ -394,34 +436,6 @@ def _episode_record(
     )
 
 
-async def check_server(server_url: str, api_key: str = "masenvs") -> str:
-    """The server's root, once it answers on a rollout URL as a masenvs endpoint does; one
-    sentence naming the cause and the fix otherwise. Takes the root or the `/v1` URL."""
-    root = server_root(server_url)
-    try:
-        async with httpx.AsyncClient(timeout=10.0) as http:
-            response = await http.get(
-                f"{root}/r/check/v1/models", headers={"Authorization": f"Bearer {api_key}"}
-            )
-    except httpx.HTTPError as exc:
-        raise ConnectionError(
-            f"cannot reach the masenvs server at {root} ({type(exc).__name__}: {exc}); start "
-            "it (`masenvs serve`) or fix the URL"
-        ) from exc
-    if response.status_code == 401:
-        raise PermissionError(
-            f"the server at {root} refused the API key; pass the key it was started with "
-            "($MASENVS_API_KEY or --api-key-file, ClientSettings(api_key=...))"
-        )
-    if response.status_code != 200:
-        raise ValueError(
-            f"{root} answered {response.status_code} on a rollout URL (/r/<id>/v1/models): "
-            "workflow runs need a masenvs endpoint (`masenvs serve`, or the trainer's own) "
-            "to record their calls; check the URL"
-        )
-    return root
-
-
 async def run_tasks(
     spec: WorkflowSpec,
     *,
@@ -447,7 +461,7 @@ async def run_tasks(
     """
     if branches < 1:
         raise ValueError(f"branches (K, runs of each task) must be at least 1, got {branches}")
-    factory = factory or load_factory(spec.factory)  # a bad factory fails once, up front
+    factory = spec.builder(factory)  # a bad factory fails once, up front
     make(env_name, **task_env_options(env_options or {}))  # and so does a bad env config
     root_url = await check_server(root_url, (settings or ClientSettings()).api_key)
     limit = asyncio.Semaphore(concurrency)

@@ -218,6 +218,11 @@ class CodeEnv(MASEnv):
     def initial_state(self, task: CodeTask) -> CodeState:
         return CodeState()
 
+    def answer_action(self, answer: str) -> str:
+        """A bare program is the program: fenced unless it is."""
+        bare = answer.strip() and "```" not in answer
+        return f"```\n{answer.strip()}\n```" if bare else answer
+
     def task_info(self) -> dict[str, Any]:
         return {
             "id": self.task.id,

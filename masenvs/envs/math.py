@@ -286,6 +286,13 @@ class MathEnv(MASEnv):
             agent=answer_reward(answer, correct, cfg), team=team_reward(correct, cfg)
         )
 
+    def answer_action(self, answer: str) -> str:
+        """A bare answer ('14', '\\frac{3}{4}') is judged as itself: boxed unless it is."""
+        kept = self.config.answer_format == "number" or last_boxed(answer) is not None
+        if kept or not answer.strip():
+            return answer
+        return f"\\boxed{{{answer.strip()}}}"
+
     def _info(self, agent: str, parts: RewardParts | None) -> dict[str, Any]:
         info = super()._info(agent, parts)
         info["answers"] = dict(self.state.answers)
