@@ -171,6 +171,9 @@ def test_the_trainer_records_each_samples_group_advantage_and_the_branch_that_co
         assert {m["agent"] for m in members} <= {"tool", "plan"}
         for m in members:
             assert set(m["reward_parts"]) == {"process", "agent", "team"}
+            # the reward is the env's parts plus the team term other agents' steps paid
+            own = sum(m["reward_parts"].values()) + (m["team_term"] or 0.0)
+            assert own == pytest.approx(m["reward"], abs=1e-6)
             assert m["kept"] and m["advantage"] is not None
             assert len(m["learner_logprobs"]) == m["completion_tokens"] == 8
 
@@ -228,6 +231,10 @@ def test_runs_step_tree_and_conversation_show_agents_rewards_and_the_continued_b
     continued_row = table.locator('tr.cand[data-continued="yes"][data-agent="tool"]')
     assert "continued" in continued_row.inner_text()
     assert f"{continued['reward_parts']['agent']:.3g}" in continued_row.inner_text()
+    for row in table.locator("tr.cand").all():  # the parts shown sum to the reward shown
+        terms = json.loads(row.locator(".terms").get_attribute("data-terms"))
+        shown = float(row.locator("td.reward").inner_text())
+        assert sum(terms) == pytest.approx(shown, abs=5e-3 * max(1.0, abs(shown)))
     t.shot("step")
 
     node.click()
@@ -257,6 +264,28 @@ def test_runs_step_tree_and_conversation_show_agents_rewards_and_the_continued_b
     # a wide tolerance of 0 marks every token whose two log-probs differ at all
     strict = t.goto(f"/run/plan-path/call/{continued['call_id']}?tol=0")
     assert strict.locator(f"#choice-{continued['choice']} .tok.mismatch").count() >= 1
+
+
+def test_a_run_that_cannot_learn_shows_its_banner_and_badge(
+    tmp_path: Path, ui: Any, tab: Any
+) -> None:
+    from test_ui_diagnosis import flat_run
+
+    flat_run(tmp_path / "runs")
+    server = ui(str(tmp_path / "runs"))
+    t = tab(server.url)
+    page = t.goto("/")
+    badge = page.locator('#runs tr[data-run="no-boxed"] a.verdict')
+    assert badge.inner_text() == "cannot learn: all groups flat"
+    assert "84%" in page.locator('#runs tr[data-run="no-boxed"] td.headline').inner_text()
+    badge.click()
+    banner = page.locator("#diagnosis")
+    banner.wait_for()
+    assert banner.is_visible()
+    assert banner.locator("h2").inner_text() == "This run cannot learn"
+    assert "format penalty -1" in banner.locator(".cause").inner_text()
+    assert banner.locator(".tries li").count() == 2
+    t.shot("cannot-learn")
 
 
 def test_a_missing_run_or_call_is_a_404_page_not_a_crash(tiny_run: Path, ui: Any, tab: Any) -> None:

@@ -8,6 +8,7 @@ import math
 import threading
 from typing import Any
 
+from masenvs.ui.diagnosis import reward_terms
 from masenvs.ui.runs import Run
 
 
@@ -60,6 +61,8 @@ def conversation(run: Run, call_id: str, tolerance: float) -> dict[str, Any] | N
         full = run.index.record(s) or {}
         s["learner_logprobs"] = full.get("learner_logprobs")
         s["parts"] = json.loads(s["parts"] or "null") or {}
+        s["group"] = json.loads(s["grp"] or "null")
+        s["terms"] = reward_terms(run, s)
         by_choice[s["choice"]] = s
     model = run.model
     choices = []

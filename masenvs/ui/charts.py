@@ -82,9 +82,16 @@ def behaviour(run: Run) -> list[dict[str, Any]]:
                 series.append({"label": agent, "values": line})
         return {"title": title, "x": steps, "series": series} if series else None
 
-    charts = [
-        chart("answer length (tokens)", "length"),
-        chart("format-failure rate", "failed"),
-        chart("output changes the team outcome (share of groups)", "changes"),
-    ]
-    return [c for c in charts if c is not None]
+    changes = chart("output changes the team outcome (share of groups)", "changes")
+    if changes is not None:
+        changes["note"] = CHANGES_NOTE
+    charts = [chart("answer length (tokens)", "length"), chart("format-failure rate", "failed")]
+    return [c for c in [*charts, changes] if c is not None]
+
+
+CHANGES_NOTE = (
+    "Of the agent's groups, the share whose K candidates led to different team rewards. "
+    "0 is no verdict on the agent: its candidates all led to the same team outcome (all "
+    "right, all wrong, or the team is decided at a later step), so its choice did not change "
+    "what the team got this step; its own reward still trains it."
+)

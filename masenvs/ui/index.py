@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any
 
 INDEX_NAME = ".masenvs-ui.sqlite"
-SCHEMA_VERSION = 5
+SCHEMA_VERSION = 6
 CHUNK_LINES = 20_000  # a first build commits this often
 BUSY_SECONDS = 5.0  # after a wait for a busy indexer timed out, reads go on without one
 PREVIEW = 160  # characters of each choice's text kept in the index
@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover
     _loads = json.loads
     _dumps = json.dumps
 
-_COLUMNS = {"calls": 17, "episodes": 10, "samples": 25, "designs": 11}  # per table
+_COLUMNS = {"calls": 17, "episodes": 10, "samples": 26, "designs": 11}  # per table
 
 _STEP_OF_ROLLOUT = re.compile(r"^s(\d+)-")  # training rollouts are s{step}-{seed}[-{k}]
 
@@ -59,7 +59,7 @@ CREATE INDEX IF NOT EXISTS episodes_rollout ON episodes (rollout_id);
 CREATE TABLE IF NOT EXISTS samples (
     step INTEGER, batch TEXT, call_id TEXT, choice INTEGER, rollout_id TEXT, agent TEXT,
     policy TEXT, grp TEXT, task_id TEXT, round INTEGER, reward REAL, parts TEXT,
-    part_agent REAL, part_team REAL,
+    part_agent REAL, part_team REAL, team_term REAL,
     advantage REAL, kept INTEGER, drop_reason TEXT, continued INTEGER, design_id TEXT,
     failed INTEGER, completion_tokens INTEGER, file INTEGER, offset INTEGER, length INTEGER,
     seq INTEGER);
@@ -312,6 +312,7 @@ class RunIndex:
                 _dumps(parts),
                 _number(parts.get("agent")),
                 _number(parts.get("team")),
+                _number(r.get("team_term")),
                 r.get("advantage"),
                 int(bool(r.get("kept"))),
                 r.get("drop"),

@@ -34,7 +34,7 @@ class Run:
 
     id: str
     path: Path
-    kind: str = "train"  # "train" | "eval-policy"
+    kind: str = "train"  # "train" | "eval-policy" | "rollout" (a `masenvs rollout` folder)
     label: str = ""
     _index: RunIndex | None = field(default=None, repr=False)
     _metrics: tuple[tuple[int, float], list[dict[str, Any]]] | None = field(
@@ -42,6 +42,7 @@ class Run:
     )
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
     _stats: Any = field(default=None, repr=False)  # step_stats' cache
+    _diagnosis: Any = field(default=None, repr=False)  # (version, diagnose's result)
 
     @property
     def index(self) -> RunIndex:
@@ -157,6 +158,9 @@ class Run:
     def status(self) -> str:
         """'finished' (every configured step logged and curves drawn), 'running' (files
         changed in the last LIVE_SECONDS) or 'stopped'."""
+        if self.kind != "train":  # episodes only: done when its files stop changing
+            recent = time.time() - self.last_change() < LIVE_SECONDS
+            return "running" if recent else "finished"
         metrics = self.metrics()
         last = metrics[-1]["step"] if metrics else 0
         done = self.total_steps is not None and last >= self.total_steps
@@ -227,6 +231,9 @@ def discover(paths: list[str | Path]) -> tuple[list[Run], list[EvalReport]]:
         if _is_run(path):
             runs.append(Run(unique(path.name), path))
             return True
+        if any(path.glob("segment-*.jsonl")):  # `masenvs rollout`'s traces: episodes only
+            runs.append(Run(unique(path.name), path, kind="rollout"))
+            return True
         if depth == 0:
             return False
         found = False
@@ -245,7 +252,8 @@ def discover(paths: list[str | Path]) -> tuple[list[Run], list[EvalReport]]:
         if not add(path, 2) and not path.is_dir():  # an empty folder: runs to come
             raise RunError(
                 f"{path} holds no run: a run directory has metrics.jsonl, config.yaml or "
-                "traces/; an eval report is the JSON `masenvs eval` writes"
+                "traces/; a `masenvs rollout` folder has segment-*.jsonl; an eval report is "
+                "the JSON `masenvs eval` writes"
             )
     return runs, reports
 

@@ -42,6 +42,7 @@ from masenvs.listeners import (
 )
 from masenvs.ui import charts, evals, workflows
 from masenvs.ui.calls import Tokens, conversation
+from masenvs.ui.diagnosis import diagnose, flat_groups, latest
 from masenvs.ui.runs import EvalReport, Run, RunError, discover, step_stats, step_summary
 from masenvs.ui.steps import step_view
 
@@ -95,7 +96,7 @@ class Catalog:
         return self.runs[rid]
 
     def training_runs(self) -> list[Run]:
-        return [r for r in self.runs.values() if r.kind == "train"]
+        return [r for r in self.runs.values() if r.kind in ("train", "rollout")]
 
 
 class NotFound(Exception):
@@ -181,6 +182,7 @@ class Pages:
             "runs.html",
             {
                 "runs": runs,
+                "headline": {r.id: _headline(r) for r in runs},
                 "chosen": chosen,
                 "reports": list(self.catalog.reports.values()),
                 "charts": charts.curves(shown, several=len(shown) > 1),
@@ -209,8 +211,13 @@ class Pages:
                 "charts": charts.curves([run], several=False),
                 "behaviour": charts.behaviour(run),
                 "designs": designs,
-                "workflow_runs": workflows.workflow_runs(run) if run.workflow else [],
+                "workflow_runs": workflows.workflow_runs(run)
+                if run.workflow or run.kind == "rollout"
+                else [],
                 "counts": index.counts(),
+                "diagnosis": diagnose(run),
+                "flat": flat_groups(run),
+                "val": latest(run, "val/success"),
             },
             run,
         )
@@ -294,6 +301,13 @@ class Pages:
         return self.templates.TemplateResponse(
             request, "error.html", {"request": request, "message": str(exc)}, status_code=404
         )
+
+
+def _headline(run: Run) -> dict[str, Any]:
+    """The runs list's row: validation success first (the last batch's training success is
+    noisy and not what the run reached), then training success, and the run's verdict."""
+    val, train = latest(run, "val/success"), latest(run, "train/success")
+    return {"val": val, "train": train, "diagnosis": diagnose(run)}
 
 
 class _CachedStatic(StaticFiles):
@@ -392,7 +406,7 @@ aria-label="API key"> <button>Open</button></form></main></body></html>"""
 
 def _num(value: Any, digits: int = 3) -> str:
     if value is None or isinstance(value, Undefined):
-        return "–"
+        return "—"
     if isinstance(value, bool):
         return "yes" if value else "no"
     if isinstance(value, int):

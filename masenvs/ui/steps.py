@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
+from masenvs.ui.diagnosis import reward_terms
 from masenvs.ui.runs import Run, preview
 
 
@@ -22,6 +23,7 @@ def step_view(run: Run, step: int) -> dict[str, Any]:
         r["group"] = json.loads(r["grp"] or "null")
         r["rollout"] = r["rollout_id"] or r["call_rollout"]
         r["preview"] = preview(r.pop("previews", None), r["choice"])
+        r["terms"] = reward_terms(run, r)
         task = tasks.setdefault(r["task_id"], {"task_id": r["task_id"], "groups": {}})
         group = task["groups"].setdefault(
             r["grp"],
@@ -30,6 +32,7 @@ def step_view(run: Run, step: int) -> dict[str, Any]:
                 "agent": r["agent"],
                 "round": r["round"],
                 "caller": bool(r["group"]) and r["group"][0] == "caller",
+                "label": group_label(r["group"], r["round"]),
                 "members": [],
             },
         )
@@ -42,6 +45,8 @@ def step_view(run: Run, step: int) -> dict[str, Any]:
             g["mean"] = sum(rewards) / len(rewards)
             g["drop"] = next((m["drop_reason"] for m in g["members"] if m["drop_reason"]), None)
             g["kept"] = all(m["kept"] for m in g["members"])
+            # all K rewards equal: every advantage is 0, whether or not the group was kept
+            g["flat"] = max(rewards) - min(rewards) < 1e-9
         turns = [g for g in groups if not g["caller"] and g["round"] is not None]
         others = [g for g in groups if g not in turns]
         out.append(
@@ -53,6 +58,21 @@ def step_view(run: Run, step: int) -> dict[str, Any]:
             }
         )
     return {"tasks": out, "samples": len(rows)}
+
+
+def group_label(key: Any, round_: int | None) -> str:
+    """What a group is, from its key (trainer/samples.py): a tree turn's round, a workflow's
+    n-th call of an agent (at a named step), an agent's whole episodes, or captured calls."""
+    key = key if isinstance(key, list) else []
+    if key and key[0] == "caller":
+        return "captured"
+    if round_ is not None:
+        return f"round {round_}"
+    if len(key) == 3 and isinstance(key[2], int):  # (task, agent, call_index)
+        return f"call {key[2]}"
+    if len(key) == 4 and isinstance(key[3], int):  # (task, agent, step, call_index)
+        return f"call {key[3]} @{key[2]}"
+    return "episode"
 
 
 BOX_W, BOX_H, GAP_X, GAP_Y = 150, 58, 14, 34

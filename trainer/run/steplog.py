@@ -74,6 +74,8 @@ def step_records(
                 "round": s.meta.get("round"),
                 "reward": s.reward,
                 "reward_parts": s.meta.get("reward_parts"),
+                # the team term other agents' steps of the round added to `reward` (RoundCredit)
+                "team_term": s.meta.get("team_term"),
                 "advantage": advantage.get(key),
                 "kept": kept,
                 "drop": drop,
