@@ -101,6 +101,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_tree_rollout": (),
     "test_ui": ("browser", "process"),  # chromium, `masenvs ui`
     "test_ui_index": ("process",),
+    "test_ui_diagnosis": (),
     "test_unknown_models": ("process",),  # `masenvs serve`
     "test_validation_env_options": (),
     "test_verifiers": ("process",),  # tests/verifiers_env, in its own venv: `masenvs serve`
