@@ -236,7 +236,6 @@ def trl_worker(url: str, out: Path, steps: int, model_name: str | None) -> None:
     from masenvs.engine.loading import load_model
     from masenvs.integrations.episode import openai_player
     from masenvs.integrations.trl import environment, tool_tokenizer
-    from masenvs.trainer.learner.learner import lr_at
 
     cfg = quickstart(steps, model_name)
     torch.manual_seed(cfg.seed)
@@ -290,14 +289,14 @@ def trl_worker(url: str, out: Path, steps: int, model_name: str | None) -> None:
                 self._validate(state.global_step, model)
 
     class Trainer(GRPOTrainer):
-        """GRPOTrainer with masenvs' learning-rate schedule (`lr_at`: warmup from lr/warmup at
+        """GRPOTrainer with masenvs' learning-rate schedule (`OptimConfig.lr_at`: warmup from lr/warmup at
         the first step, then cosine to the floor); HF's starts at 0, losing a step of 10."""
 
         def create_scheduler(self, num_training_steps: int, optimizer: Any = None) -> Any:
             if self.lr_scheduler is None:
                 self.lr_scheduler = LambdaLR(
                     optimizer or self.optimizer,
-                    lambda i: lr_at(i, cfg.optim, steps) / cfg.optim.lr,
+                    lambda i: cfg.optim.lr_at(i, steps) / cfg.optim.lr,
                 )
             return self.lr_scheduler
 

@@ -13,7 +13,7 @@ from safetensors.torch import load_file
 
 from masenvs.trainer.atgrpo import group_advantages
 from masenvs.trainer.config import TrainConfig, load_config
-from masenvs.trainer.learner.learner import Learner, lr_at
+from masenvs.trainer.learner.learner import Learner
 from masenvs.trainer.learner.packing import build_microbatch, plan_microbatches, prompt_units
 from masenvs.trainer.samples import Sample, tree_group
 
@@ -288,11 +288,11 @@ def test_lr_schedule_warms_up_then_decays_to_the_floor() -> None:
     opt = load_config(
         None, ["optim.lr=1.0", "optim.warmup_steps=4", "optim.min_lr_ratio=0.1"]
     ).optim
-    assert [lr_at(s, opt, 20) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
-    assert lr_at(4, opt, 20) == pytest.approx(1.0)
-    assert lr_at(12, opt, 20) == pytest.approx(0.55)  # halfway through the cosine
-    assert lr_at(20, opt, 20) == pytest.approx(0.1)
-    assert lr_at(500, opt, 20) == pytest.approx(0.1)
+    assert [opt.lr_at(s, 20) for s in range(4)] == pytest.approx([0.25, 0.5, 0.75, 1.0])
+    assert opt.lr_at(4, 20) == pytest.approx(1.0)
+    assert opt.lr_at(12, 20) == pytest.approx(0.55)  # halfway through the cosine
+    assert opt.lr_at(20, 20) == pytest.approx(0.1)
+    assert opt.lr_at(500, 20) == pytest.approx(0.1)
 
 
 def test_bad_input_fails_clearly(loader: Any) -> None:

@@ -148,6 +148,16 @@ class OptimConfig(Section):
         "memory. Gradients accumulate so the step equals one full-batch step.",
     )
 
+    def lr_at(self, step: int, total_steps: int) -> float:
+        """Learning rate of training step `step` (0-based): linear warmup, then cosine to a
+        floor of `min_lr_ratio * lr` at `total_steps`."""
+        if step < self.warmup_steps:
+            return self.lr * (step + 1) / self.warmup_steps
+        span = max(1, total_steps - self.warmup_steps)
+        progress = min(1.0, (step - self.warmup_steps) / span)
+        cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
+        return self.lr * (self.min_lr_ratio + (1.0 - self.min_lr_ratio) * cosine)
+
 
 class PolicyConfig(Section):
     """Which adapter or model each agent trains."""

@@ -7,6 +7,7 @@ import time
 from typing import Any
 
 import torch
+from peft import PeftModel
 
 from masenvs.trainer.learner.packing import MicroBatch
 
@@ -61,3 +62,21 @@ def forward_flops(config: Any, params: int, mb: MicroBatch) -> float:
     attention = 4 * heads * head_dim * text.num_hidden_layers * mb.attended
     head = 2 * text.hidden_size * text.vocab_size * mb.targets.numel()
     return 2.0 * params * mb.tokens + attention + head
+
+
+def pass_flops(
+    model: Any, causal_lm: Any, mb: MicroBatch, full: bool, cache: dict[int, int]
+) -> float:
+    """Model FLOPs of one learner pass over `mb`: the forward, and with grad the backward
+    (activation gradients, plus weight gradients when the whole model trains). `cache` keeps
+    each causal LM's linear-layer weight count (by id) from pass to pass."""
+    key = id(causal_lm)
+    if key not in cache:
+        cache[key] = linear_params(causal_lm)
+    params = cache[key]
+    if isinstance(model, PeftModel):  # the active adapter's matrices
+        params += sum(p.numel() for p in model.parameters() if p.requires_grad)
+    forward = forward_flops(causal_lm.config, params, mb)
+    if not torch.is_grad_enabled():
+        return forward
+    return forward * (3.0 if full else 2.0)

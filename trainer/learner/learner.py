@@ -23,7 +23,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from peft import PeftModel
 
 from masenvs.trainer.atgrpo import LossSums
 from masenvs.trainer.config import TrainConfig
@@ -31,16 +30,6 @@ from masenvs.trainer.learner import flops, packing, policies, prefix, scoring, w
 from masenvs.trainer.learner.parallel import DataParallel, OneProcess, Scores
 from masenvs.trainer.learner.policies import causal_lm_of, has_dropout
 from masenvs.trainer.samples import Sample
-from masenvs.trainer.update_config import OptimConfig
-
-
-def lr_at(step: int, cfg: OptimConfig, total_steps: int) -> float:
-    """Learning rate of training step `step` (0-based): linear warmup, then cosine to a floor."""
-    if step < cfg.warmup_steps:
-        return cfg.lr * (step + 1) / cfg.warmup_steps
-    progress = min(1.0, (step - cfg.warmup_steps) / max(1, total_steps - cfg.warmup_steps))
-    cosine = 0.5 * (1.0 + math.cos(math.pi * progress))
-    return cfg.lr * (cfg.min_lr_ratio + (1.0 - cfg.min_lr_ratio) * cosine)
 
 
 class Learner:
@@ -71,13 +60,6 @@ class Learner:
         self.steps_done = 0  # the LR schedule's position: training steps completed
         self.flops = 0.0  # model FLOPs of the passes run so far (see `forward_flops`)
         self._linear_params: dict[int, int] = {}  # per causal LM: weights of its linear layers
-        for section, names in (("policy.models", cfg.policy.models), ("agents", cfg.agents)):
-            unknown = sorted(set(names) - set(self.agents))
-            if unknown:
-                raise ValueError(
-                    f"{section} names agents {unknown} that are not in this env's agents "
-                    f"{self.agents}"
-                )
         policies.check_policy_settings(cfg, self.agents)
         self.policies: dict[str, policies.Policy] = {}
         # Adapter init draws from torch's RNG: fork it so init depends on cfg.seed only.
@@ -129,7 +111,7 @@ class Learner:
                 continue
             if s.completion_token_ids:  # an empty completion has no token to train
                 by_policy[s.policy].append(s)
-        lr = lr_at(self.steps_done, self.cfg.optim, self.cfg.steps)
+        lr = self.cfg.optim.lr_at(self.steps_done, self.cfg.steps)
         metrics: dict[str, float] = {"learner/lr": lr}
         tokens = 0
         for name, policy in self.policies.items():
@@ -176,7 +158,9 @@ class Learner:
         start = [p.detach().clone() for p in policy.params] if policy.lora else None
         model.train()
         for epoch in range(algo.ppo_epochs):
-            for part in self._mini_batches(len(batch), epoch):
+            seed = self.cfg.seed * 1_000_003 + self.steps_done * 1_009 + epoch
+            parts = self.cfg.algorithm.optimizer_steps(len(batch))
+            for part in packing.mini_batches(len(batch), parts, seed):
                 policy.optimizer.zero_grad(set_to_none=True)
                 self._accumulate_gradients(
                     model, batch, part, old, ref, sums, mismatch if one_step else None,
@@ -280,10 +264,11 @@ class Learner:
             return None
         backbone = getattr(causal_lm, causal_lm.base_model_prefix)
         pass_ = packing.prefix_pass(len(tokens))
-        if torch.is_grad_enabled():
-            self.flops += self._pass_flops(model, causal_lm, pass_)  # forward and backward
-        with torch.no_grad():
-            self.flops += self._pass_flops(model, causal_lm, pass_)  # the first, keys only
+        count = self._linear_params
+        if torch.is_grad_enabled():  # forward and backward
+            self.flops += flops.pass_flops(model, causal_lm, pass_, self.full, count)
+        with torch.no_grad():  # the first, keys only
+            self.flops += flops.pass_flops(model, causal_lm, pass_, self.full, count)
         return prefix.feed_prefix(backbone, tokens, self.device, self.autocast)
 
     def _passes(
@@ -300,19 +285,6 @@ class Learner:
         pad = padding() if total > len(own) else None
         for k in range(total):
             yield (own[k], True, k == total - 1) if k < len(own) else (pad, False, k == total - 1)
-
-    def _mini_batches(self, n: int, epoch: int) -> list[list[int]]:
-        """Split batch indices into `mini_batches` parts (or parts of `mini_batch_size`);
-        shuffled (seeded by step and epoch)."""
-        parts = self.cfg.algorithm.optimizer_steps(n)
-        if parts == 1:
-            return [list(range(n))]
-        gen = torch.Generator().manual_seed(
-            self.cfg.seed * 1_000_003 + self.steps_done * 1_009 + epoch
-        )
-        order = torch.randperm(n, generator=gen).tolist()
-        size = math.ceil(n / parts)
-        return [order[k : k + size] for k in range(0, n, size)]
 
     # -- scoring ----------------------------------------------------------------------------
 
@@ -400,17 +372,9 @@ class Learner:
         for rows in packing.plan_microbatches(lengths, budget):
             rows_ = [[units[u] for u in row] for row in rows]
             mb = packing.build_microbatch(batch, rows_, prefix)
-            mb.temperature = self._temperature([batch[i] for i in mb.samples])
+            samples = [batch[i] for i in mb.samples]
+            mb.temperature = scoring.temperatures(samples, map(self.sample_temperature, samples))
             yield mb
-
-    def _temperature(self, samples: list[Sample]) -> float | torch.Tensor:
-        """The temperature each sample was drawn at, one number or one per token."""
-        temps = [self.sample_temperature(s) for s in samples]
-        if len(set(temps)) == 1:
-            return temps[0]
-        return torch.cat(
-            [torch.full((len(s.completion_token_ids), 1), t) for s, t in zip(samples, temps)]
-        )
 
     def sample_temperature(self, sample: Sample) -> float:
         """The temperature `sample` was drawn at, as its call recorded it; the agent's
@@ -445,57 +409,21 @@ class Learner:
             inputs["attention_mask"] = scoring.mask_for(
                 causal_lm.config, mask, self.autocast or self.dtype
             )
-        self.flops += self._pass_flops(model, causal_lm, mb)
-        with torch.autocast(self.device.type, self.autocast, enabled=self.autocast is not None):
-            return self._score_tokens(
-                causal_lm, inputs, index, targets, mb.temperature, with_entropy
-            )
-
-    def _pass_flops(self, model: Any, causal_lm: Any, mb: packing.MicroBatch) -> float:
-        """Model FLOPs of this pass: the forward, and with grad the backward (activation
-        gradients, plus weight gradients when the whole model trains)."""
-        key = id(causal_lm)
-        if key not in self._linear_params:
-            self._linear_params[key] = flops.linear_params(causal_lm)
-        params = self._linear_params[key]
-        if isinstance(model, PeftModel):  # the active adapter's matrices
-            params += sum(p.numel() for p in model.parameters() if p.requires_grad)
-        forward = flops.forward_flops(causal_lm.config, params, mb)
-        if not torch.is_grad_enabled():
-            return forward
-        return forward * (3.0 if self.full else 2.0)
-
-    def _score_tokens(
-        self,
-        causal_lm: Any,
-        inputs: dict[str, Any],
-        index: torch.Tensor,
-        targets: torch.Tensor,
-        temperature: float | torch.Tensor,
-        with_entropy: bool,
-    ) -> scoring.Scored:
+        self.flops += flops.pass_flops(model, causal_lm, mb, self.full, self._linear_params)
+        temperature = mb.temperature
         if isinstance(temperature, torch.Tensor):
             temperature = temperature.to(self.device)
-        if scoring.plain_lm_head(causal_lm.config) and not self.parallel.root_forward:
-            # Only the positions that predict completion tokens go through the LM head, in
-            # chunks (see token_logprobs): the head is a big matmul, and its fp32 logits are
-            # the largest tensor of the step.
-            backbone = getattr(causal_lm, causal_lm.base_model_prefix)
-            hidden = backbone(**inputs, use_cache=False).last_hidden_state
-            hidden = hidden.reshape(-1, hidden.shape[-1])[index]
-            head = causal_lm.get_output_embeddings()
-        else:  # heads with soft-capping or scaling (or FSDP): the model applies them, unchunked
-            logits = causal_lm(**inputs, use_cache=False).logits
-            hidden = logits.reshape(-1, logits.shape[-1])[index]
-            head = None
-        return scoring.token_logprobs(
-            head,
-            hidden,
-            targets,
-            temperature,
-            self.cfg.optim.logprob_chunk_tokens,
-            with_entropy=with_entropy,
-        )
+        with torch.autocast(self.device.type, self.autocast, enabled=self.autocast is not None):
+            return scoring.score_tokens(
+                causal_lm,
+                inputs,
+                index,
+                targets,
+                temperature,
+                self.cfg.optim.logprob_chunk_tokens,
+                with_entropy=with_entropy,
+                through_head=not self.parallel.root_forward,
+            )
 
     # -- weights out and in (see weights.py) ------------------------------------------------
 

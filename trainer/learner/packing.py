@@ -11,6 +11,7 @@ after the prefix, and the mask's first `prefix` columns are the prefix's keys.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -210,3 +211,13 @@ def prefix_pass(length: int) -> MicroBatch:
 
 def _causal(n: int) -> torch.Tensor:
     return torch.ones(n, n, dtype=torch.bool).tril()
+
+
+def mini_batches(n: int, parts: int, seed: int) -> list[list[int]]:
+    """Batch indices 0..n-1 split into `parts` mini-batches, shuffled by `seed` (one part:
+    the batch in order)."""
+    if parts == 1:
+        return [list(range(n))]
+    order = torch.randperm(n, generator=torch.Generator().manual_seed(seed)).tolist()
+    size = math.ceil(n / parts)
+    return [order[k : k + size] for k in range(0, n, size)]

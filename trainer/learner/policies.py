@@ -56,7 +56,14 @@ class Policy:
 
 
 def check_policy_settings(cfg: TrainConfig, agents: Sequence[str]) -> None:
-    """Agents that share a policy must agree on its learning rate and on freezing."""
+    """`policy.models` and `agents` name only this env's agents, and agents that share a
+    policy agree on its learning rate and on freezing."""
+    for section, names in (("policy.models", cfg.policy.models), ("agents", cfg.agents)):
+        unknown = sorted(set(names) - set(agents))
+        if unknown:
+            raise ValueError(
+                f"{section} names agents {unknown} that are not in this env's agents {list(agents)}"
+            )
     for name in cfg.policy.policies(agents):
         members = [a for a in agents if cfg.policy.policy_of(a) == name]
         settings = [cfg.agents.get(a) for a in members]

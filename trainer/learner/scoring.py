@@ -3,7 +3,7 @@ of one micro-batch (its backward, and the token sums the step's metrics come fro
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -171,4 +171,45 @@ def mask_for(config: Any, mask: torch.Tensor, dtype: torch.dtype) -> torch.Tenso
         return mask
     return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill(
         ~mask, torch.finfo(dtype).min
+    )
+
+
+def score_tokens(
+    causal_lm: Any,
+    inputs: dict[str, Any],
+    index: torch.Tensor,
+    targets: torch.Tensor,
+    temperature: float | torch.Tensor,
+    chunk_tokens: int,
+    with_entropy: bool,
+    through_head: bool = True,
+) -> Scored:
+    """One pass of `causal_lm` over `inputs`, scored at the `index` positions.
+
+    With a plain LM head (and `through_head`, false where FSDP must run the root module) only
+    the positions that predict completion tokens go through the head, in chunks (see
+    `token_logprobs`): the head is a big matmul, and its fp32 logits are the largest tensor of
+    the step. Heads with soft-capping or scaling are applied by the model, unchunked."""
+    if plain_lm_head(causal_lm.config) and through_head:
+        backbone = getattr(causal_lm, causal_lm.base_model_prefix)
+        hidden = backbone(**inputs, use_cache=False).last_hidden_state
+        hidden = hidden.reshape(-1, hidden.shape[-1])[index]
+        head = causal_lm.get_output_embeddings()
+    else:
+        logits = causal_lm(**inputs, use_cache=False).logits
+        hidden = logits.reshape(-1, logits.shape[-1])[index]
+        head = None
+    return token_logprobs(
+        head, hidden, targets, temperature, chunk_tokens, with_entropy=with_entropy
+    )
+
+
+def temperatures(samples: Sequence[Sample], temps: Iterable[float]) -> float | torch.Tensor:
+    """The temperature each sample was drawn at, for one micro-batch: one number where all
+    agree, else one row per completion token ([tokens, 1], to divide the logits by)."""
+    temps = list(temps)
+    if len(set(temps)) == 1:
+        return temps[0]
+    return torch.cat(
+        [torch.full((len(s.completion_token_ids), 1), t) for s, t in zip(samples, temps)]
     )
