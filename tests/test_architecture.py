@@ -9,7 +9,8 @@ module (bench/, scripts/ and examples/ included) imports another module's privat
 a deprecation layer (masenvs is unreleased: a move updates every user, the old name is deleted),
 and no file of the package or examples/ is over 500 lines unless its docstring says why (data), nor
 any function over 80 lines but an argparse builder. The default model and the API-key variables
-are spelled in one module each. A self-test runs each rule on a small bad tree.
+are spelled in one module each. docs/architecture.md's '## Every module' table and the
+tree agree, both ways. A self-test runs each rule on a small bad tree.
 
 Each failure names file:line and the rule; the fix is to move the code to its layer (or the
 shared piece down a layer), to make the private name public, or to split the file.
@@ -680,3 +681,108 @@ def test_readme_and_docs_name_only_repository_files_that_exist() -> None:
                 if not (ROOT / name).exists():
                     missing.append(f"{doc.relative_to(ROOT)}:{n}: {name}")
     assert not missing, "paths in the docs that are not in the tree:\n  " + "\n  ".join(missing)
+
+
+# --- docs/architecture.md lists every module ---------------------------------------------------
+
+INDEX_HEADING = "## Every module"
+
+
+def _holds_code(path: Path) -> bool:
+    """An `__init__.py` with more than a docstring (re-exports, a loader) is a module of its own;
+    an empty one is just the folder."""
+    body = ast.parse(path.read_text(encoding="utf-8")).body
+    if body and isinstance(body[0], ast.Expr) and isinstance(body[0].value, ast.Constant):
+        body = body[1:]
+    return bool(body)
+
+
+def module_index(text: str) -> tuple[dict[str, list[str]], list[str]]:
+    """The table under '## Every module': folder -> the file names its row lists, and the rows
+    that could not be read (each problem one line)."""
+    lines = text.splitlines()
+    if INDEX_HEADING not in lines:
+        return {}, [f"no '{INDEX_HEADING}' section (a table: | folder | what | modules |)"]
+    rows, problems = {}, []
+    for line in lines[lines.index(INDEX_HEADING) + 1 :]:
+        if line.startswith("#"):
+            break
+        cells = [c.strip() for c in line.strip().strip("|").split("|")]
+        if not line.startswith("|") or cells[0] in ("folder", "---"):
+            continue
+        folder = re.fullmatch(r"`([\w./-]+/)`", cells[0])
+        if folder is None:
+            problems.append(f"index row {cells[0]!r}: the first cell is one `folder/`")
+            continue
+        names = re.findall(r"`([^`]+)`", cells[-1])
+        if folder[1] in rows:
+            problems.append(f"index row `{folder[1]}` appears twice; merge the rows")
+        rows.setdefault(folder[1], []).extend(names)
+    return rows, problems
+
+
+def module_index_gaps(root: Path, doc: Path) -> list[str]:
+    """Both directions: every module under the three package roots (an `__init__.py` only when it
+    holds code) is listed in its folder's row of the index, and every name listed is a module."""
+    rows, found = module_index(doc.read_text(encoding="utf-8"))
+    listed = [folder + name for folder, names in rows.items() for name in names]
+    modules = [
+        p.as_posix()
+        for p in source_files(root, tuple(PACKAGE_ROOTS))
+        if p.name != "__init__.py" or _holds_code(root / p)
+    ]
+    for key in modules:
+        if key not in listed:
+            folder, _, name = key.rpartition("/")
+            found.append(f"`{key}` is missing: add `{name}` to the `{folder}/` row")
+    for key in sorted(set(listed) - set(modules)):
+        if (root / key).is_file() and key.endswith("__init__.py"):
+            found.append(f"`{key}` holds no code, so its folder's row stands for it; drop it")
+        else:
+            found.append(f"`{key}` is listed but is no module of the tree; drop it or fix it")
+    found += [
+        f"`{k}` is listed {listed.count(k)} times; keep one"
+        for k in sorted(set(listed))
+        if listed.count(k) > 1
+    ]
+    return found
+
+
+def test_docs_architecture_lists_every_module() -> None:
+    """docs/architecture.md's '## Every module' table and the tree agree, both ways."""
+    found = module_index_gaps(ROOT, ROOT / "docs" / "architecture.md")
+    assert not found, "docs/architecture.md's module index and the tree differ:\n  " + (
+        "\n  ".join(found)
+    )
+
+
+def test_the_module_index_check_names_each_gap(tmp_path: Path) -> None:
+    """A module left out, a name that is no module, an empty `__init__.py` listed, a module or
+    a folder row twice: each is one line naming the fix."""
+    files = {
+        "masenvs/__init__.py": '"""Only a docstring."""\n',
+        "masenvs/env.py": "",
+        "masenvs/envs/__init__.py": "from masenvs.envs.say import Say\n",
+        "masenvs/envs/say.py": "",
+    }
+    for rel, text in files.items():
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_text(text)
+    doc = tmp_path / "architecture.md"
+    doc.write_text(
+        "# Architecture\n\n## Every module\n\n| folder | what | modules |\n| --- | --- | --- |\n"
+        "| `masenvs/` | core | `__init__.py`, `env.py`, `gone.py` |\n"
+        "| `masenvs/envs/` | envs | `say.py`, `say.py` |\n"
+        "| `masenvs/envs/` | envs again | `__init__.py` |\n\n## After\n| `trainer/` | | `x.py` |\n"
+    )
+    assert module_index_gaps(tmp_path, doc) == [
+        "index row `masenvs/envs/` appears twice; merge the rows",
+        "`masenvs/__init__.py` holds no code, so its folder's row stands for it; drop it",
+        "`masenvs/gone.py` is listed but is no module of the tree; drop it or fix it",
+        "`masenvs/envs/say.py` is listed 2 times; keep one",
+    ]
+    doc.write_text("# Architecture\n")
+    assert module_index_gaps(tmp_path, doc)[:2] == [
+        "no '## Every module' section (a table: | folder | what | modules |)",
+        "`masenvs/env.py` is missing: add `env.py` to the `masenvs/` row",
+    ]
