@@ -33,8 +33,7 @@ from rich.text import Text
 
 from masenvs.adapters import episodes
 from masenvs.adapters.policy import ChatPolicy, Sampling, server_root
-from masenvs.adapters.stack import add_engine_arguments, with_endpoint
-from masenvs.cache import DEFAULT_MODEL
+from masenvs.adapters.stack import add_engine_arguments, add_model_arguments, with_endpoint
 from masenvs.listeners import API_KEY_ENV, ListenerError, add_key_arguments, key_from
 from masenvs.registry import env_class, make
 from masenvs.sampling_args import SamplingArgs
@@ -66,24 +65,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="masenvs rollout", description="Run episodes of an env with an LLM policy."
     )
     parser.add_argument("--env", required=True, help="environment name (see `masenvs list`)")
-    parser.add_argument("--episodes", type=int, default=8)
-    parser.add_argument("--seed", type=int, default=0, help="first task seed")
     parser.add_argument(
-        "--model", default=DEFAULT_MODEL, help=f"{DEFAULT_MODEL} (default), tiny or a path"
+        "--episodes", type=int, default=8, help="episodes, one task each (seeds from --seed)"
     )
+    parser.add_argument("--seed", type=int, default=0, help="first task seed")
+    add_model_arguments(parser)
     parser.add_argument("--backend", choices=["embedded", "vllm"], default="embedded")
     parser.add_argument("--vllm-url", help="URL of a running `vllm serve` (with --backend vllm)")
-    parser.add_argument("--adapter", action="append", default=[], metavar="NAME=PATH")
-    parser.add_argument(
-        "--policy", action="append", default=[], metavar="AGENT=ADAPTER", help="route an agent"
-    )
-    parser.add_argument(
-        "--unknown-agents",
-        choices=["reject", "base"],
-        default="reject",
-        help="a model name that is not an agent of the run nor an adapter: 404 naming the "
-        "known models (reject, the default, as in serve and train) or the base model (base)",
-    )
     parser.add_argument("--concurrency", type=int, default=8, help="episodes in flight")
     add_engine_arguments(parser)
     SamplingArgs.add_cli_args(
@@ -104,6 +92,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--traces", type=Path, help="trace directory (default runs/rollout-*)")
     parser.add_argument(
         "--url",
+        metavar="BASE_URL",
         help="a running `masenvs serve` (its /v1 URL as printed, or its root): no model is "
         "loaded here, and the server records the traces",
     )
@@ -123,13 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def rollout_policy_map(args: argparse.Namespace, spec: Any, env_config: dict[str, Any]) -> Any:
-    """The run's agents (the env's roles, or the workflow's agents) each to its `--policy`
+    """The run's agents (the env's roles, or the workflow's agents) each to its `--route`
     adapter, an adapter of its name, or the base model; any other model name is a 404 naming
     the known ones, unless `--unknown-agents base` (as `masenvs serve` and `train` do)."""
     from masenvs.adapters.policy_map import BASE, PolicyMap
     from masenvs.adapters.stack import parse_pairs
 
-    routes = parse_pairs(args.policy, "--policy")
+    routes = parse_pairs(args.route, "--route")
     adapters = parse_pairs(args.adapter, "--adapter")
     if spec is not None:
         agents = [*spec.agents, *spec.agent_map]

@@ -13,7 +13,7 @@ import socket
 import sys
 from typing import Any
 
-from masenvs.adapters.stack import StackError, make_backend
+from masenvs.adapters.stack import StackError, add_model_arguments, make_backend
 from masenvs.cache import DEFAULT_MODEL
 from masenvs.engine.args import EngineArgs
 from masenvs.listeners import (
@@ -32,33 +32,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="masenvs serve", description="Serve a policy as an OpenAI-compatible API."
     )
-    parser.add_argument(
-        "--model",
-        default=DEFAULT_MODEL,
+    add_model_arguments(
+        parser,
         help=f"{DEFAULT_MODEL} (default), tiny, or a local model directory (with vllm: what "
         "`vllm serve` loads when masenvs launches it)",
-    )
-    parser.add_argument(
-        "--adapter",
-        action="append",
-        default=[],
-        metavar="NAME=PATH",
-        help="load a peft LoRA adapter under NAME (repeatable); requests select it with model=NAME",
-    )
-    parser.add_argument(
-        "--route",
-        action="append",
-        default=[],
-        metavar="AGENT=ADAPTER",
-        help="send requests for model=AGENT to ADAPTER (repeatable)",
-    )
-    parser.add_argument(
-        "--unknown-agents",
-        choices=["base", "reject"],
-        default="reject",
-        help="what a model name that is neither a route, an adapter nor the base model gets: "
-        "404 naming the known models (reject, the default, as in rollout and train) or the "
-        "base model (base)",
     )
     parser.add_argument("--backend", choices=["embedded", "vllm"], default="embedded")
     parser.add_argument(

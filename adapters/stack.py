@@ -83,6 +83,46 @@ def add_engine_arguments(parser: argparse.ArgumentParser) -> None:
     EngineArgs.add_cli_args(parser, ENGINE_FLAGS)
 
 
+def add_model_arguments(
+    parser: argparse.ArgumentParser | argparse._ArgumentGroup,
+    default: str | None = DEFAULT_MODEL,
+    help: str | None = None,
+    routes: bool = True,
+) -> None:
+    """The model flags every command shares, declared once: --model, and with `routes` the
+    policy flags of the commands that serve one (--adapter NAME=PATH, --route AGENT=ADAPTER,
+    --unknown-agents)."""
+    parser.add_argument(
+        "--model",
+        default=default,
+        help=help or f"{DEFAULT_MODEL} (default), tiny, or a local model directory",
+    )
+    if not routes:
+        return
+    parser.add_argument(
+        "--adapter",
+        action="append",
+        default=[],
+        metavar="NAME=PATH",
+        help="load a peft LoRA adapter under NAME (repeatable); requests select it with model=NAME",
+    )
+    parser.add_argument(
+        "--route",
+        action="append",
+        default=[],
+        metavar="AGENT=ADAPTER",
+        help="send requests for model=AGENT to ADAPTER (repeatable)",
+    )
+    parser.add_argument(
+        "--unknown-agents",
+        choices=["reject", "base"],
+        default="reject",
+        help="what a model name that is neither a route, an adapter nor the base model gets: "
+        "404 naming the known models (reject, the default, in every command) or the base "
+        "model (base)",
+    )
+
+
 def engine_options(args: argparse.Namespace) -> dict[str, Any]:
     """The `EngineArgs` fields the flags of `add_engine_arguments` set, by name."""
     engine = EngineArgs.from_cli_args(args)

@@ -5,7 +5,7 @@ and answers APPROVE or asks for a fix, in a `RoundRobinGroupChat`. masenvs hands
 `OpenAIChatCompletionClient` per agent, pointed at the capture endpoint; the env runs the
 coder's last program on hidden tests.
 
-    python examples/autogen_code.py --model tiny --episodes 2 --branches 2 --train-steps 1
+    python examples/autogen_code.py --model tiny --tasks-per-step 2 --branches 2 --train-steps 1
     masenvs train examples/autogen_code.yaml
 """
 

@@ -4,7 +4,7 @@ The graph is ordinary LangGraph: a `solver` node answers, a `verifier` node chec
 answer and either accepts it or sends it back once. masenvs hands `build` one ChatOpenAI
 client per agent, pointed at the capture endpoint; the env scores the solver's answer.
 
-    python examples/langgraph_math.py --model tiny --episodes 2 --branches 2 --train-steps 1
+    python examples/langgraph_math.py --model tiny --tasks-per-step 2 --branches 2 --train-steps 1
     masenvs train examples/langgraph_math.yaml          # the same program, full training
 """
 

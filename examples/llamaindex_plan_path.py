@@ -5,7 +5,7 @@ checks the answer's format) and may hand off to a `reviewer` agent, which may ha
 masenvs hands `build` one `OpenAILike` LLM per agent, pointed at the capture endpoint; the
 env walks the final answer's moves on the grid.
 
-    python examples/llamaindex_plan_path.py --model tiny --episodes 2 --branches 2 --train-steps 1
+    python examples/llamaindex_plan_path.py --model tiny --tasks-per-step 2 --branches 2 --train-steps 1
     masenvs train examples/llamaindex_plan_path.yaml
 """
 

@@ -226,7 +226,7 @@ def test_training_with_it_validates_the_same_weights_to_the_same_answers(
     from masenvs.trainer.commands.eval import main as evaluate
 
     for flags, expected in (([], True), (["--batch-invariant", "off"], False)):
-        argv = ["--checkpoint", str(tmp_path / "a"), "--episodes", "2", "--temperature", "0"]
+        argv = ["--checkpoint", str(tmp_path / "a"), "--tasks", "2", "--temperature", "0"]
         argv += ["--dtype", "bfloat16", "--max-tokens", "4", "--out", str(tmp_path / "e.json")]
         assert evaluate(argv + flags) == 0
         assert started[-1] is expected

@@ -27,7 +27,7 @@ def test_example_runs_and_takes_a_training_step(tmp_path, script) -> None:
     command = [
         sys.executable,
         str(ROOT / "examples" / script),
-        *("--model", "tiny", "--episodes", "2", "--branches", "2", "--train-steps", "1"),
+        *("--model", "tiny", "--tasks-per-step", "2", "--branches", "2", "--train-steps", "1"),
         *("--max-tokens", "16", "--run-dir", str(run_dir)),
     ]
     env = {**os.environ, "COLUMNS": "200"}

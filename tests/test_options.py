@@ -215,3 +215,55 @@ def test_run_tasks_needs_at_least_one_branch() -> None:
     common = {"root_url": "http://127.0.0.1:9", "env_name": "math", "seeds": [0]}
     with pytest.raises(ValueError, match="branches .* must be at least 1, got 0"):
         asyncio.run(run_tasks(spec, branches=0, **common))
+
+
+def _command_parsers() -> dict[str, argparse.ArgumentParser]:
+    from masenvs.adapters import rollout, serve
+    from masenvs.integrations import openenv_serve
+    from masenvs.trainer.commands import eval as eval_command
+    from masenvs.trainer.commands import sft, train
+    from masenvs.trainer.commands import workflow as workflow_command
+    from masenvs.ui import server as ui
+
+    return {
+        "serve": serve.build_parser(),
+        "rollout": rollout.build_parser(),
+        "eval": eval_command.build_parser(),
+        "sft": sft.build_parser(),
+        "train": train.build_parser(),
+        "workflow": workflow_command.build_parser("a workflow"),
+        "ui": ui.build_parser(),
+        "openenv-serve": openenv_serve.build_parser(),
+    }
+
+
+def test_a_flag_means_one_thing_in_every_command() -> None:
+    """A flag two commands share takes the same kind of value in both (issue 43: `--policy`
+    was a route in rollout and a policy mode in the workflow scripts; `--episodes` counted
+    episodes in rollout and tasks in eval and the workflow scripts)."""
+    seen: dict[str, tuple[str, tuple[object, ...]]] = {}
+    clashes = []
+    for command, parser in _command_parsers().items():
+        for action in parser._actions:
+            for flag in action.option_strings:
+                if not flag.startswith("--") or flag == "--help":
+                    continue
+                kind = (_kind(action.type), action.choices, action.metavar, action.nargs)
+                if flag in seen and seen[flag][1] != kind:
+                    clashes.append(f"{flag}: {seen[flag][0]} {seen[flag][1]} vs {command} {kind}")
+                seen.setdefault(flag, (command, kind))
+    assert not clashes, clashes
+    assert "--policy" not in seen and "--route" in seen
+    assert "--episodes" not in {a for a in _flags("eval")} | {a for a in _flags("workflow")}
+
+
+def _flags(command: str) -> set[str]:
+    parser = _command_parsers()[command]
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+def _kind(parse: object) -> str:
+    """What a flag's value is: text (str, a path) or what its parser makes of it."""
+    if parse in (None, str, Path):
+        return "text"
+    return getattr(parse, "__qualname__", repr(parse))

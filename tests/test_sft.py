@@ -119,9 +119,9 @@ def test_bad_traces_stop_with_the_file_line_and_the_fix(tmp_path, capsys) -> Non
     latin.write_bytes(b"\xff\xfe not utf-8\n")
     with pytest.raises(DataError, match="cannot be read as UTF-8"):
         read_traces([latin])
-    tiny_room = ["--max-tokens", "8", "--set", f"run_dir={tmp_path / 'r2'}"]
+    tiny_room = ["--max-length", "8", "--set", f"run_dir={tmp_path / 'r2'}"]
     assert main(["sft", CONFIG, str(EXAMPLE), *TINY, *tiny_room]) == 2
-    assert "no assistant turn fits in --max-tokens 8" in capsys.readouterr().out
+    assert "no assistant turn fits in --max-length 8" in capsys.readouterr().out
     missing = ["sft", CONFIG, str(tmp_path / "missing.jsonl"), *TINY, "--set", "run_dir=x"]
     assert main(missing) == 2
     assert "does not exist" in capsys.readouterr().out

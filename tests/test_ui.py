@@ -360,10 +360,10 @@ def test_an_eval_report_shows_two_policies_answering_the_same_task_side_by_side(
 
     checkpoint = tiny_run / "checkpoints" / "step_00000002"
     out = tmp_path / "evals" / "eval-tiny.json"
-    args = ["--checkpoint", str(checkpoint), "--baseline", "--episodes", "2", "-k", "1"]
+    args = ["--checkpoint", str(checkpoint), "--baseline", "--tasks", "2", "-k", "1"]
     args += ["--max-tokens", "8", "--out", str(out)]
     swapped = out.with_name("eval-swap.json")
-    swap = ["--checkpoint", str(checkpoint), "--swap", "plan=tool", "--episodes", "2", "-k", "1"]
+    swap = ["--checkpoint", str(checkpoint), "--swap", "plan=tool", "--tasks", "2", "-k", "1"]
     swap += ["--max-tokens", "8", "--out", str(swapped)]
     with ThreadPoolExecutor(1) as pool:  # asyncio.run cannot start on Playwright's loop
         assert pool.submit(evaluate, args).result() == 0

@@ -106,7 +106,7 @@ def test_eval_of_a_checkpoint_plays_the_task_its_run_validated_on(tmp_path: Path
     learner = Learner(cfg, ["tool", "plan"])
     path = save_checkpoint(cfg.run_dir, learner, TrainState(step=1, next_task_seed=0), cfg)
     out = tmp_path / "eval.json"
-    args = ["--checkpoint", str(path), "--episodes", "2", "-n", "1", "--max-tokens", "4"]
+    args = ["--checkpoint", str(path), "--tasks", "2", "-n", "1", "--max-tokens", "4"]
     assert main([*args, "--dtype", "float32", "--out", str(out)]) == 0
     options = json.loads(out.read_text())["env_options"]
     assert (

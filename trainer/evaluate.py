@@ -1,7 +1,7 @@
 """avg@n and pass@k of several policies on the same tasks, side by side (the library;
 the `masenvs eval` command line is `masenvs.trainer.commands.eval`).
 
-    masenvs eval --env plan_path --episodes 32 -k 4 --baseline \\
+    masenvs eval --env plan_path --tasks 32 -k 4 --baseline \\
         --checkpoint runs/x/checkpoints/step_00000024
     masenvs eval --env math --source hf:math500 --data-path data/math500 -k 8 \\
         --url http://127.0.0.1:8001/v1 --served-model Qwen/Qwen3-1.7B

@@ -1,7 +1,7 @@
 """`masenvs eval` (the command line of `masenvs.trainer.evaluate`): avg@n and pass@k of
 several policies on the same tasks, side by side.
 
-    masenvs eval --env plan_path --episodes 32 -k 4 --baseline \\
+    masenvs eval --env plan_path --tasks 32 -k 4 --baseline \\
         --checkpoint runs/x/checkpoints/step_00000024
     masenvs eval --env math --source hf:math500 --data-path data/math500 -k 8 \\
         --url http://127.0.0.1:8001/v1 --served-model Qwen/Qwen3-1.7B
@@ -29,6 +29,7 @@ from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
 from masenvs.adapters.policy import ChatPolicy, Sampling
+from masenvs.adapters.stack import add_model_arguments
 from masenvs.cache import DEFAULT_MODEL
 from masenvs.listeners import add_key_arguments, key_from
 from masenvs.registry import make
@@ -63,7 +64,7 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument("--env", help="environment (default: the first checkpoint's)")
     tasks.add_argument("--set", action="append", default=[], metavar="KEY=VALUE", help="env option")
     tasks.add_argument(
-        "--episodes",
+        "--tasks",
         type=int,
         help="tasks to evaluate (default: 32 seeds; with --source: every task of the dataset)",
     )
@@ -106,8 +107,8 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="DIR",
         help="a checkpoint (runs/x/checkpoints/step_N) or a run dir (its latest); repeatable",
     )
-    policies.add_argument(
-        "--model", help="base model of the embedded engine (default: the checkpoint's)"
+    add_model_arguments(
+        policies, None, "base model of the embedded engine (default: the checkpoint's)", False
     )
     policies.add_argument(
         "--url",
@@ -276,14 +277,14 @@ def _agents_and_tasks(
     (else the checkpoint's validation seeds)."""
     try:
         agents = list(make(env_name, **env_options).possible_agents)
-        tasks = dataset_tasks(env_name, env_options, args.episodes) if args.source else []
+        tasks = dataset_tasks(env_name, env_options, args.tasks) if args.source else []
     except (KeyError, TypeError, ValueError, TaskSourceError) as exc:
         raise ValueError(f"{env_name} with options {env_options}: {exc}") from None
     if not args.source:
         seed_start = args.seed_start
         if seed_start is None:
             seed_start = first.validation.seed_start if first else DEFAULT_SEED_START
-        tasks = seed_tasks(env_name, seed_start, args.episodes or 32)
+        tasks = seed_tasks(env_name, seed_start, args.tasks or 32)
     return agents, tasks
 
 

@@ -237,7 +237,7 @@ def sft(
         sample = Sample(t.prompt_token_ids, t.completion_token_ids, [], t.agent, policy, (), 0.0)
         by_policy.setdefault(policy, []).append(sample)
     if not found:
-        raise DataError(f"no assistant turn fits in --max-tokens {max_tokens}: raise it")
+        raise DataError(f"no assistant turn fits in --max-length {max_tokens}: raise it")
     if not by_policy:
         raise DataError("no trainable target: every line trains a frozen agent")
     log(
@@ -366,7 +366,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--lr", type=float, default=1e-4, help="AdamW learning rate")
     parser.add_argument("--batch-size", type=int, default=8, help="replies per optimizer step")
     parser.add_argument(
-        "--max-tokens", type=int, default=4096, help="prompt + reply; longer replies are cut"
+        "--max-length",
+        type=int,
+        default=4096,
+        help="tokens of prompt + reply; longer replies are cut",
     )
     return parser
 
@@ -380,8 +383,8 @@ def main(argv: list[str]) -> int:
         if value < 1:
             console.print(f"[red]{name} must be at least 1, got {value}[/red]")
             return 2
-    if not (math.isfinite(args.lr) and args.lr > 0) or args.max_tokens < 2:
-        console.print("[red]--lr must be a positive number and --max-tokens at least 2[/red]")
+    if not (math.isfinite(args.lr) and args.lr > 0) or args.max_length < 2:
+        console.print("[red]--lr must be a positive number and --max-length at least 2[/red]")
         return 2
     try:
         cfg = load_config(args.config, args.set)
@@ -392,7 +395,7 @@ def main(argv: list[str]) -> int:
             epochs=args.epochs,
             lr=args.lr,
             batch_size=args.batch_size,
-            max_tokens=args.max_tokens,
+            max_tokens=args.max_length,
             default_agent=args.agent,
             log=console.print,
         )

@@ -3,10 +3,10 @@
 
 The example scripts (`examples/langgraph_math.py`, ...) call `main(spec, env, argv)`:
 
-    python examples/langgraph_math.py --model tiny --episodes 2 --branches 2 --train-steps 1
+    python examples/langgraph_math.py --model tiny --tasks-per-step 2 --branches 2 --train-steps 1
 
 is `masenvs train examples/langgraph_math.yaml` in small: each step runs K = `--branches` runs
-of `--episodes` tasks, then one update. The run directory (`--run-dir`) holds the traces,
+of `--tasks-per-step` tasks, then one update. The run directory (`--run-dir`) holds the traces,
 metrics.jsonl and the checkpoints (`masenvs ui RUN_DIR` shows them).
 `masenvs rollout --workflow` runs a workflow without training it.
 """
@@ -28,7 +28,7 @@ from rich.markup import escape
 
 from masenvs.adapters.frameworks.factory import Factory
 from masenvs.adapters.frameworks.workflow import WorkflowSpec
-from masenvs.cache import DEFAULT_MODEL
+from masenvs.adapters.stack import add_model_arguments
 from masenvs.sampling_args import SamplingArgs
 
 if TYPE_CHECKING:
@@ -37,16 +37,16 @@ if TYPE_CHECKING:
 
 def build_parser(description: str) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=description)
-    parser.add_argument(
-        "--model", default=DEFAULT_MODEL, help=f"{DEFAULT_MODEL} (default), tiny or a path"
-    )
-    parser.add_argument("--episodes", type=int, default=2, help="tasks (env seeds) per step")
+    add_model_arguments(parser, routes=False)
+    parser.add_argument("--tasks-per-step", type=int, default=2, help="tasks (env seeds) per step")
     parser.add_argument(
         "--branches", type=int, default=2, help="K: runs of each task (one advantage group)"
     )
     parser.add_argument("--seed", type=int, default=0, help="first task seed")
     parser.add_argument("--train-steps", type=int, default=1, help="training steps (at least 1)")
-    parser.add_argument("--policy", choices=["per_agent", "shared"], default="per_agent")
+    parser.add_argument(
+        "--policy-mode", choices=["per_agent", "shared"], default="per_agent", help="policy.mode"
+    )
     SamplingArgs.add_cli_args(
         parser.add_argument_group("sampling"),
         defaults={"max_tokens": (128, "short answers keep a CPU run of the examples quick")},
@@ -108,12 +108,12 @@ def workflow_config(
         model={"name": args.model, "device": "cpu"},
         env={"name": env, "options": env_options, "seed_start": args.seed},
         workflow=spec,
-        policy={"mode": args.policy},
+        policy={"mode": args.policy_mode},
         lora={"rank": 8, "alpha": 16},
         optim={"lr": args.lr, "warmup_steps": 0},
         rollout={
             "branches": args.branches,
-            "tasks_per_step": args.episodes,
+            "tasks_per_step": args.tasks_per_step,
             "concurrency": args.concurrency,
             **dataclasses.asdict(SamplingArgs.from_cli_args(args)),
         },
