@@ -1,17 +1,10 @@
-"""`masenvs eval` (the command line of `masenvs.trainer.evaluate`): avg@n and pass@k of
-several policies on the same tasks, side by side.
+"""`masenvs eval`, the command line of `masenvs.trainer.evaluate` (which says what avg@n and
+pass@k are and which policies it plays): several policies on the same tasks, side by side.
 
     masenvs eval --env plan_path --tasks 32 -k 4 --baseline \\
         --checkpoint runs/x/checkpoints/step_00000024
     masenvs eval --env math --source hf:math500 --data-path data/math500 -k 8 \\
         --url http://127.0.0.1:8001/v1 --served-model Qwen/Qwen3-1.7B
-
-Every task is played `n` times (`-n`, default k) by each policy. avg@n is the mean success
-over all n·tasks episodes; pass@k is the unbiased estimator of Chen et al. (2021),
-1 - C(n-c, k) / C(n, k) for a task with c successes in n, averaged over tasks. Policies:
-the base model and checkpoints' LoRA adapters on the embedded engine (each behind its own
-capture endpoint, traces kept), and any OpenAI-compatible server (vLLM, `masenvs serve`, a
-hosted API), called directly.
 """
 
 from __future__ import annotations
@@ -26,8 +19,16 @@ from pathlib import Path
 from typing import Any
 
 from rich.console import Console
-from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
+from masenvs.adapters.episodes import phase_status
 from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.stack import add_model_arguments
 from masenvs.cache import DEFAULT_MODEL
@@ -209,7 +210,8 @@ def _main(args: argparse.Namespace, console: Console) -> int:
             )
     out = args.out or Path("runs") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json"
     try:
-        with console.status(f"loading {model}") if embedded else contextlib.nullcontext():
+        loading = phase_status(console, f"loading {model}") if embedded else None
+        with loading or contextlib.nullcontext():
             setup = _Setup.start(args, model, checkpoints, agents, template, sampling, out)
     except StackError as exc:
         console.print(f"[red]{exc}[/red]")
@@ -225,7 +227,10 @@ def _main(args: argparse.Namespace, console: Console) -> int:
             BarColumn(),
             MofNCompleteColumn(),
             TimeElapsedColumn(),
+            TextColumn("ETA"),
+            TimeRemainingColumn(),
             console=console,
+            disable=not console.is_terminal,  # a log gets evaluate's lines instead
         ) as progress:
             results = asyncio.run(
                 setup.run(env_name, env_options, tasks, n, args.k, args.concurrency, progress)
