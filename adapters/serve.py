@@ -11,11 +11,15 @@ import asyncio
 import ipaddress
 import socket
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 from masenvs.adapters.stack import StackError, add_model_arguments, make_backend
 from masenvs.cache import DEFAULT_MODEL
+from masenvs.engine.adapter_dir import check_adapter_dir
 from masenvs.engine.args import EngineArgs
+from masenvs.engine.protocol import BackendError
 from masenvs.listeners import (
     API_KEY_ENV,
     ListenerError,
@@ -90,24 +94,75 @@ def main(argv: list[str] | None = None) -> int:
     try:
         adapters = parse_pairs(args.adapter, "--adapter")
         routes = parse_pairs(args.route, "--route")
+        if args.backend == "embedded" or args.vllm_url is None:  # paths this machine reads
+            check_adapters(adapters, routes, args.model)
     except ValueError as exc:
         print(f"masenvs serve: {exc}", file=sys.stderr)
         return 2
 
-    from masenvs.engine.protocol import BackendError
-
     launched = None
     try:
+        if args.vllm_url is None:
+            log(f"loading {args.model} ({args.backend})")
         backend, launched = _make_backend(args, adapters)
     except (BackendError, OSError, RuntimeError, ValueError) as exc:
         print(f"masenvs serve: {exc}", file=sys.stderr)
         return 1
     try:
+        try:
+            warm(backend, adapters)
+        except (BackendError, OSError, RuntimeError, ValueError) as exc:
+            print(f"masenvs serve: a first call failed: {exc}", file=sys.stderr)
+            return 1
         return _serve(args, backend, routes)
     finally:
         asyncio.run(backend.close())
         if launched is not None:
             launched.stop()
+
+
+def log(line: str) -> None:
+    """A start-up line on stderr, where a server's log goes (stdout holds the banner)."""
+    print(f"masenvs serve: {line}", file=sys.stderr, flush=True)
+
+
+def check_adapters(adapters: dict[str, str], routes: dict[str, str], model: str) -> None:
+    """Stop (ValueError) on an `--adapter` path that holds no LoRA adapter, or a `--route`
+    to an adapter no `--adapter` loads: before the model loads, not after it."""
+    for name, path in adapters.items():
+        try:
+            check_adapter_dir(Path(path))
+        except BackendError as exc:
+            raise ValueError(f"--adapter {name}={path}: {exc}") from None
+    served = {"base", model, Path(model).name, *adapters}
+    for agent, target in routes.items():
+        if target not in served:
+            known = ", ".join(["base", *adapters])
+            raise ValueError(
+                f"--route {agent}={target} names no loaded adapter; load it with --adapter "
+                f"{target}=PATH, or route {agent} to one of: {known}."
+            )
+
+
+def warm(backend: Any, adapters: dict[str, str]) -> None:
+    """One short call to the base model and to each adapter, each logged with its time, so
+    that no user's first call pays the first pass: the embedded engine packs its low-bit
+    weights (tens of seconds for SmolLM2 on 2 cores) and stacks an adapter's matrices then."""
+    from masenvs.engine.protocol import GenerateRequest, SamplingParams
+
+    # Over 64 tokens, so the prefill takes the dense path a chat prompt takes, then one
+    # decode step on the low-bit weights (see quant.QUANTIZED_MAX_ROWS).
+    content = "Warm up: " + "one two three four five six seven eight nine ten " * 8
+    for name in ["base", *adapters]:
+        request = GenerateRequest(
+            model=name,
+            messages=[{"role": "user", "content": content}],
+            params=SamplingParams(max_tokens=2, temperature=0.0),
+        )
+        start = time.perf_counter()
+        asyncio.run(backend.generate(request))
+        what = "base" if name == "base" else f"adapter {name}"
+        log(f"warmed {what} in {time.perf_counter() - start:.1f} s")
 
 
 def _make_backend(args: argparse.Namespace, adapters: dict[str, str]) -> tuple[Any, Any]:

@@ -90,16 +90,6 @@ def test_masenvs_make_gives_the_same_lines() -> None:
     assert str(missing.value).startswith("unknown environment 'sudokuu'; did you mean 'sudoku'?")
 
 
-def test_serve_with_a_missing_adapter_exits_cleanly() -> None:
-    # It used to print the line, then abort: "terminate called without an active
-    # exception", exit 134 (the engine thread still running at interpreter exit).
-    one_line(
-        ["serve", "--model", "tiny", "--adapter", "x=/nope"],
-        "masenvs serve: /nope is not a peft adapter directory",
-        code=1,
-    )
-
-
 def test_a_script_that_never_shuts_its_engine_down_exits_cleanly() -> None:
     code = (
         "from masenvs.engine.engine import EmbeddedBackend\n"

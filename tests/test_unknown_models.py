@@ -27,7 +27,9 @@ def served(request: pytest.FixtureRequest) -> Iterator[tuple[str, str]]:
         [*command, *extra], stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
     )
     try:
-        lines = [server.stdout.readline() for _ in range(9)]  # type: ignore[union-attr]
+        # The start-up lines (loading, warmed ...) come first, then the 9-line banner.
+        first = next(line for line in server.stdout if " at http://" in line)  # type: ignore[union-attr]
+        lines = [first, *(server.stdout.readline() for _ in range(8))]  # type: ignore[union-attr]
         url = lines[0].split(" at ")[-1].strip()
         assert url.endswith("/v1"), lines
         yield url, "".join(lines)

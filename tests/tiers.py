@@ -102,6 +102,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_ui": ("browser", "process"),  # chromium, `masenvs ui`
     "test_ui_index": ("process",),
     "test_ui_diagnosis": (),
+    "test_serve_adapters": ("process",),  # `masenvs serve` with adapters
     "test_unknown_models": ("process",),  # `masenvs serve`
     "test_validation_env_options": (),
     "test_verifiers": ("process",),  # tests/verifiers_env, in its own venv: `masenvs serve`
@@ -133,7 +134,6 @@ SLOW: frozenset[str] = frozenset(
         "test_checkpoint::test_full_finetuning_resumes_exactly_and_saves_servable_models",
         "test_checkpoint::test_resume_gives_the_same_weights_as_an_uninterrupted_run",
         "test_cli_errors::test_a_script_that_never_shuts_its_engine_down_exits_cleanly",
-        "test_cli_errors::test_serve_with_a_missing_adapter_exits_cleanly",
         "test_endpoint::test_kill_9_after_n_responses_keeps_all_n_in_the_store",
         "test_evaluate::test_a_checkpoint_is_scored_beside_its_base_model",
         "test_frameworks_examples::test_example_runs_and_takes_a_training_step",
@@ -156,6 +156,7 @@ SLOW: frozenset[str] = frozenset(
         "test_serving::test_separate_bases_serve_each_agent_from_its_own_base",
         "test_sft::test_full_sft_learns_the_replies",
         "test_sft::test_sft_lowers_the_loss_and_train_resumes_from_its_adapters",
+        "test_serve_adapters::test_serve_warms_every_adapter_before_it_says_ready",
         "test_unknown_models::test_serve_answers_an_unknown_model_with_404_naming_the_known_ones",
         "test_unknown_models::test_serve_unknown_agents_base_answers_any_name",
         "test_unknown_models::test_the_banner_snippet_asks_for_the_served_agent",

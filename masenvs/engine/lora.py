@@ -8,7 +8,6 @@ adapter, and `add_lora` adds their deltas to a projection's output.
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -19,7 +18,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from masenvs.engine import kernels
-from masenvs.engine.protocol import BackendError
+from masenvs.engine.adapter_dir import check_adapter_dir
 
 _LORA_KEY = re.compile(
     r"layers\.(\d+)\.(?:self_attn|mlp)\.(\w+_proj)\.lora_([AB])(?:\.[\w-]+)?\.weight$"
@@ -213,18 +212,9 @@ def _same_shapes(a: LoraAdapter, b: LoraAdapter) -> bool:
 
 def read_peft_dir(path: Path) -> tuple[dict[str, Tensor], dict[str, Any]]:
     """The state dict and adapter_config.json of a peft LoRA directory."""
-    config_file = path / "adapter_config.json"
-    if not config_file.is_file():
-        raise BackendError(f"{path} is not a peft adapter directory (no adapter_config.json).")
-    config = json.loads(config_file.read_text())
-    if config.get("peft_type", "LORA") != "LORA" or config.get("use_dora"):
-        raise BackendError(
-            f"{path} holds a {config.get('peft_type')} adapter; the embedded engine runs plain LoRA."
-        )
-    if (path / "adapter_model.safetensors").is_file():
+    adapter = check_adapter_dir(path)
+    if adapter.weights.suffix == ".safetensors":
         from safetensors.torch import load_file
 
-        return load_file(str(path / "adapter_model.safetensors")), config
-    if (path / "adapter_model.bin").is_file():
-        return torch.load(path / "adapter_model.bin", map_location="cpu", weights_only=True), config
-    raise BackendError(f"{path} has no adapter_model.safetensors.")
+        return load_file(str(adapter.weights)), adapter.config
+    return torch.load(adapter.weights, map_location="cpu", weights_only=True), adapter.config
