@@ -15,12 +15,21 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
+from rich.console import Console
 from rich.progress import Progress
 
 from masenvs.adapters.policy import ChatPolicy
 from masenvs.env import MASEnv
 from masenvs.registry import make
 from masenvs.traces import EpisodeRecord, TraceStore
+
+
+def phase_status(console: Console, text: str) -> Any:
+    """A spinner on a terminal; in a log, the phase's line now, timestamped (a log is never
+    silent for the minutes a model takes to load on a CPU)."""
+    if not console.is_terminal:
+        console.print(f"{time.strftime('%H:%M:%S')} {text}")
+    return console.status(text)
 
 
 @dataclass

@@ -169,7 +169,7 @@ def main(argv: list[str]) -> int:
         return _remote(args, spec, env_config, console)
     traces = args.traces or Path("runs") / f"rollout-{time.strftime('%Y%m%d-%H%M%S')}"
     try:
-        with console.status(f"loading {args.model} ({args.backend})"):
+        with episodes.phase_status(console, f"loading {args.model} ({args.backend})"):
             stack = start_stack(
                 model=args.model,
                 backend=args.backend,
@@ -193,15 +193,7 @@ def main(argv: list[str]) -> int:
             stack.close()
             console.print(f"traces: {traces}")
     try:
-        with Progress(
-            TextColumn("[bold]{task.description}"),
-            BarColumn(),
-            MofNCompleteColumn(),
-            TimeElapsedColumn(),
-            TextColumn("ETA"),
-            TimeRemainingColumn(),
-            console=console,
-        ) as progress:
+        with _episode_progress(console, args, len(seeds)) as progress:
             results = asyncio.run(
                 _run(stack.root_url, sampling, args, seeds, env_config, stack, progress)
             )
@@ -213,6 +205,23 @@ def main(argv: list[str]) -> int:
             console.print(f"[yellow]{r.rollout_id} (seed {r.seed}) stopped: {r.error}[/yellow]")
     console.print(f"traces: {traces}")
     return 0
+
+
+def _episode_progress(console: Console, args: argparse.Namespace, episodes: int) -> Progress:
+    """The episodes' bar with an ETA on a terminal; in a log, a first line now, then
+    run_episodes' lines (one per episode, one every 30 s), each with its ETA."""
+    if not console.is_terminal:
+        console.print(f"{episodes} episodes of {args.env}, {args.concurrency} at a time")
+    return Progress(
+        TextColumn("[bold]{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TextColumn("ETA"),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not console.is_terminal,  # a log gets run_episodes' lines, not a bar's dump
+    )
 
 
 async def _run(base_url, sampling, args, seeds, env_config, stack, progress):
@@ -262,15 +271,18 @@ def _remote(
     seeds = list(range(args.seed, args.seed + args.episodes))
     started = time.perf_counter()
 
-    async def run() -> list[episodes.EpisodeResult]:
+    async def run(progress: Progress) -> list[episodes.EpisodeResult]:
         policy = ChatPolicy(args.url, sampling=sampling, api_key=args.api_key or "masenvs")
         try:
-            return await episodes.run_episodes(args.env, policy, seeds, env_config=env_config)
+            return await episodes.run_episodes(
+                args.env, policy, seeds, env_config=env_config, progress=progress
+            )
         finally:
             await policy.aclose()
 
     try:
-        results = asyncio.run(run())
+        with _episode_progress(console, args, len(seeds)) as progress:
+            results = asyncio.run(run(progress))
     except ValueError as exc:
         console.print(f"[red]masenvs rollout: {exc}[/red]")
         return 2
@@ -340,4 +352,10 @@ def _workflows(
         f"success {sum(r.success for r in runs) / len(runs):.0%}, mean reward "
         f"{sum(r.reward for r in runs) / len(runs):+.3f}, failed runs {failed}/{len(runs)}"
     )
+    timed_out = [r for r in runs if (r.error or "").startswith("ProgramTimeout")]
+    if timed_out:  # the fix, once, not in each run's row
+        console.print(
+            f"[yellow]{len(timed_out)} run(s) ran past --timeout-s={args.timeout_s:g}: raise "
+            "--timeout-s or lower --max-tokens[/yellow]"
+        )
     return 1 if failed == len(runs) else 0

@@ -161,6 +161,18 @@ def sleeps(ctx: WorkflowContext) -> Any:
     return run
 
 
+def calls_then_sleeps(ctx: WorkflowContext) -> Any:
+    """One LLM call, then a wait past any small `timeout_s`: a run too slow for its limit."""
+    solver = ctx.clients["solver"]
+
+    async def run(messages: list[dict]) -> str:
+        await solver.ainvoke(messages)
+        await asyncio.sleep(30)
+        return "too late"
+
+    return run
+
+
 def not_a_program(ctx: WorkflowContext) -> Any:
     return 42
 

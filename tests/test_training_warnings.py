@@ -129,7 +129,7 @@ def test_failed_validation_episodes_are_counted_logged_and_warned(
     assert "lower bound" in warning
     assert validation_warning(4, {"val/success": 1.0, "val/errors": 0.0}) is None
 
-    async def failing_validate(self, step: int) -> dict[str, float]:
+    async def failing_validate(self, step: int, progress: object = None) -> dict[str, float]:
         return sources.validation_metrics([result(7, "APITimeoutError: Request timed out.")])
 
     monkeypatch.setattr(sources.TreeSource, "validate", failing_validate)

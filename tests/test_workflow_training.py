@@ -257,6 +257,28 @@ def test_a_run_that_keeps_failing_stops_with_the_most_common_reason(
     assert not (tmp_path / "run" / "checkpoints").exists()  # stopped before the update
 
 
+def test_runs_past_their_timeout_stop_once_with_the_key_to_raise_and_their_call_times(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from masenvs.trainer.commands.train import main
+
+    (tmp_path / "empty.yaml").write_text("{}\n")
+    overrides = train_overrides(
+        tmp_path,
+        *workflow("framework_programs:calls_then_sleeps", "langgraph", ["solver"], timeout_s=2),
+        "steps=3",
+        "workflow.max_failure_rate=0.5",
+        "workflow.failure_window=4",
+    )
+    code = main([str(tmp_path / "empty.yaml"), *(f"--set={o}" for o in overrides)])
+    out = " ".join(capsys.readouterr().out.split())  # rich wraps long lines
+    assert code == 1, out
+    assert out.count("stopping:") == 1 and out.count("raise workflow.timeout_s") == 1, out
+    # The fix, sized by what the runs measured: each made one call before its deadline.
+    assert "ran past timeout_s=2; their 2 finished LLM calls took" in out, out
+    assert "lower rollout.max_tokens" in out
+
+
 def test_a_step_without_trainable_samples_says_why_and_does_not_update(tmp_path: Path) -> None:
     from io import StringIO
 

@@ -81,6 +81,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_plan_path": (),
     "test_plan_path_success": (),
     "test_prefix": (),
+    "test_progress": ("process",),  # train, rollout and eval as a user runs them
     "test_readme": (),
     "test_rl_sanity": ("slow",),  # trainings to a learned bandit
     "test_rollout_workers": ("cluster",),  # a local Ray cluster

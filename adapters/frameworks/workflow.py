@@ -217,6 +217,7 @@ class WorkflowRun:
     started_at: float  # unix time
     ended_at: float = 0.0  # unix time; calls that start later (a hung run's) never train
     metrics: dict[str, float] = field(default_factory=dict)  # env.episode_metrics(); {} if failed
+    call_seconds: list[float] = field(default_factory=list)  # its LLM calls' latencies
 
 
 def check_factory(

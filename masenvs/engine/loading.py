@@ -10,12 +10,13 @@ or built in code are cached as safetensors under `$MASENVS_CACHE/models` (defaul
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import re
 import shutil
 import tempfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -50,6 +51,7 @@ TINY_CONFIG: dict[str, Any] = dict(
     tie_word_embeddings=True,
 )
 TINY_SEED = 0
+VERBOSE_ENV = "MASENVS_VERBOSE"  # set: third-party progress bars stay on
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 # What a download of a hub model fetches: config, safetensors weights, tokenizer files and
@@ -107,6 +109,35 @@ def load_model(
     dtype: torch.dtype | str | None = None,
 ) -> LoadedModel:
     """Load `spec` ("smollm2-135m", "tiny", a local model directory or a hub id) onto `device`."""
+    with quiet_progress_bars():
+        return _load(spec, torch.device(device), dtype)
+
+
+@contextlib.contextmanager
+def quiet_progress_bars() -> Iterator[None]:
+    """transformers' and huggingface_hub's tqdm bars (GGUF conversion, shard loading and
+    writing, downloads) off while masenvs shows its own progress; on with $MASENVS_VERBOSE
+    (`masenvs train --verbose`)."""
+    from huggingface_hub.utils import are_progress_bars_disabled, disable_progress_bars
+    from huggingface_hub.utils import enable_progress_bars as enable_hub
+    from transformers.utils import logging as hf_logging
+
+    if os.environ.get(VERBOSE_ENV):
+        yield
+        return
+    bars, hub_bars = hf_logging.is_progress_bar_enabled(), not are_progress_bars_disabled()
+    hf_logging.disable_progress_bar()
+    disable_progress_bars()
+    try:
+        yield
+    finally:
+        if bars:
+            hf_logging.enable_progress_bar()
+        if hub_bars:
+            enable_hub()
+
+
+def _load(spec: str, device: torch.device, dtype: torch.dtype | str | None) -> LoadedModel:
     torch_dtype = _resolve_dtype(dtype) if dtype is not None else default_dtype(device)
     if spec == SMOLLM2_135M:
         path, name = _cached(spec, _convert_smollm2), spec
@@ -116,7 +147,7 @@ def load_model(
         path = _local_dir(spec)
         # A hub snapshot's directory is its revision hash; the repo's name says more.
         name = spec.rsplit("/", 1)[-1] if path.parent.name == "snapshots" else path.name
-    return _load_dir(path, name, torch.device(device), torch_dtype)
+    return _load_dir(path, name, device, torch_dtype)
 
 
 def model_reference(spec: str) -> str:
@@ -359,18 +390,12 @@ def _with_chat_template(tokenizer: Any) -> Any:
 
 def _load_dir(path: Path, name: str, device: torch.device, dtype: torch.dtype) -> LoadedModel:
     from transformers import AutoModelForCausalLM, AutoTokenizer
-    from transformers.utils import logging as hf_logging
 
-    bars = hf_logging.is_progress_bar_enabled()
-    hf_logging.disable_progress_bar()  # a bar per load is noise in tests and servers
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
     except (OSError, ValueError) as exc:
         raise ModelLoadError(f"Cannot load a causal LM from {path}: {exc}") from exc
-    finally:
-        if bars:
-            hf_logging.enable_progress_bar()
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     if not getattr(tokenizer, "chat_template", None) and name in BUILT_IN_MODELS:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import os
 
 from rich.console import Console
 from rich.logging import RichHandler
@@ -31,14 +32,26 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--resume", action="store_true", help="continue from the latest checkpoint in run_dir"
     )
+    parser.add_argument(
+        "--verbose",
+        action="store_true",
+        help="info logs, and the progress bars of transformers and huggingface_hub (model "
+        "conversion, loading, downloads), which masenvs otherwise keeps quiet",
+    )
     return parser
 
 
 def main(argv: list[str]) -> int:
     args = build_parser().parse_args(argv)
     console = Console()
+    if args.verbose:  # read where models load: here, in learner ranks and engine processes
+        from masenvs.engine.loading import VERBOSE_ENV
+
+        os.environ[VERBOSE_ENV] = "1"
     logging.basicConfig(
-        level=logging.WARNING, handlers=[RichHandler(console=console)], format="%(message)s"
+        level=logging.INFO if args.verbose else logging.WARNING,
+        handlers=[RichHandler(console=console)],
+        format="%(message)s",
     )
     try:
         cfg = load_config(args.config, args.set)

@@ -14,6 +14,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from rich.progress import Progress
+
 from masenvs.adapters.episodes import EpisodeResult, episode_record, run_episodes
 from masenvs.adapters.policy import ChatPolicy, Sampling
 from masenvs.adapters.stack import Stack, with_endpoint
@@ -32,6 +34,29 @@ from masenvs.trainer.rollout.tree import (
 from masenvs.trainer.samples import Sample
 
 log = logging.getLogger(__name__)
+
+
+def run_counter(progress: Progress, description: str, total: int) -> Callable[[Any], None]:
+    """An `on_run` callback that advances a bar of `total` runs on `progress`; in a log,
+    a line per run: `validation runs 2/4: failed (ProgramTimeout), 12 s, ETA 24 s`."""
+    bar = progress.add_task(description, total=total)
+    started, done = time.perf_counter(), [0]
+
+    def on_run(run: Any) -> None:
+        done[0] += 1
+        progress.advance(bar)
+        if progress.console.is_terminal:
+            return
+        seconds = time.perf_counter() - started
+        outcome = "success" if run.success else "no success"
+        if run.error:
+            outcome = f"failed ({run.error.split(':', 1)[0]})"
+        left = seconds / done[0] * (total - done[0])
+        progress.console.print(
+            f"{description} {done[0]}/{total}: {outcome}, {seconds:.0f} s, ETA {left:.0f} s"
+        )
+
+    return on_run
 
 
 def env_options(cfg: TrainConfig, stack: Stack | None = None) -> dict[str, Any]:
@@ -209,7 +234,9 @@ class TreeSource:
         errors = self.last_errors
         return f"every task failed ({errors[0]})" if errors else "the tasks gave no sample"
 
-    async def validate(self, step: int) -> dict[str, float]:
+    async def validate(self, step: int, progress: Progress | None = None) -> dict[str, float]:
+        """Validation episodes; `progress` counts their calls, with an ETA (in a log, a line
+        per episode)."""
         cfg = self.cfg
         sampling = validation_sampling(cfg)
         if self.pool is not None:
@@ -236,6 +263,7 @@ class TreeSource:
                 env_config=self.val_options,
                 store=self.stack.store,
                 concurrency=cfg.rollout.concurrency,
+                progress=progress,
                 rollout_prefix=f"val{step}",
             )
         finally:
@@ -305,7 +333,7 @@ class WorkflowSource:
 
             self.pool = RolloutPool(workflow_worker_spec(cfg, stack), cfg.distributed)
 
-    async def _runs(self, step, seeds, branches, settings):
+    async def _runs(self, step, seeds, branches, settings, on_run=None):
         from masenvs.trainer.rollout.workflow import collect_workflow_samples
 
         if self.pool is not None:
@@ -335,6 +363,7 @@ class WorkflowSource:
             endpoint=self.stack.endpoint,
             step=step,
             concurrency=self.cfg.rollout.concurrency,
+            on_run=on_run,
         )
 
     async def collect(self, step: int, seeds: list[int]) -> tuple[list[Sample], dict[str, float]]:
@@ -353,9 +382,11 @@ class WorkflowSource:
 
         return why_no_samples(self.last_runs)
 
-    async def validate(self, step: int) -> dict[str, float]:
+    async def validate(self, step: int, progress: Progress | None = None) -> dict[str, float]:
+        """One run per validation task; `progress` counts them, with an ETA."""
         seeds = list(self.cfg.validation_seeds())
-        _, runs = await self._runs(-step - 1, seeds, 1, self.val_settings)
+        on_run = run_counter(progress, "validation runs", len(seeds)) if progress else None
+        _, runs = await self._runs(-step - 1, seeds, 1, self.val_settings, on_run)
         return {
             "val/success": sum(r.success for r in runs) / len(runs),
             "val/reward": sum(r.reward for r in runs) / len(runs),

@@ -86,6 +86,7 @@ async def collect_workflow_samples(
     step: int = 0,
     concurrency: int = 8,
     factory: Factory | None = None,
+    on_run: Callable[[WorkflowRun], None] | None = None,
 ) -> tuple[list[Sample], list[WorkflowRun]]:
     """Run every task K = `branches` times and read their calls back as samples.
 
@@ -106,8 +107,11 @@ async def collect_workflow_samples(
         prefix=f"s{step}",
         concurrency=concurrency,
         factory=factory,
+        on_run=on_run,
     )
     calls = read_calls(store, [r.rollout_id for r in runs], since=started)
+    for run in runs:  # how long its calls took: what a timeout's fix is sized by
+        run.call_seconds = [c.latency_s for c in calls if c.rollout_id == run.rollout_id]
     return workflow_samples(runs, calls, policy_of, spec.agent_of), runs
 
 
@@ -178,19 +182,37 @@ class FailureWindow:
     def __init__(self, size: int, max_rate: float) -> None:
         self.max_rate = max_rate
         self.errors: deque[str | None] = deque(maxlen=size)
+        self.call_seconds: deque[list[float]] = deque(maxlen=size)
 
     def check(self, runs: Sequence[WorkflowRun]) -> None:
-        """Add this step's runs; raise `TooManyFailures` naming the most common reason."""
+        """Add this step's runs; raise `TooManyFailures` naming the most common reason (and,
+        for a timeout, its fix)."""
         self.errors.extend(run.error for run in runs)
+        self.call_seconds.extend(run.call_seconds for run in runs)
         failed = [e for e in self.errors if e is not None]
         if not self.errors or len(failed) / len(self.errors) <= self.max_rate:
             return
         reason, count = Counter(failed).most_common(1)[0]
-        raise TooManyFailures(
+        message = (
             f"stopping: {len(failed)} of the last {len(self.errors)} workflow runs failed "
             f"(more than workflow.max_failure_rate={self.max_rate:g}); most common reason "
             f"({count} runs): {reason}"
         )
+        if reason.startswith("ProgramTimeout"):
+            seconds = [s for e, c in zip(self.errors, self.call_seconds) if e == reason for s in c]
+            message += "; " + timeout_fix(seconds)
+        raise TooManyFailures(message)
+
+
+def timeout_fix(seconds: Sequence[float]) -> str:
+    """What to change when runs time out, sized by the calls they made:
+    `their 6 LLM calls took 48-61 s each: raise workflow.timeout_s ...`."""
+    fix = "raise workflow.timeout_s (--set workflow.timeout_s=...) or lower rollout.max_tokens"
+    if not seconds:
+        return f"they made no LLM call that finished in time: {fix}, or check the program"
+    low, high = min(seconds), max(seconds)
+    took = f"{low:.1f} s" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}-{high:.1f} s"
+    return f"their {len(seconds)} finished LLM calls took {took} each: {fix}"
 
 
 def why_no_samples(runs: Sequence[WorkflowRun]) -> str:

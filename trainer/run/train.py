@@ -23,6 +23,14 @@ import numpy as np
 import torch
 from rich.console import Console
 from rich.markup import escape
+from rich.progress import (
+    BarColumn,
+    MofNCompleteColumn,
+    Progress,
+    TextColumn,
+    TimeElapsedColumn,
+    TimeRemainingColumn,
+)
 
 from masenvs.adapters.policy_map import PolicyMap
 from masenvs.adapters.stack import Stack, start_stack
@@ -240,20 +248,16 @@ async def _loop(
     every = cfg.validation.every
     try:
         if every and state.step == 0:
-            with _status(console, "validating before training"):
-                val = await source.validate(0)
-            metrics.log(0, val)
-            console.print(f"step 0 validation: success {val['val/success']:.0%}")
-            if (warning := validation_warning(0, val)) is not None:
-                _warn(console, warning)
+            await _validate_first(source, metrics, console)
+        clock = _RunClock(state.step, cfg.steps)  # the steps' pace, validation's not in it
         for step in range(state.step + 1, cfg.steps + 1):
             seeds = list(
                 range(state.next_task_seed, state.next_task_seed + cfg.rollout.tasks_per_step)
             )
             started = time.perf_counter()
-            with _rollout_progress(console, stack, step, cfg.steps):
+            with _rollout_progress(console, stack, step, clock):
                 samples, row = await source.collect(step, seeds)
-            rollout_s = time.perf_counter() - started
+            rollout_s = clock.rollout_s = time.perf_counter() - started
             release_free_memory()  # the rollout's freed blocks, before the update's peak
             trained = [s for s in samples if learner.trains(s.policy)]  # frozen agents: none
             trained = [s for s in trained if cfg.schedule.scale(step, s.agent) > 0]
@@ -265,7 +269,8 @@ async def _loop(
             started = time.perf_counter()
             # The update runs on this thread: a worker thread would keep a second torch thread
             # pool that competes with the engine's once the next rollout starts.
-            update = learner.step(trainable, lr_scale=lr_scale) if trainable else {}
+            with _status(console, f"step {step}/{cfg.steps} update: {len(trainable)} samples"):
+                update = learner.step(trainable, lr_scale=lr_scale) if trainable else {}
             update_s = time.perf_counter() - started
             release_free_memory()  # the update's activations, before validation and the rollout
             if cfg.logging.mfu and update.get("learner/gflop_per_s"):
@@ -288,20 +293,63 @@ async def _loop(
             row["time/update_s"] = update_s
             row["throughput/rollout_tokens_per_s"] = tokens / max(rollout_s, 1e-9)
             if every and (step % every == 0 or step == cfg.steps):
-                row.update(await source.validate(step))
+                with _validation_progress(console, f"step {step} validation") as progress:
+                    row.update(await source.validate(step, progress))
             metrics.log(step, row)
             state = TrainState(step=step, next_task_seed=seeds[-1] + 1)
             if step % cfg.checkpoint.every == 0 or step == cfg.steps:
                 await asyncio.to_thread(
                     save_checkpoint, cfg.run_dir, learner, state, cfg, cfg.checkpoint.keep_last
                 )
-            console.print(_progress_line(step, cfg.steps, row, learner.agents))
+            clock.step_done()
+            line = _progress_line(step, cfg.steps, row, learner.agents)
+            console.print(f"{line}  {clock.eta()}".rstrip())
             for warning in step_warnings(step, row, cfg, trained=bool(trainable)):
                 _warn(console, warning)
             if (warning := validation_warning(step, row)) is not None:
                 _warn(console, warning)
     finally:
         await source.aclose()
+
+
+async def _validate_first(source: Any, metrics: MetricsLogger, console: Console) -> None:
+    """Step 0's validation: the untrained policies' success, the baseline of the run."""
+    with _validation_progress(console, "validating before training") as progress:
+        val = await source.validate(0, progress)
+    metrics.log(0, val)
+    console.print(f"step 0 validation: success {val['val/success']:.0%}")
+    if (warning := validation_warning(0, val)) is not None:
+        _warn(console, warning)
+
+
+class _RunClock:
+    """The run's ETA, from the mean wall time of the steps done so far in this process."""
+
+    def __init__(self, first_step: int, total: int) -> None:
+        self.done, self.total, self.left = 0, total, total - first_step
+        self.started = time.perf_counter()
+        self.rollout_s: float | None = None  # the last step's rollout, the next one's guess
+
+    def step_done(self) -> None:
+        self.done += 1
+        self.left -= 1
+
+    def eta(self) -> str:
+        """`run ETA 4 min 10 s` once a step has been timed; '' before, or at the end."""
+        if not self.done or not self.left:
+            return ""
+        seconds = (time.perf_counter() - self.started) / self.done * self.left
+        return f"run ETA {_duration(seconds)}"
+
+
+def _duration(seconds: float) -> str:
+    """`42 s`, `4 min 10 s`, `1 h 5 min`."""
+    seconds = max(0, round(seconds))
+    if seconds < 60:
+        return f"{seconds} s"
+    if seconds < 3600:
+        return f"{seconds // 60} min {seconds % 60} s"
+    return f"{seconds // 3600} h {seconds % 3600 // 60} min"
 
 
 def _schedule_lr(
@@ -387,9 +435,27 @@ def _update_figures(row: dict[str, Any]) -> str:
 
 
 @contextlib.contextmanager
-def _rollout_progress(console: Console, stack: Stack, step: int, total: int) -> Iterator[None]:
+def _validation_progress(console: Console, text: str) -> Iterator[Progress]:
+    """Validation's bar with an ETA on a terminal; in a log, its first line now, then a line
+    per episode (the bar is off there: a log gets lines, never a bar's dump)."""
+    if not console.is_terminal:
+        console.print(f"{time.strftime('%H:%M:%S')} {text}")
+    columns = (TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn())
+    with Progress(
+        *columns, TimeElapsedColumn(), TextColumn("ETA"), TimeRemainingColumn(),
+        console=console, transient=True, disable=not console.is_terminal,
+    ) as progress:  # fmt: skip
+        yield progress
+
+
+@contextlib.contextmanager
+def _rollout_progress(
+    console: Console, stack: Stack, step: int, clock: _RunClock
+) -> Iterator[None]:
     """Calls, tokens and tokens/s of the rollout under way, from its first call: a spinner
-    on a terminal, a line every 30 s in a log (the first step can take minutes on a CPU)."""
+    on a terminal; in a log, a line as it starts, then one every 30 s (the first step can
+    take minutes on a CPU). Its ETA is the last step's rollout time, the run's from the
+    steps done."""
     endpoint = stack.endpoint
     calls0, tokens0, started = endpoint.calls_done, endpoint.tokens_done, time.perf_counter()
     stop = threading.Event()
@@ -397,9 +463,12 @@ def _rollout_progress(console: Console, stack: Stack, step: int, total: int) -> 
     def figures() -> str:
         calls, tokens = endpoint.calls_done - calls0, endpoint.tokens_done - tokens0
         seconds = time.perf_counter() - started
+        guess, run = clock.rollout_s, clock.eta()
+        eta = f", ETA {_duration(guess - seconds)}" if guess and guess > seconds else ""
         return (
-            f"step {step}/{total} rollout: {calls} calls, {tokens} tokens, "
-            f"{tokens / max(seconds, 1e-9):.0f} tok/s, {seconds:.0f}s"
+            f"step {step}/{clock.total} rollout: {calls} calls, {tokens} tokens, "
+            f"{tokens / max(seconds, 1e-9):.0f} tok/s, {seconds:.0f}s{eta}"
+            + (f"; {run}" if run else "")
         )
 
     def tick(status: Any) -> None:
@@ -411,6 +480,8 @@ def _rollout_progress(console: Console, stack: Stack, step: int, total: int) -> 
                 last = time.perf_counter()
                 console.print(figures())
 
+    if not console.is_terminal:
+        console.print(f"{time.strftime('%H:%M:%S')} {figures()}")
     status = console.status(figures()) if console.is_terminal else None
     thread = threading.Thread(target=tick, args=(status,), name="masenvs-progress", daemon=True)
     with status if status is not None else contextlib.nullcontext():
