@@ -608,7 +608,8 @@ def test_masenvs_rollout_runs_your_factory_against_masenvs_serve(tmp_path, capsy
         text=True,
     )
     try:
-        banner = server.stdout.readline()  # "masenvs serve: tiny (embedded) at http://.../v1"
+        # "masenvs serve: tiny (embedded) at http://.../v1", after its loading line
+        banner = next(line for line in server.stdout if " at http" in line)
         url = banner.split(" at ")[-1].strip()
         assert url.endswith("/v1"), banner
         code = rollout_main(
