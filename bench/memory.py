@@ -5,7 +5,7 @@ branches), advantages from rewards 0..K-1. Each (K, L) runs in a fresh process, 
 option with a learner of its own: a small warm-up step, then the measured steps. Options compared:
 
   whole      logprob_chunk_tokens huge: fp32 logits for a whole micro-batch at once
-  chunked    logprob_chunk_tokens 1024 (the default): log-probs from hidden states chunk by chunk
+  chunked    logprob_chunk_tokens 1024 (the default until 2026-12-07, now 256): log-probs chunk by chunk
   chunked+gc chunked, and optim.gradient_checkpointing on
 
 Memory on CPU is the process's peak resident set during the measured step (VmHWM, reset

@@ -8,6 +8,8 @@ import pytest
 
 from masenvs.trainer.config import ConfigError, TrainConfig, load_config, save_config
 
+ROOT = Path(__file__).resolve().parent.parent
+
 
 def test_defaults_run_as_they_are() -> None:
     cfg = load_config()
@@ -80,3 +82,48 @@ def test_per_agent_policies_follow_agent_order() -> None:
     cfg = load_config(None, ["policy.mode=per_agent"])
     assert cfg.policy.policies(["tool", "plan"]) == ["tool", "plan"]
     assert load_config(None, ["policy.mode=shared"]).policy.policies(["tool", "plan"]) == ["shared"]
+
+
+# What a run's peak memory grows with, and the default each setting has, with the reason.
+# A run on defaults (plan_path, 2 tasks, SmolLM2) peaked at 5.4-6.2 GB with 4096-token
+# micro-batches; the main job (examples/quickstart.yaml) at 2.9 GB (docs/memory.md).
+MEMORY_DEFAULTS = {
+    # ~1.4 MB of fp32 activations per fed token (SmolLM2-135M): ~0.7 GB at 512, ~5.7 at 4096.
+    "optim.max_tokens_per_microbatch": 512,
+    # a chunk's fp32 logits (49k vocab: 0.2 MB per token), their log-softmax and softmax.
+    "optim.logprob_chunk_tokens": 256,
+    # activations kept; checkpointing trades a third more compute for them (opt in).
+    "optim.gradient_checkpointing": False,
+    # float32 on CPU, as the main job; bfloat16 on a GPU.
+    "model.dtype": "auto",
+    # KV rows grow on demand with the sequences in flight; the main job's limit.
+    "backend.max_batch_size": 32,
+    # tasks in flight: 8 x K=4 sequences in the engine (the main job: 32 x 4 in validation).
+    "rollout.concurrency": 8,
+    # 2 adapters x 4.9 M parameters x 4 fp32 copies: 150 MB (rank 8: 75 MB).
+    "lora.rank": 16,
+    # long answers cost update time and KV rows, not the peak: micro-batches bound that.
+    "rollout.max_tokens": 512,
+}
+
+
+def _field(cfg: object, path: str) -> object:
+    for name in path.split("."):
+        cfg = getattr(cfg, name)
+    return cfg
+
+
+@pytest.mark.parametrize("path", MEMORY_DEFAULTS)
+def test_memory_defaults_are_the_bounded_ones(path: str) -> None:
+    assert _field(TrainConfig(), path) == MEMORY_DEFAULTS[path]
+
+
+def test_defaults_feed_no_more_per_step_than_the_main_job() -> None:
+    """What bounds the update's peak is no larger on defaults than in the main job, so a run
+    on defaults stays under its memory whatever its answers' length."""
+    defaults, main = TrainConfig(), load_config(ROOT / "examples" / "quickstart.yaml")
+    budget = "optim.max_tokens_per_microbatch"
+    assert _field(defaults, budget) <= _field(main, budget)
+    for path in ("optim.logprob_chunk_tokens", "backend.max_batch_size", "rollout.concurrency"):
+        assert _field(defaults, path) <= _field(main, path), path
+    assert _field(defaults, "model.dtype") == _field(main, "model.dtype")

@@ -135,17 +135,20 @@ class OptimConfig(Section):
         "memory for long completions, about a third more compute.",
     )
     logprob_chunk_tokens: int = Field(
-        1024,
+        256,
         ge=1,
         description="Completion tokens scored per chunk: log-probs are computed from the "
         "hidden states chunk by chunk, so fp32 logits over the vocabulary never exist for a "
-        "whole micro-batch at once.",
+        "whole micro-batch at once. 256: a chunk's logits, their log-softmax and the "
+        "entropy's softmax stay under ~150 MB at a 49k vocabulary (docs/memory.md).",
     )
     max_tokens_per_microbatch: int = Field(
-        4096,
+        512,
         ge=16,
         description="Token budget of one forward/backward (packed rows incl. padding); bounds "
-        "memory. Gradients accumulate so the step equals one full-batch step.",
+        "memory. Gradients accumulate so the step equals one full-batch step. 512: the "
+        "activations of SmolLM2-135M stay under ~0.7 GB on a CPU (~1.4 MB per token), so a "
+        "run on defaults peaks under the main job (docs/memory.md); raise it on a GPU.",
     )
 
     def lr_at(self, step: int, total_steps: int) -> float:
