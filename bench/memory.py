@@ -7,6 +7,7 @@ option with a learner of its own: a small warm-up step, then the measured steps.
   whole      logprob_chunk_tokens huge: fp32 logits for a whole micro-batch at once
   chunked    logprob_chunk_tokens 1024 (the default until 2026-12-07, now 256): log-probs chunk by chunk
   chunked+gc chunked, and optim.gradient_checkpointing on
+  defaults   TrainConfig's defaults (256-token chunks)
 
 Memory on CPU is the process's peak resident set during the measured step (VmHWM, reset
 through /proc/self/clear_refs just before it) minus its resident set then; glibc is told
@@ -47,6 +48,7 @@ MODES = {
     "whole": ["optim.logprob_chunk_tokens=100000000"],
     "chunked": ["optim.logprob_chunk_tokens=1024"],
     "chunked+gc": ["optim.logprob_chunk_tokens=1024", "optim.gradient_checkpointing=true"],
+    "defaults": [],  # TrainConfig's own chunk size and options
 }
 PROMPT_TOKENS = 128
 

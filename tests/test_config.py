@@ -119,8 +119,8 @@ def test_memory_defaults_are_the_bounded_ones(path: str) -> None:
 
 
 def test_defaults_feed_no_more_per_step_than_the_main_job() -> None:
-    """What bounds the update's peak is no larger on defaults than in the main job, so a run
-    on defaults stays under its memory whatever its answers' length."""
+    """The update's bounds are no larger on defaults than in the main job, so a run on
+    defaults stays near its memory (one sequence longer than the budget still goes whole)."""
     defaults, main = TrainConfig(), load_config(ROOT / "examples" / "quickstart.yaml")
     budget = "optim.max_tokens_per_microbatch"
     assert _field(defaults, budget) <= _field(main, budget)

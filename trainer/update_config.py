@@ -146,9 +146,10 @@ class OptimConfig(Section):
         512,
         ge=16,
         description="Token budget of one forward/backward (packed rows incl. padding); bounds "
-        "memory. Gradients accumulate so the step equals one full-batch step. 512: the "
-        "activations of SmolLM2-135M stay under ~0.7 GB on a CPU (~1.4 MB per token), so a "
-        "run on defaults peaks under the main job (docs/memory.md); raise it on a GPU.",
+        "memory. Gradients accumulate so the step equals one full-batch step. 512: ~0.7 GB "
+        "of SmolLM2-135M activations on a CPU (~1.4 MB per token; a longer sequence goes "
+        "whole), so a run on defaults peaks near the main job (docs/memory.md); raise it "
+        "on a GPU.",
     )
 
     def lr_at(self, step: int, total_steps: int) -> float:
