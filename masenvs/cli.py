@@ -147,12 +147,25 @@ def main(argv: list[str] | None = None) -> int:
         # (what grep and tail -f need) takes a wide console.
         os.environ["COLUMNS"] = "400"
     if argv and argv[0] in COMMANDS:
-        return _lazy(argv[0])(argv[1:])
+        return _settled(_lazy(argv[0])(argv[1:]))
     args = build_parser().parse_args(argv)
     console = Console()
     if args.command == "list":
         return cmd_list(args, console)
     return cmd_play(args, console)
+
+
+def _settled(code: int) -> int:
+    """`code`, once the threads of workflow programs stopped at their deadline have ended.
+    One still blocked (a program stuck in a blocking call) would abort the interpreter's exit
+    (see `settle_abandoned`), so the process then exits here, with `code`, its output flushed.
+    """
+    programs = sys.modules.get("masenvs.adapters.frameworks.programs")  # loaded: it ran some
+    if programs is None or programs.settle_abandoned():
+        return code
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 def _lazy(command: str) -> Callable[[list[str]], int]:

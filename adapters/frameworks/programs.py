@@ -12,6 +12,7 @@ import contextlib
 import inspect
 import logging
 import threading
+import time
 import traceback
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
@@ -180,6 +181,22 @@ def _module(framework: Framework) -> Any:
 # of the log: masenvs logs each failed run once, in one line.
 CAPTURED_LOGGERS = ("autogen_core", "autogen_agentchat", "autogen_ext")
 _sinks: dict[int, list[str]] = {}  # thread id -> the log lines of the run on that thread
+_abandoned: set[threading.Thread] = set()  # threads of programs stopped at their deadline
+
+
+def settle_abandoned(timeout_s: float = 5.0) -> bool:
+    """Wait up to `timeout_s` for the threads of programs stopped at their deadline to end
+    (each was cancelled then, and ends at its next `await`); whether all have.
+
+    A process should not exit with one still running: at exit CPython stops a daemon thread
+    by unwinding it, which aborts the whole process ("FATAL: exception not rethrown", status
+    -6) when the unwinding crosses a C++ frame."""
+    deadline = time.monotonic() + timeout_s
+    for thread in list(_abandoned):
+        thread.join(max(0.0, deadline - time.monotonic()))
+        if not thread.is_alive():
+            _abandoned.discard(thread)
+    return not _abandoned
 
 
 class _RunLogs(logging.Filter):
@@ -277,6 +294,7 @@ async def run_isolated(
         result = await asyncio.wait_for(asyncio.shield(done), timeout_s)
     except (asyncio.TimeoutError, asyncio.CancelledError) as exc:
         abandoned = True
+        _abandoned.add(thread)
         cancel()
         for callback in isolation.on_timeout:
             callback()
