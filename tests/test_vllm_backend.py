@@ -293,8 +293,14 @@ def test_masenvs_serve_fronts_a_running_vllm(fake, tmp_path) -> None:
     server = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         assert server.stdout is not None
-        first = server.stdout.readline()
-        assert "(vllm) at http://" in first, first + server.stdout.read()
+        # The start-up lines (loading, warmed ...) come first, then the banner's URL line.
+        seen = []
+        for line in server.stdout:
+            seen.append(line)
+            if " at http://" in line:
+                break
+        first = seen[-1] if seen else ""
+        assert "(vllm) at http://" in first, "".join(seen)
         url = first[first.index("http://") :].split()[0]
         api = openai.OpenAI(base_url=url, api_key="-", max_retries=0)
         answer = api.chat.completions.create(model="planner", messages=HELLO, max_tokens=4)
