@@ -20,6 +20,7 @@ from masenvs.listeners import (
     key_from,
     listener_key,
 )
+from masenvs.memory import tune_allocator
 from masenvs.overrides import parse_overrides
 
 MAX_MESSAGE_BYTES = 1 << 20  # one request or WebSocket message (openenv.py's default)
@@ -136,6 +137,11 @@ def main(argv: list[str] | None = None) -> int:
     )
     import uvicorn
 
+    # Up to max_sessions messages of max_message_bytes are in flight at once. With glibc's own
+    # settings each burst left 80-170 MB more resident than the last, varying with the load
+    # (freed messages raise the mmap threshold and stay in the heap arenas); fixed settings
+    # give every message its own mapping, returned when it is freed (docs/openenv.md).
+    tune_allocator()
     uvicorn.Server(uvicorn_config(app, args.log_level)).run(sockets=[sock])
     return 0
 
