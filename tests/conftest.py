@@ -10,7 +10,8 @@ from typing import Any
 
 import pytest
 import torch
-from tiers import classify, left_out_summary
+from exclusive import held
+from tiers import classify, left_out_counts, left_out_summary
 
 from masenvs.engine import kernels as cpu_kernels
 from masenvs.engine.loading import load_model
@@ -21,16 +22,41 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     classify(items)
 
 
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Iterator[None]:
+    # A serial, cluster or vLLM test runs alone under xdist too (tests/exclusive.py).
+    with held(item):
+        yield
+
+
 def pytest_deselected(items: list[pytest.Item]) -> None:
     _deselected.extend(items)
 
 
 _deselected: list[pytest.Item] = []
+_left_out: dict[str, int] = {}  # under xdist: what the first worker to finish left out
 
 
-def pytest_report_collectionfinish() -> list[str]:
+def pytest_report_collectionfinish(config: pytest.Config) -> list[str]:
     # Shown under -q too, unlike pytest_report_header: a fast run says what it did not run.
-    return left_out_summary(_deselected)
+    if hasattr(config, "workerinput"):  # an xdist worker: the controller says it at the end
+        return []
+    return left_out_summary(left_out_counts(_deselected))
+
+
+def pytest_sessionfinish(session: pytest.Session) -> None:
+    if hasattr(session.config, "workeroutput"):  # an xdist worker tells the controller
+        session.config.workeroutput["left_out"] = left_out_counts(_deselected)
+
+
+@pytest.hookimpl(optionalhook=True)  # pytest-xdist's hook, on the controller
+def pytest_testnodedown(node: Any, error: Any) -> None:
+    _left_out.update(getattr(node, "workeroutput", {}).get("left_out", {}))
+
+
+def pytest_terminal_summary(terminalreporter: Any) -> None:
+    for line in left_out_summary(_left_out):
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(scope="module")

@@ -47,7 +47,8 @@ def test_every_mark_a_tier_uses_is_declared() -> None:
 def test_the_fast_run_says_what_it_left_out(tmp_path: Path) -> None:
     # A module of its own, run with this conftest: one test of each kind.
     (tmp_path / "conftest.py").write_text((TESTS / "conftest.py").read_text())
-    (tmp_path / "tiers.py").write_text((TESTS / "tiers.py").read_text())
+    for helper in ("tiers.py", "exclusive.py"):
+        (tmp_path / helper).write_text((TESTS / helper).read_text())
     (tmp_path / "test_models.py").write_text(
         "def test_tiny_model_is_cached_deterministic_and_chat_ready():\n    pass\n"
         "def test_smollm2_answers_coherently():\n    pass\n"
@@ -63,6 +64,15 @@ def test_the_fast_run_says_what_it_left_out(tmp_path: Path) -> None:
     assert any(re.match(r"\s+1 slow\s+pytest -m slow$", line) for line in lines), lines
     assert any(re.match(r"\s+1 browser\s+pytest -m browser$", line) for line in lines), lines
 
+    # Under xdist (the README's run) the workers collect; the controller says it at the end.
+    xdist = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2"]
+    done = subprocess.run(
+        [*xdist, "-m", "fast", str(tmp_path)], capture_output=True, text=True, cwd=tmp_path
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    lines = done.stdout.split("left out of this run", 1)[1].splitlines()
+    assert any(re.match(r"\s+1 slow\s+pytest -m slow$", line) for line in lines), lines
+
     everything = subprocess.run([*run, str(tmp_path)], capture_output=True, text=True, cwd=tmp_path)
     assert "3 passed" in everything.stdout and "left out" not in everything.stdout
 
@@ -73,9 +83,43 @@ def test_ci_runs_the_fast_tier_then_the_rest_and_nothing_twice() -> None:
     selections = [m.strip("\"'") for _, m in runs]
     assert selections[0] == "fast", selections
     rest = [s for s in selections[1:] if s != "learning"]  # the AVX2 rerun repeats on purpose
-    assert rest == [
-        f"not fast and not ({' or '.join(tiers.PARALLEL_UNSAFE)})",
-        f"not fast and ({' or '.join(tiers.PARALLEL_UNSAFE)})",
-    ], rest
-    parallel = next(line for line, m in runs if m.strip("\"'") == rest[0])
-    assert "-n " in parallel
+    assert rest == ["not fast"], rest
+    for line, _ in runs:  # on every core; the PARALLEL_UNSAFE ones run alone even so
+        assert "-n " in line, line
+
+
+def test_a_serial_test_runs_alone_under_xdist(tmp_path: Path) -> None:
+    """Two workers: while the serial test of one module runs, no test of the other does."""
+    log = tmp_path / "log"
+    (tmp_path / "conftest.py").write_text(
+        f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
+        "import pytest\nfrom exclusive import held\n\n"
+        "@pytest.hookimpl(hookwrapper=True)\n"
+        "def pytest_runtest_protocol(item):\n    with held(item):\n        yield\n"
+    )
+    body = (
+        "import time\n\n"
+        "def spell(name, seconds):\n"
+        "    start = time.monotonic()\n    time.sleep(seconds)\n"
+        f"    with open({str(log)!r}, 'a') as f:\n"
+        "        f.write(f'{name} {start} {time.monotonic()}\\n')\n"
+    )
+    others = "".join(f"\ndef test_other_{i}():\n    spell('other', 0.3)\n" for i in range(8))
+    (tmp_path / "test_a.py").write_text(body + others)
+    (tmp_path / "test_b.py").write_text(
+        body + "import pytest\n\n@pytest.mark.serial\ndef test_alone():\n    spell('alone', 1.0)\n"
+    )
+    (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    serial: alone\n")
+    command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2"]
+    done = subprocess.run(
+        [*command, "--dist", "loadfile", str(tmp_path)],
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+    )
+    assert done.returncode == 0, done.stdout + done.stderr
+    spells = [line.split() for line in log.read_text().splitlines()]
+    (alone,) = [(float(a), float(b)) for name, a, b in spells if name == "alone"]
+    others = [(float(a), float(b)) for name, a, b in spells if name == "other"]
+    assert len(others) == 8
+    assert all(end <= alone[0] or start >= alone[1] for start, end in others), (alone, others)

@@ -17,7 +17,7 @@ STARTS = ("process", "cluster", "browser", "vllm", "slow", "serial")
 # What the fast tier, the README's `pytest -m fast`, leaves out; .ci/run runs them after it.
 LEFT_OUT = ("slow", "cluster", "browser", "vllm")
 
-# .ci/run runs the tests with these marks one at a time, the rest under pytest-xdist: a Ray
+# Tests with these marks run alone, also under pytest-xdist (tests/exclusive.py): a Ray
 # cluster, gloo ranks or a vLLM server each take both cores, and `serial` tests measure time,
 # memory or the host's shared state, which a neighbour in the next worker would disturb.
 PARALLEL_UNSAFE = ("serial", "cluster", "vllm")
@@ -78,6 +78,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_options": (),
     "test_oracle_isolation": ("process", "serial"),  # timing and cache side channels
     "test_paper_configs": ("process",),  # scripts/check_train_gpu.py
+    "test_paired_credit": ("process",),  # the sandbox runs the tool's programs
     "test_plan_path": (),
     "test_plan_path_success": (),
     "test_prefix": (),
@@ -188,12 +189,17 @@ def classify(items: Iterable[pytest.Item]) -> None:
             item.add_marker("fast")
 
 
-def left_out_summary(deselected: Iterable[pytest.Item]) -> list[str]:
-    """One line per tier a run left out: how many tests, and the command that runs them."""
+def left_out_counts(deselected: Iterable[pytest.Item]) -> dict[str, int]:
+    """How many tests of each tier a run left out."""
     counts = dict.fromkeys(LEFT_OUT, 0)
     for item in deselected:
         for tier in LEFT_OUT:
             counts[tier] += item.get_closest_marker(tier) is not None
+    return counts
+
+
+def left_out_summary(counts: dict[str, int]) -> list[str]:
+    """One line per tier a run left out: how many tests, and the command that runs them."""
     if not any(counts.values()):
         return []  # a -k or a file named: nothing of a tier was left out
     lines = ["left out of this run (docs/testing.md):"]
