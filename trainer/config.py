@@ -90,6 +90,15 @@ class _RolloutFields(Section):
         description="Which reward picks the candidate that continues: the acting agent's own "
         "mixed reward (default, as in the paper) or the team reward (ties: own reward).",
     )
+    team_credit: Literal["committed", "paired"] = Field(
+        "committed",
+        description="Tree mode: the team term of an agent that acts before the round's last "
+        "actor (plan-path's tool). 'committed': the committed path's, one constant for all K "
+        "candidates (it moves no advantage); 'paired': each candidate's own, from one "
+        "continuation of the round on its branch (every later agent answers once, n=1; not "
+        "training samples), as the paper-time PettingLLMs paired tool k with plan k. Costs "
+        "one call per later agent per candidate (train/paired_calls).",
+    )
     concurrency: int = Field(
         8,
         ge=1,
@@ -110,6 +119,15 @@ class _RolloutFields(Section):
         "branches each agent in that order. 'simultaneous': every agent acts on the same "
         "observation and sees the others' actions only next round.",
     )
+
+    @model_validator(mode="after")
+    def _paired_credit_needs_a_tree(self) -> _RolloutFields:
+        if self.team_credit == "paired" and self.mode != "tree":
+            raise ValueError(
+                "rollout.team_credit 'paired' pairs the branches of a tree: set rollout.mode "
+                "to 'tree' (independent trajectories already credit each episode's own team term)"
+            )
+        return self
 
 
 # Sampling (temperature, top_p, top_k, max_tokens, repetition_penalty) is SamplingArgs':

@@ -203,6 +203,7 @@ class TreeSource:
                 concurrency=cfg.rollout.concurrency,
                 sample_seed=self.sample_seed,
                 group_by=cfg.rollout.group_by,
+                team_credit=cfg.rollout.team_credit,
             )
         for r in results:
             if r.error:
@@ -210,6 +211,8 @@ class TreeSource:
         self.last_errors = [r.error for r in results if r.error]
         samples = [s for r in results for s in r.samples]
         metrics = rollout_metrics(results) | team_term_metrics(samples)
+        if cfg.rollout.team_credit == "paired":  # the continuations' extra calls, this step
+            metrics["train/paired_calls"] = float(sum(r.paired_calls for r in results))
         if self.pool is not None:
             metrics.update(self.pool.metrics())
         captured = [(r.task_id, c) for r in results for c in r.captured]

@@ -8,7 +8,9 @@ and scored by the reward the env gives that agent for it. The best candidate (by
 own mixed reward, the paper's default, or by the team reward) is committed: its branch *is*
 the committed state, so nothing is replayed and no tool program runs twice. The next agent
 then samples from that state, which shows what the agents before it did this round. Every
-candidate becomes a training sample in group (task, round, agent).
+candidate becomes a training sample in group (task, round, agent). The team term of an agent
+that acts before the round's last actor is the committed path's (`RoundCredit`), or with
+`team_credit="paired"` its own branch's continuation's (trainer/rollout/paired_credit.py).
 """
 
 from __future__ import annotations
@@ -18,10 +20,12 @@ import hashlib
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, Literal
 
 from masenvs.adapters.policy import ChatPolicy, Reply
 from masenvs.env import MASEnv, Snapshot
+from masenvs.trainer.rollout.paired_credit import Continuations, TeamCredit
 from masenvs.trainer.samples import Sample, trajectory_group, tree_group
 
 
@@ -42,6 +46,7 @@ class TaskRollout:
     captured: list[dict[str, Any]] = field(default_factory=list)
     designs: list[dict[str, Any]] = field(default_factory=list)  # auto-MAS: every candidate's
     metrics: dict[str, float] = field(default_factory=dict)  # env.episode_metrics(), committed path
+    paired_calls: int = 0  # calls of paired credit's continuations (not samples)
 
 
 @dataclass
@@ -77,6 +82,7 @@ async def tree_rollout(
     reset_options: dict[str, Any] | None = None,
     sample_seed: int | None = None,
     group_by: Literal["agent", "turn_agent"] = "turn_agent",
+    team_credit: TeamCredit = "committed",
 ) -> TaskRollout:
     env = make_env()
     _, infos = env.reset(seed=seed, options=reset_options)
@@ -85,6 +91,9 @@ async def tree_rollout(
     branch_envs = [make_env() for _ in range(branches)]
     totals: dict[str, float] = defaultdict(float)
     this_round = RoundCredit()  # the round's samples, for the team term
+    continuations = Continuations(  # team_credit="paired"
+        make_env, policy, rollout_id, partial(paired_seed, sample_seed, rollout_id)
+    )
 
     while env.agents:
         agent, round_ = env.acting, env.round
@@ -109,15 +118,15 @@ async def tree_rollout(
                 for branch, reply in zip(branch_envs, replies)
             )
         )
-        turn: dict[int, Sample] = {}
-        for k, s in enumerate(scored):
-            result.completion_tokens += len(s.reply.token_ids)
-            _keep_captured(result, s.infos.get(agent, {}), s.reward, round_)
-            if s.reply.token_ids and s.reply.prompt_token_ids:
-                turn[k] = _sample(s, agent, policy_of, task_id, round_, seed)
-                turn[k].meta["choice"] = k  # the call's k-th candidate
-                result.samples.append(turn[k])
-                this_round.add(agent, turn[k])
+        terms: list[float | None] = [None] * len(scored)  # None: RoundCredit pays the term
+        if team_credit == "paired" and env.turn < len(env.agents) - 1:  # a later agent decides
+            try:  # each candidate's team term, from its own continuation of the round
+                ends = [(b, s.infos) for b, s in zip(branch_envs, scored)]
+                terms = await continuations.team_terms(agent, round_, ends)
+            except Exception as exc:  # as a failed call: this task leaves the batch
+                result.error = f"{type(exc).__name__}: {exc}"
+                return result
+        turn = _record_turn(result, scored, terms, this_round, agent, policy_of, round_)
 
         # The winning branch already holds the committed state: swap it in, replay nothing.
         best = choose(scored, select_by)
@@ -132,6 +141,34 @@ async def tree_rollout(
     if group_by == "agent":  # ablation: no turn-wise grouping, an agent's turns pooled
         for sample in result.samples:
             sample.group = trajectory_group(task_id, sample.agent)
+    result.paired_calls = continuations.calls
+    return _outcome(result, env, totals)
+
+
+def _record_turn(
+    result: TaskRollout,
+    scored: list[Scored],
+    terms: list[float | None],
+    this_round: RoundCredit,
+    agent: str,
+    policy_of: Callable[[str], str],
+    round_: int,
+) -> dict[int, Sample]:
+    """Every candidate of the turn as a sample (those with tokens), by its index k."""
+    turn: dict[int, Sample] = {}
+    for k, s in enumerate(scored):
+        result.completion_tokens += len(s.reply.token_ids)
+        _keep_captured(result, s.infos.get(agent, {}), s.reward, round_)
+        if s.reply.token_ids and s.reply.prompt_token_ids:
+            turn[k] = _sample(s, agent, policy_of, result.task_id, round_, result.seed)
+            turn[k].meta["choice"] = k  # the call's k-th candidate
+            result.samples.append(turn[k])
+            this_round.add(agent, turn[k], own_continuation=terms[k])
+    return turn
+
+
+def _outcome(result: TaskRollout, env: MASEnv, totals: dict[str, float]) -> TaskRollout:
+    """The committed path's (or the episode's) outcome, onto `result`."""
     result.success = bool(env.state.success)
     result.metrics = env.episode_metrics()
     result.rounds = env.round
@@ -148,24 +185,33 @@ class RoundCredit:
     tool, before the plan) or acts after it (code's tester, after the coder), and keep it in
     `meta["team_term"]`. In a tree it is one constant for all K candidates of such an agent
     (only the committed path reached or left that step), so it moves no advantage
-    (docs/training.md); across independent trajectories it differs, and counts."""
+    (docs/training.md); across independent trajectories it differs, and counts. Paired
+    credit gives each candidate of an earlier agent its own continuation's term instead."""
 
     def __init__(self) -> None:
         self.samples: dict[str, list[Sample]] = defaultdict(list)
         self.pending: dict[str, float] = defaultdict(float)  # paid before the agent acted
+        self.paired: set[str] = set()  # credited by their own continuations this round
 
     def clear(self) -> None:
         self.samples.clear()
         self.pending.clear()
+        self.paired.clear()
 
-    def add(self, agent: str, sample: Sample) -> None:
-        self.samples[agent].append(sample)
+    def add(self, agent: str, sample: Sample, own_continuation: float | None = None) -> None:
+        """`own_continuation`: the team term candidate's own continuation paid it (paired
+        credit); the committed path's later steps then pay this agent nothing."""
         if self.pending[agent]:
             _add_team_term(sample, self.pending[agent])
+        if own_continuation is None:
+            self.samples[agent].append(sample)
+        else:
+            self.paired.add(agent)
+            _add_team_term(sample, own_continuation)
 
     def commit(self, acting: str, rewards: dict[str, float]) -> None:
         for other, term in rewards.items():
-            if other == acting or not term:
+            if other == acting or not term or other in self.paired:
                 continue
             if self.samples[other]:
                 for sample in self.samples[other]:
@@ -198,6 +244,13 @@ def call_seed(sample_seed: int | None, rollout_id: str, round_: int, agent: str)
         return None
     key = f"{sample_seed}:{rollout_id}:{round_}:{agent}".encode()
     return int.from_bytes(hashlib.blake2b(key, digest_size=4).digest(), "little") >> 1
+
+
+def paired_seed(
+    sample_seed: int | None, rollout_id: str, round_: int, k: int, actor: str
+) -> int | None:
+    """The seed of `actor`'s call in the paired continuation of branch k (`call_seed`)."""
+    return call_seed(sample_seed, f"{rollout_id}/paired{k}", round_, actor)
 
 
 def _play(branch: MASEnv, snapshot: Snapshot, agent: str, reply: Reply) -> Scored:
@@ -256,6 +309,7 @@ async def collect_tree_batch(
     concurrency: int = 8,
     sample_seed: int | None = None,
     group_by: Literal["agent", "turn_agent"] = "turn_agent",
+    team_credit: TeamCredit = "committed",
 ) -> list[TaskRollout]:
     """Tree rollouts of many tasks in flight at once (the backend batches their calls);
     `sample_seed` seeds every call (see `call_seed`)."""
@@ -273,6 +327,7 @@ async def collect_tree_batch(
                 rollout_id=f"{rollout_prefix}-{seed}",
                 sample_seed=sample_seed,
                 group_by=group_by,
+                team_credit=team_credit,
             )
 
     return await asyncio.gather(*(one(s) for s in seeds))
@@ -341,11 +396,7 @@ async def trajectory_rollout(
         for sample in result.samples:
             sample.reward = totals[sample.agent]
             sample.group = trajectory_group(task_id, sample.agent)
-    result.success = bool(env.state.success)
-    result.metrics = env.episode_metrics()
-    result.rounds = env.round
-    result.rewards = dict(totals)
-    return result
+    return _outcome(result, env, totals)
 
 
 async def collect_trajectory_batch(

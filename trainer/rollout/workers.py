@@ -28,6 +28,7 @@ from masenvs.engine.protocol import honours_seed
 from masenvs.registry import make
 from masenvs.traces import EpisodeRecord
 from masenvs.trainer.config import DistributedConfig, TrainConfig
+from masenvs.trainer.rollout.paired_credit import TeamCredit
 from masenvs.trainer.rollout.ray_cluster import WorkerError, ray_reason, reachable_url, start_ray
 from masenvs.trainer.rollout.tree import TaskRollout, collect_trajectory_batch, collect_tree_batch
 from masenvs.trainer.samples import Sample
@@ -59,6 +60,7 @@ class WorkerSpec:
     sample_seed: int | None = None  # seeds tree sampling's calls (rollout.call_seed)
     mode: Literal["tree", "trajectory"] = "tree"  # rollout.mode: what `tree()` plays
     group_by: Literal["agent", "turn_agent"] = "turn_agent"  # rollout.group_by
+    team_credit: TeamCredit = "committed"  # rollout.team_credit
     workflow: WorkflowSpec | None = None  # workflow mode: the program runs in the worker
     # The trainer's working directory and import path, where they exist on the worker's node:
     # user programs (workflow factories, env packages) import as they do in the trainer.
@@ -116,6 +118,7 @@ class RolloutWorker:
             concurrency=s.concurrency,
             sample_seed=s.sample_seed,
             group_by=s.group_by,
+            team_credit=s.team_credit,
         )
 
     async def workflow(
@@ -190,6 +193,7 @@ def worker_spec(
         sample_seed=cfg.sample_seed if honours_seed(stack.backend) else None,
         mode=cfg.rollout.mode,
         group_by=cfg.rollout.group_by,
+        team_credit=cfg.rollout.team_credit,
     )
 
 
