@@ -34,6 +34,10 @@ COMMANDS: dict[str, tuple[str, str]] = {
         "masenvs.trainer.commands.sft:main",
         "supervised fine-tuning on chat traces (JSONL) as checkpoint 0 of a run (cold start)",
     ),
+    "demos": (
+        "masenvs.trainer.commands.demos:main",
+        "solver demonstrations (hint-free prompts, correct replies) as JSONL for `masenvs sft`",
+    ),
     "eval": (
         "masenvs.trainer.commands.eval:main",
         "avg@k and pass@k of base models, checkpoints and OpenAI URLs, side by side",

@@ -106,7 +106,7 @@ def test_python_dash_m_masenvs_works() -> None:
     assert status == 0 and any("plan_path" in line for line in lines)
 
 
-COMMANDS = ["", "list", "play", "rollout", "serve", "train", "eval", "mas-graph", "ui"]
+COMMANDS = ["", "list", "play", "rollout", "serve", "train", "eval", "demos", "mas-graph", "ui"]
 
 
 @pytest.mark.parametrize("command", COMMANDS)

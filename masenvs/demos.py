@@ -1,0 +1,155 @@
+"""Solver demonstrations: each agent's turn as the env prompts it, hint-free, answered by the
+task's exact solver in the format the env parses (plan-path: a BFS shortest path; Sudoku: the
+unique solution; Sokoban: a BFS shortest solution), and played so the env accepts it.
+
+`masenvs demos` writes them for `masenvs sft` (a cold start). The solvers are called here and
+nowhere else: no env, observation or tool of a rollout reaches them.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from masenvs.env import MASEnv
+from masenvs.envs import grid
+from masenvs.registry import make
+
+# Env options that put (part of) the answer into a prompt: demonstrations never set them.
+HINTS: dict[str, tuple[str, ...]] = {
+    "plan_path": ("show_offset",),
+    "sudoku": ("show_candidates", "show_empty"),
+    "sokoban": ("show_offset",),
+}
+
+
+class DemoError(ValueError):
+    """Demonstrations that cannot be written; the message names the cause and the fix."""
+
+
+# --- the solvers ----------------------------------------------------------------------------
+
+
+def shortest_path(env: Any) -> list[str]:
+    """A BFS-shortest move list from A to G on the current board (U, D, L, R preferred in order)."""
+    task = env.task
+    free = np.array([[ch == "." for ch in row] for row in task.rows])
+    to_goal = grid.bfs_distances(free, task.goal)
+    pos, moves = env.state.pos, []
+    while pos != task.goal:
+        move = next(
+            m
+            for m in grid.DELTAS
+            if task.is_free(nxt := grid.step_cell(pos, m)) and to_goal[nxt] == to_goal[pos] - 1
+        )
+        moves.append(move)
+        pos = grid.step_cell(pos, move)
+    return moves
+
+
+def plan_path_reply(env: Any, agent: str) -> str:
+    return f"#### [{', '.join(shortest_path(env))}]"
+
+
+def sudoku_reply(env: Any, agent: str) -> str:
+    from masenvs.envs.sudoku_solver import solutions
+
+    n = env.task.size
+    found = solutions([v for row in env.state.board for v in row], n, 1)
+    if not found:
+        raise DemoError(f"the sudoku board of seed {env.demo_seed} has no solution")
+    return "#### " + json.dumps([found[0][r * n : (r + 1) * n] for r in range(n)])
+
+
+def sokoban_reply(env: Any, agent: str) -> str:
+    from dataclasses import replace
+
+    from masenvs.envs.sokoban_solver import solve
+
+    now = replace(env.task, player=env.state.player, boxes=tuple(sorted(env.state.boxes)))
+    found = solve(now, env.config.solver_states)
+    if found.moves is None:
+        raise DemoError(
+            f"the Sokoban solver found no solution for seed {env.demo_seed} within "
+            f"{env.config.solver_states} states: raise --set solver_states=..."
+        )
+    return f"#### [{', '.join(found.moves)}]"
+
+
+SOLVERS: dict[str, Callable[[Any, str], str]] = {
+    "plan_path": plan_path_reply,
+    "sudoku": sudoku_reply,
+    "sokoban": sokoban_reply,
+}
+
+
+def solver_reply(env: MASEnv, agent: str) -> str:
+    """The solver's answer for `agent` on the env's current state, as the env parses it."""
+    return SOLVERS[env.name](env, agent)
+
+
+# --- demonstrations -------------------------------------------------------------------------
+
+
+def demo_env(env_name: str, options: dict[str, Any]) -> MASEnv:
+    """The env demonstrations are written in: hint-free, every role answering in words."""
+    if env_name not in SOLVERS:
+        raise DemoError(
+            f"no solver for {env_name!r}: demonstrations exist for {', '.join(sorted(SOLVERS))}"
+        )
+    for option in HINTS[env_name]:
+        if options.get(option):
+            raise DemoError(
+                f"demonstrations are hint-free: {env_name} with {option}=true puts part of the "
+                f"answer into the prompt; drop it (or --set {option}=false)"
+            )
+    env = make(env_name, **options)
+    hinted = [o for o in HINTS[env_name] if getattr(env.config, o)]
+    if hinted:  # a default that turns a hint on
+        raise DemoError(f"{env_name}'s {hinted[0]} is on: --set {hinted[0]}=false")
+    writes_program = "tool" in env.possible_agents and (
+        env_name != "plan_path" or env.config.tool_task == "search"
+    )
+    if writes_program:
+        fix = "--set tool_task=propose (or " if env_name == "plan_path" else "("
+        raise DemoError(
+            f"the tool agent of {env_name} writes a program here, and demonstrations are "
+            f"answers: {fix}--set single_agent=true for the plan agent alone)"
+        )
+    return env
+
+
+def episode_demos(env: MASEnv, seed: int) -> list[dict[str, Any]]:
+    """Every agent turn of seed's episode, each answered by the solver and played, until the
+    episode ends; an answer the env does not accept raises DemoError."""
+    _, infos = env.reset(seed=seed)
+    env.demo_seed = seed  # for the solvers' error messages
+    rows = []
+    while env.agents:
+        agent, round_ = env.acting, env.round
+        prompt = infos[agent]["messages"]
+        reply = solver_reply(env, agent)
+        _, _, _, _, infos = env.step({agent: reply})
+        if infos[agent]["reward_parts"]["agent"] < 0:  # a format, rule or clue penalty
+            raise DemoError(
+                f"{env.name} did not accept the solver's reply {reply!r} to {agent} on seed "
+                f"{seed}: {env.last_feedback.get(agent)}"
+            )
+        rows.append(
+            {
+                "agent": agent,
+                "messages": [*prompt, {"role": "assistant", "content": reply}],
+                "env": env.name,
+                "seed": seed,
+                "round": round_,
+            }
+        )
+    if not env.state.success:
+        raise DemoError(
+            f"{env.name} did not accept the solver's replies on seed {seed}: the episode ended "
+            "without success"
+        )
+    return rows

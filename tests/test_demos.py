@@ -1,0 +1,173 @@
+"""`masenvs demos`: solver demonstrations for a supervised cold start (issue 46): hint-free
+prompts exactly as a rollout sends them, replies the env accepts, never a validation seed."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from masenvs.cli import main
+from masenvs.demos import DemoError, episode_demos, solver_reply
+from masenvs.registry import make
+from masenvs.trainer.commands.demos import demos
+from masenvs.trainer.commands.sft import read_traces, targets
+
+ROOT = Path(__file__).resolve().parents[1]
+COLD_START = str(ROOT / "examples" / "learning" / "cold_start_plan_path.yaml")
+
+HINT_FREE = {
+    "plan_path": {"size": 5, "tool_task": "propose"},
+    "sudoku": {"size": 4, "single_agent": True},
+    "sokoban": {"width": 6, "height": 6, "single_agent": True},
+}
+# Words that only a hint option puts into a prompt (offsets, candidates, empty-cell lists).
+HINT_WORDS = ("of A", "if no wall", "only", "fits", "?]", "stand at", "its goal is")
+
+
+def read(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.parametrize("env_name", sorted(HINT_FREE))
+def test_demos_replay_to_success_from_hint_free_prompts(env_name: str, tmp_path: Path) -> None:
+    out = tmp_path / "demos.jsonl"
+    sets = [f"--set={k}={v}" for k, v in HINT_FREE[env_name].items()]
+    assert main(["demos", env_name, "--seeds", "10:14", "--out", str(out), *sets]) == 0
+    rows = read(out)
+    assert sorted({r["seed"] for r in rows}) == [10, 11, 12, 13]
+    env = make(env_name, **HINT_FREE[env_name])
+    for seed in range(10, 14):
+        mine = [r for r in rows if r["seed"] == seed]
+        assert [r["agent"] for r in mine] == env.possible_agents  # every role's turn, in order
+        _, infos = env.reset(seed=seed)
+        for row in mine:
+            *prompt, reply = row["messages"]
+            agent = env.acting
+            # the turn exactly as the env prompts it, the reply as an assistant message
+            assert row["agent"] == agent and prompt == infos[agent]["messages"]
+            assert reply["role"] == "assistant"
+            text = "\n".join(m["content"] for m in prompt)
+            assert not [w for w in HINT_WORDS if w in text], text
+            _, _, _, _, infos = env.step({agent: reply["content"]})
+            assert infos[agent]["reward_parts"]["agent"] >= 0  # no format or rule penalty
+        assert env.state.success and not env.agents
+
+
+def test_plan_path_replies_are_shortest_paths() -> None:
+    env = make("plan_path", size=6, obstacle_ratio=0.3, single_agent=True)
+    for seed in range(20):
+        env.reset(seed=seed)
+        reply = solver_reply(env, "plan")
+        env.step({"plan": reply})
+        assert env.state.success and env.state.steps == env.task.optimal_length, (seed, reply)
+        assert env.episode_metrics()["optimal"] == 1.0
+
+
+@pytest.mark.parametrize(
+    ("env_name", "option"),
+    [("plan_path", "show_offset"), ("sudoku", "show_candidates"), ("sudoku", "show_empty")]
+    + [("sokoban", "show_offset")],
+)
+def test_a_hint_option_is_refused(env_name: str, option: str) -> None:
+    options = {**HINT_FREE[env_name], option: True}
+    with pytest.raises(DemoError, match=f"{option}=true"):
+        demos(env_name, options, range(0, 2))
+
+
+def test_a_role_that_writes_programs_is_refused_with_the_fix() -> None:
+    with pytest.raises(DemoError, match="tool_task=propose"):
+        demos("plan_path", {"tool_task": "search"}, range(0, 2))
+    with pytest.raises(DemoError, match="single_agent=true"):
+        demos("sudoku", {}, range(0, 2))
+
+
+def test_validation_seeds_are_refused(tmp_path: Path, capsys) -> None:
+    out = tmp_path / "demos.jsonl"
+    # masenvs eval and validation draw from 1_000_000 up by default
+    code = main(["demos", "plan_path", "--seeds", "999998:1000002", "--out", str(out)])
+    assert code == 2 and not out.exists()
+    said = capsys.readouterr().out
+    assert "1000000" in said and "validation" in said
+    # a config's own validation seeds too, wherever they start
+    yaml = tmp_path / "run.yaml"
+    yaml.write_text(Path(COLD_START).read_text() + "\n" + "validation: {seed_start: 500}\n")
+    config = ["--config", str(yaml)]
+    assert main(["demos", *config, "--seeds", "490:510", "--out", str(out)]) == 2
+    assert "[500, 532)" in capsys.readouterr().out and not out.exists()
+    assert main(["demos", *config, "--seeds", "532:534", "--out", str(out)]) == 0
+    assert {r["seed"] for r in read(out)} == {532, 533}
+
+
+def test_a_config_gives_the_prompts_of_its_rollouts(tmp_path: Path) -> None:
+    from masenvs.trainer.config import load_config
+    from masenvs.trainer.rollout.sources import env_factory
+
+    out = tmp_path / "demos.jsonl"
+    assert main(["demos", "--config", COLD_START, "--seeds", "0:3", "--out", str(out)]) == 0
+    env = env_factory(load_config(COLD_START))()  # the env `masenvs train` builds
+    for row in read(out):
+        _, infos = env.reset(seed=row["seed"])
+        if row["agent"] == "plan":
+            env.step({"tool": solver_reply(env, "tool")})
+            infos = {"plan": {"messages": env.messages("plan")}}
+        assert row["messages"][:-1] == infos[row["agent"]]["messages"]
+
+
+def test_demos_are_in_the_format_sft_reads(tmp_path: Path) -> None:
+    from masenvs.engine.loading import load_tokenizer
+
+    out = tmp_path / "demos.jsonl"
+    assert main(["demos", "--config", COLD_START, "--seeds", "0:4", "--out", str(out)]) == 0
+    conversations = read_traces([out])
+    assert [c.agent for c in conversations] == ["tool", "plan"] * 4
+    tokenizer = load_tokenizer("tiny")
+    for c in conversations:
+        found, cut = targets(c, tokenizer, {}, 4096)
+        assert len(found) == 1 and cut == 0
+        reply = tokenizer.decode(found[0].completion_token_ids, skip_special_tokens=True)
+        assert reply.strip() == c.messages[-1]["content"]
+
+
+@pytest.mark.parametrize("env_name", sorted(HINT_FREE))
+def test_a_rollouts_prompts_hold_no_solver_output(env_name: str) -> None:
+    """The solver's answer reaches no prompt: wrong answers get feedback, never the answer."""
+    # no example answer in the prompt: a path that happens to be the example is no leak
+    example = {"answer_example": False} if env_name == "plan_path" else {}
+    env = make(env_name, **HINT_FREE[env_name], **example, max_rounds=3)
+    for seed in range(8):
+        env.reset(seed=seed)
+        answers = [solver_reply(env, a).split("####")[-1].strip() for a in env.possible_agents]
+        prompts = []
+        while env.agents:
+            prompts.append("\n".join(m["content"] for m in env.messages(env.acting)))
+            env.step({env.acting: "#### [U]" if env_name != "sudoku" else "#### [[0, 0, 0]]"})
+        leaked = [a for a in answers if any(leaks(a, p) for p in prompts)]
+        assert not leaked, (seed, leaked)
+
+
+def leaks(answer: str, prompt: str) -> bool:
+    """The answer's content in the prompt: its move list or its rows of digits."""
+    inner = answer.strip("[]")
+    return len(inner) > 4 and (inner in prompt or answer.replace("\n", "") in prompt)
+
+
+def test_the_leak_check_finds_a_hint_that_gives_the_answer() -> None:
+    """The check above can fail: show_offset on an open grid states the shortest path."""
+    env = make("plan_path", size=5, obstacle_ratio=0.0, show_offset=True, single_agent=True)
+    found = 0
+    for seed in range(8):
+        env.reset(seed=seed)
+        answer = solver_reply(env, "plan").split("####")[-1].strip()
+        found += leaks(answer, "\n".join(m["content"] for m in env.messages("plan")))
+    assert found >= 4
+
+
+def test_episode_demos_stop_on_a_reply_the_env_rejects(monkeypatch) -> None:
+    import masenvs.demos as module
+
+    env = make("plan_path", size=4, single_agent=True)
+    monkeypatch.setitem(module.SOLVERS, "plan_path", lambda env, agent: "#### [U, U, U, U]")
+    with pytest.raises(DemoError, match="did not accept"):
+        episode_demos(env, 3)
