@@ -48,7 +48,7 @@ def test_a_full_finetune_on_one_vllm_server_asks_for_its_base_model() -> None:
     assert served.policies == ["shared"] and served.trained and served.url is None
     assert (plan.in_place, plan.routed) == (False, False)
     assert plan.models == {"reasoner": "base", "tool": "base"}
-    assert plan.vllm_args == ("--gpu-memory-utilization", "0.3", "--max-model-len", "8192")
+    assert plan.vllm_args == ("--gpu-memory-utilization", "0.3", "--max-model-len", "12288")
 
 
 def test_full_models_per_agent_get_a_server_each_behind_a_router() -> None:

@@ -95,11 +95,17 @@ def test_paper_config_as_written(path: Path) -> None:
     assert config.policy.finetune == ("full" if "1.7b" in path.stem else "lora")
 
 
+# What the authors' configs set per policy form (shared 1.7B vs per-role LoRA 8B): the
+# planning temperature (1.5 vs 1.0) and math's answer length (4096 vs 8192); docs/paper.md.
+PER_FORM = {"temperature", "max_tokens"}
+
+
 @pytest.mark.parametrize("task", TASKS)
 def test_both_models_run_the_same_experiment(task: str) -> None:
     small, large = (load_config(PAPER / f"{task}_{m}.yaml") for m in MODELS)
-    for section in ("env", "rollout", "validation", "agents"):
+    for section in ("env", "validation", "agents"):
         assert getattr(small, section) == getattr(large, section), section
+    assert small.rollout.model_dump(exclude=PER_FORM) == large.rollout.model_dump(exclude=PER_FORM)
 
 
 def test_single_agent_baseline_as_docs_paper_runs_it(tmp_path: Path) -> None:
@@ -284,24 +290,3 @@ def test_gpu_rehearsal_runs_every_paper_config_on_cpu(rehearsal: Rehearsal) -> N
         assert [s["step"] for s in one["steps"]] == [1, 2]
     table = rehearsal.printed.rsplit("error\n", 1)[1].splitlines()[: len(rows)]
     assert all(line.split()[1] == "yes" for line in table), table
-
-
-def test_every_train_command_in_the_rows_table_loads_on_every_config() -> None:
-    """docs/paper.md's table of rows and ablations: each `masenvs train C --set ...` line is
-    a valid config for every paper config (R: the config's solo role)."""
-    import re
-    import shlex
-
-    table = DOCS.split("## Every row and ablation")[1].split("\n## ")[0]
-    commands = re.findall(r"`(masenvs train C[^`]*)`", table)
-    commands += [f"masenvs train C {m}" for m in re.findall(r"`(--set [^`]*)`", table)]
-    assert len(commands) >= 8
-    solo = {"plan_path": "plan", "sudoku": "plan", "sokoban": "plan", "math": "reasoner"}
-    for path in CONFIGS:
-        task = path.stem.rsplit("_qwen3", 1)[0]
-        for command in commands:
-            words = shlex.split(command.replace("R:", f"{solo.get(task, 'coder')}:"))
-            overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
-            config = load_config(path, overrides)  # a typo or a wrong value fails here
-            if "rollout.mode=trajectory" in overrides:
-                assert config.rollout.mode == "trajectory"

@@ -79,6 +79,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_options": (),
     "test_oracle_isolation": ("process", "serial"),  # timing and cache side channels
     "test_paper_configs": ("process",),  # scripts/check_train_gpu.py
+    "test_paper_table": (),
     "test_paired_credit": ("process",),  # the sandbox runs the tool's programs
     "test_plan_path": (),
     "test_plan_path_success": (),
