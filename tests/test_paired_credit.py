@@ -44,6 +44,7 @@ class EchoPlan:
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int, str]] = []
+        self.seeds: list[int | None] = []
 
     async def act(
         self,
@@ -61,13 +62,16 @@ class EchoPlan:
             answer = printed[-1] if printed else "D"
             texts = [f"#### [{answer}]"] * n
         self.calls.append((agent, n, answer))
+        self.seeds.append(seed)
         return [
             Reply(t, 3, "stop", call_id=f"{agent}-{i}", token_ids=[7, 8, 9], prompt_token_ids=[1])
             for i, t in enumerate(texts)
         ]
 
 
-def rollout(policy: EchoPlan, team_credit: str, **env_config: Any) -> TaskRollout:
+def rollout(
+    policy: EchoPlan, team_credit: str, sample_seed: int | None = None, **env_config: Any
+) -> TaskRollout:
     def make_env() -> MASEnv:
         return masenvs.make("plan_path", **env_config)
 
@@ -81,6 +85,7 @@ def rollout(policy: EchoPlan, team_credit: str, **env_config: Any) -> TaskRollou
             rollout_id="t",
             reset_options={"task": TASK},
             team_credit=team_credit,  # type: ignore[arg-type]
+            sample_seed=sample_seed,
         )
     )
 
@@ -158,3 +163,11 @@ def test_team_credit_is_a_rollout_option_that_names_its_values() -> None:
         load_config(None, ["rollout.team_credit=pairs"])
     with pytest.raises(ConfigError, match=r"team_credit.*tree"):
         load_config(None, ["rollout.team_credit=paired", "rollout.mode=trajectory"])
+
+
+def test_a_seeded_run_seeds_each_continuation_apart_and_repeats_them() -> None:
+    first, again = EchoPlan(), EchoPlan()
+    rollout(first, "paired", sample_seed=0)
+    rollout(again, "paired", sample_seed=0)
+    assert first.seeds == again.seeds  # a rerun asks for the same answers
+    assert None not in first.seeds and len(set(first.seeds)) == len(first.seeds)
