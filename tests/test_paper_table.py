@@ -9,6 +9,8 @@ an option still being merged: it is checked once its config and options load.
 
 from __future__ import annotations
 
+import contextlib
+import io
 import math
 import re
 import shlex
@@ -19,6 +21,8 @@ import pytest
 import yaml
 
 from masenvs.overrides import ConfigError
+from masenvs.trainer.commands import eval as eval_command
+from masenvs.trainer.commands import train as train_command
 from masenvs.trainer.config import TrainConfig, load_config
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +32,7 @@ CONFIGS_SECTION = "## The configs"
 ROWS_SECTION = "## Every row, ablation and MetaAgent-X result"
 LANDING = "(landing with issue 45)"
 SOLO = {"plan_path": "plan", "sudoku": "plan", "sokoban": "plan", "math": "reasoner"}
+PARSERS = {"train": train_command.build_parser, "eval": eval_command.build_parser}
 # An eval row's flags and the config values they stand for (the ref validates as it trains).
 EVAL_FLAGS = {
     "--temperature": "validation.temperature",
@@ -148,6 +153,12 @@ def test_each_row_names_a_config_and_holds_its_values(
     assert len(configs) == 1, f"{label}: one config, examples/paper/..., in its config cell"
     path = ROOT / expand(configs[0], task)
     words = shlex.split(expand(command_of(cells[3]), task))
+    if words[1] in PARSERS and not (landing and words[1] == "eval"):
+        with contextlib.redirect_stderr(io.StringIO()) as said:
+            try:  # every flag of the row's command is one the command takes
+                PARSERS[words[1]]().parse_args(words[2:])
+            except SystemExit:
+                pytest.fail(f"{label}: `{' '.join(words)}`: {said.getvalue().strip()}")
     if words[1] in ("train", "sft"):
         assert ROOT / words[2] == path, f"{label}: its command trains {words[2]}, not {path}"
     if not path.exists():
