@@ -36,6 +36,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_cli_errors": ("process",),  # each command as a user runs it
     "test_client_builders": (),
     "test_code_env": ("process",),  # the sandbox
+    "test_cold_start_pipeline": ("process", "slow"),  # the pipeline script: sft, train, eval
     "test_config": (),
     "test_cpu_kernels": ("process",),  # gcc builds the kernels
     "test_dist_learner": ("cluster",),  # torch.distributed ranks on gloo
