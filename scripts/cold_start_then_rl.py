@@ -12,7 +12,8 @@ Each step is the `masenvs` command a user would type (printed as it starts), run
   5. eval:   the RL checkpoint, greedy
   6. control: the same SFT continued for about RL's wall time (more epochs, the same data and
              shuffles, in OUT/sft_continued), greedy eval
-Writes OUT/summary.json and prints the greedy success of the three checkpoints. The learning
+  7. control: RL from the base model with the same recipe (OUT/rl_from_base), greedy eval
+Writes OUT/summary.json and prints the greedy success of the four checkpoints. The learning
 table (3 seeds, docs/learning.md) is made of these runs; it is not measured yet.
 """
 
@@ -86,14 +87,28 @@ def pipeline(args: argparse.Namespace) -> dict:
     more = ["--epochs", str(args.sft_epochs + extra), *sft[2:]]
     control_seconds = run(["sft", config, str(demos), *flags, "--set", f"run_dir={control}", *more])
     continued = greedy_eval(control, out / "eval_sft_continued.json", args.eval_tasks)
+    # RL from the base model, the same recipe and seed (issue 33's result on this task).
+    base = out / "rl_from_base"
+    base_seconds = run(["train", config, *flags, "--set", f"run_dir={base}"])
+    from_base = greedy_eval(base, out / "eval_rl_from_base.json", args.eval_tasks)
 
     summary = {
         "config": config,
         "seed": args.seed,
         "smoke": args.smoke,
         "demos": {"file": str(demos), "seeds": seeds},
-        "greedy_success": {"sft": before, "rl": after, "sft_continued": continued},
-        "seconds": {"sft": sft_seconds, "rl": rl_seconds, "sft_continued": control_seconds},
+        "greedy_success": {
+            "sft": before,
+            "rl": after,
+            "sft_continued": continued,
+            "rl_from_base": from_base,
+        },
+        "seconds": {
+            "sft": sft_seconds,
+            "rl": rl_seconds,
+            "sft_continued": control_seconds,
+            "rl_from_base": base_seconds,
+        },
         "sft_epochs": {"sft": args.sft_epochs, "sft_continued": args.sft_epochs + extra},
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")

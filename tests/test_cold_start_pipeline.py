@@ -39,7 +39,7 @@ def test_the_smoke_pipeline_runs_every_step_from_demos_to_rl(tmp_path: Path) -> 
     rows = [json.loads(line) for line in (out / "demos.jsonl").read_text().splitlines()]
     assert len(rows) == 8 and {r["agent"] for r in rows} == {"tool", "plan"}
     summary = json.loads((out / "summary.json").read_text())
-    assert set(summary["greedy_success"]) == {"sft", "rl", "sft_continued"}
+    assert set(summary["greedy_success"]) == {"sft", "rl", "sft_continued", "rl_from_base"}
     assert summary["sft_epochs"]["sft_continued"] > summary["sft_epochs"]["sft"]
 
     # sft read the 4 demonstrations and trained both agents' adapters (B starts at zero) ...
@@ -53,7 +53,9 @@ def test_the_smoke_pipeline_runs_every_step_from_demos_to_rl(tmp_path: Path) -> 
 
     # every eval is greedy, on the validation seeds, none of them a demonstration's
     demo_seeds = {r["seed"] for r in rows}
-    for name in ("eval_sft", "eval_rl", "eval_sft_continued"):
+    base = out / "rl_from_base" / "checkpoints"
+    assert sorted(p.name for p in base.glob("step_*")) == ["step_00000001"]  # no SFT step 0
+    for name in ("eval_sft", "eval_rl", "eval_sft_continued", "eval_rl_from_base"):
         report = json.loads((out / f"{name}.json").read_text())
         assert report["sampling"]["temperature"] == 0.0 and len(report["tasks"]) == 2
         assert not demo_seeds & {int(t.rsplit(":", 1)[-1]) for t in report["tasks"]}, report[

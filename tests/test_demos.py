@@ -171,3 +171,28 @@ def test_episode_demos_stop_on_a_reply_the_env_rejects(monkeypatch) -> None:
     monkeypatch.setitem(module.SOLVERS, "plan_path", lambda env, agent: "#### [U, U, U, U]")
     with pytest.raises(DemoError, match="did not accept"):
         episode_demos(env, 3)
+
+
+def importers_of_demos(root: Path = ROOT) -> list[str]:
+    """Every package module that imports masenvs.demos (the solvers' caller)."""
+    found = []
+    for folder in ("masenvs", "adapters", "trainer"):
+        for path in sorted((root / folder).rglob("*.py")):
+            text = path.read_text(encoding="utf-8")
+            if "masenvs.demos" in text or "from masenvs import demos" in text:
+                found.append(path.relative_to(root).as_posix())
+    return found
+
+
+def test_only_the_demos_command_calls_the_solvers_demonstrations() -> None:
+    """No env, tool, policy or trainer part of a rollout imports the demonstrations' solvers."""
+    assert importers_of_demos() == ["trainer/commands/demos.py"]
+
+
+def test_a_tool_program_cannot_import_the_solvers() -> None:
+    """The sandbox a rollout's programs run in has no masenvs to import."""
+    from masenvs.envs.tooling import run_tool
+
+    program = "```python\nfrom masenvs.demos import shortest_path\nprint('Moves: [U]')\n```"
+    run = run_tool(program, 5.0)
+    assert not run.ok and "No module named 'masenvs'" in run.output

@@ -40,7 +40,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_config": (),
     "test_cpu_kernels": ("process",),  # gcc builds the kernels
     "test_dist_learner": ("cluster",),  # torch.distributed ranks on gloo
-    "test_demos": (),
+    "test_demos": ("process",),  # a tool program in the sandbox
     "test_embedded": (),
     "test_endpoint": ("process",),  # `masenvs serve` killed with -9
     "test_engine_paths": ("process",),  # fresh interpreters import the old paths
