@@ -35,8 +35,12 @@ ROOT = Path(__file__).resolve().parents[1]
 PAPER = ROOT / "examples" / "paper"
 SCRIPT = ROOT / "scripts" / "check_train_gpu.py"
 DOCS = (ROOT / "docs" / "paper.md").read_text()
-# Stronger-MAS configs; the auto-MAS one's settings are checked in tests/test_auto_mas.py.
-CONFIGS = sorted(p for p in PAPER.glob("*.yaml") if not p.stem.startswith("auto_mas"))
+# Stronger-MAS configs of the MAS rows; the auto-MAS one's settings are checked in
+# tests/test_auto_mas.py, the single-agent baseline's against its MAS config below.
+SINGLE_AGENT = PAPER / "plan_path_single_agent_grpo.yaml"
+CONFIGS = sorted(
+    p for p in PAPER.glob("*.yaml") if not p.stem.startswith("auto_mas") and p != SINGLE_AGENT
+)
 ALL = sorted(PAPER.glob("*.yaml"))  # the rehearsal trains every one, auto-MAS's too
 TASKS = ("plan_path", "sudoku", "sokoban", "math", "code")
 MODELS = {"qwen3_1.7b": "Qwen/Qwen3-1.7B", "qwen3_8b": "Qwen/Qwen3-8B"}
@@ -120,6 +124,22 @@ def test_single_agent_baseline_as_docs_paper_runs_it(tmp_path: Path) -> None:
     result = train(config)
     checkpoint = result.run_dir / "checkpoints" / "step_00000002"
     assert sorted(p.name for p in (checkpoint / "adapters").iterdir()) == ["plan"]
+
+
+def test_single_agent_grpo_is_the_mas_config_with_one_role_in_a_tree() -> None:
+    # The ref's single-agent "GRPO" runs (stateful_L0_single_agent.yaml) are tree sampling
+    # with the plan agent alone, at its L0 temperatures; all else is the MAS config's.
+    single, mas = load_config(SINGLE_AGENT), load_config(PAPER / "plan_path_qwen3_1.7b.yaml")
+    assert single.env.options == {**mas.env.options, "single_agent": True}
+    assert single.rollout.mode == "tree" and single.rollout.group_by == "turn_agent"
+    assert (single.rollout.temperature, single.validation.temperature) == (1.0, 0.6)
+    assert single.rollout.model_copy(update={"temperature": mas.rollout.temperature}) == mas.rollout
+    temperature = {"temperature": mas.validation.temperature}
+    assert single.validation.model_copy(update=temperature) == mas.validation
+    assert single.agents == {"plan": mas.agents["plan"]}
+    for section in ("model", "algorithm", "optim", "policy", "lora", "backend", "steps"):
+        assert getattr(single, section) == getattr(mas, section), section
+    assert single.run_dir != mas.run_dir
 
 
 def check_train_gpu() -> ModuleType:

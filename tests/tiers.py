@@ -29,6 +29,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_agent_settings": (),
     "test_architecture": ("process",),  # `git ls-files`, a fresh interpreter's imports
     "test_auto_mas": ("process",),  # designs run in the sandbox
+    "test_baselines": (),
     "test_batch_invariant": (),
     "test_chat_templates": (),
     "test_check_env": (),

@@ -62,19 +62,35 @@ class EnvSpec(Section):
 class _RolloutFields(Section):
     """How training episodes are sampled (AT-GRPO tree sampling, or independent trajectories)."""
 
-    mode: Literal["tree", "trajectory"] = Field(
+    mode: Literal["tree", "trajectory", "no_tree"] = Field(
         "tree",
         description="'tree': AT-GRPO tree sampling (K candidates per agent per turn from one "
-        "state, the best continues); 'trajectory': K independent episodes per task, one "
-        "answer per turn, no branching (the paper's '+GRPO' baselines; PettingLLMs' no_tree).",
+        "state, the best continues; with env.options.single_agent, the authors' single-agent "
+        "GRPO); 'trajectory': K independent episodes per task, one answer per turn, every "
+        "turn trains, grouped by group_by (masenvs' GRPO without a tree); 'no_tree': the "
+        "authors' +rollout_mode=no_tree: K independent episodes per task, only the samples "
+        "of the task's last turn (the largest any episode reached) train, one group per task "
+        "and policy.",
     )
-    group_by: Literal["turn_agent", "agent"] = Field(
+    group_by: Literal["turn_agent", "agent", "turn", "task"] = Field(
         "turn_agent",
-        description="Advantage groups: 'turn_agent' = (task, turn, agent), each sample's "
-        "reward its turn's mixed reward (the paper's); 'agent' = (task, agent): in trajectory "
-        "mode every call of an agent gets its episode return, in tree mode an agent's "
-        "candidates of all turns share one baseline (the grouping ablations).",
+        description="Advantage groups (the grouping ablation), within one policy: "
+        "'turn_agent' = (task, turn, agent), the paper's; 'agent' = (task, agent); 'turn' = "
+        "(task, turn): a turn's agents share a baseline; 'task' = (task): no grouping. Tree "
+        "mode: each sample keeps its turn's mixed reward; trajectory mode: with 'agent' and "
+        "'task' every call of an agent gets its episode return. 'no_tree' groups by task.",
     )
+
+    @model_validator(mode="after")
+    def _no_tree_groups_by_task(self) -> _RolloutFields:
+        if self.mode == "no_tree" and self.group_by not in ("turn_agent", "task"):
+            raise ValueError(
+                f"rollout.mode 'no_tree' groups by task (the authors' group is the problem), "
+                f"not by {self.group_by!r}: leave rollout.group_by out, or use rollout.mode "
+                "'trajectory' for the other groupings"
+            )
+        return self
+
     branches: int = Field(
         4,
         ge=1,

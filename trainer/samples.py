@@ -20,13 +20,9 @@ GroupKey = tuple[Hashable, ...]
 
 
 def tree_group(task_id: Hashable, round: int, agent: str) -> GroupKey:
-    """AT-GRPO tree rollouts: the K candidates of one agent at one round of one task."""
+    """AT-GRPO tree rollouts: the K candidates of one agent at one round of one task (the
+    default; `rollout.group_by`'s other keys are in trainer/rollout/grouping.py)."""
     return (task_id, round, agent)
-
-
-def trajectory_group(task_id: Hashable, agent: str) -> GroupKey:
-    """Trajectory-level GRPO grouped by agent: every call of one agent in K episodes of a task."""
-    return (task_id, agent)
 
 
 def workflow_group(

@@ -179,7 +179,7 @@ class TreeSource:
         started = time.time()
         if self.pool is not None:  # the workers play cfg.rollout.mode too (worker_spec)
             results = await asyncio.to_thread(self.pool.tree, f"s{step}", seeds)
-        elif cfg.rollout.mode == "trajectory":
+        elif cfg.rollout.mode in ("trajectory", "no_tree"):
             results = await collect_trajectory_batch(
                 self.make_env,
                 seeds,
@@ -187,6 +187,7 @@ class TreeSource:
                 branches=cfg.rollout.branches,
                 policy_of=self.learner.policy_of,
                 group_by=cfg.rollout.group_by,
+                no_tree=cfg.rollout.mode == "no_tree",
                 rollout_prefix=f"s{step}",
                 concurrency=cfg.rollout.concurrency,
                 sample_seed=self.sample_seed,

@@ -1,5 +1,6 @@
 """Tree-structured sampling (AT-GRPO, Stronger-MAS §3): K candidates per agent per turn;
-and its baseline, trajectory-level GRPO: K independent episodes per task (end of the file).
+and its baselines without a tree, K independent episodes per task, trained on every turn
+(`trajectory`) or on the task's last turn only (the authors' `no_tree`) (end of the file).
 
 Agents act one after another in the env's turn order; each env step is one agent's turn.
 At every turn the acting agent samples K candidates from the same state (one request with
@@ -8,7 +9,8 @@ and scored by the reward the env gives that agent for it. The best candidate (by
 own mixed reward, the paper's default, or by the team reward) is committed: its branch *is*
 the committed state, so nothing is replayed and no tool program runs twice. The next agent
 then samples from that state, which shows what the agents before it did this round. Every
-candidate becomes a training sample in group (task, round, agent). The team term of an agent
+candidate becomes a training sample in group (task, round, agent), or
+another `group_by` key (trainer/rollout/grouping.py). The team term of an agent
 that acts before the round's last actor is the committed path's (`RoundCredit`), or with
 `team_credit="paired"` its own branch's continuation's (trainer/rollout/paired_credit.py).
 """
@@ -25,8 +27,9 @@ from typing import Any, Literal
 
 from masenvs.adapters.policy import ChatPolicy, Reply
 from masenvs.env import MASEnv, Snapshot
+from masenvs.trainer.rollout.grouping import GroupBy, last_turn_only, regroup, spans_turns
 from masenvs.trainer.rollout.paired_credit import Continuations, TeamCredit
-from masenvs.trainer.samples import Sample, trajectory_group, tree_group
+from masenvs.trainer.samples import Sample, tree_group
 
 
 @dataclass
@@ -81,7 +84,7 @@ async def tree_rollout(
     rollout_id: str,
     reset_options: dict[str, Any] | None = None,
     sample_seed: int | None = None,
-    group_by: Literal["agent", "turn_agent"] = "turn_agent",
+    group_by: GroupBy = "turn_agent",
     team_credit: TeamCredit = "committed",
 ) -> TaskRollout:
     env = make_env()
@@ -138,9 +141,7 @@ async def tree_rollout(
             totals[name] += reward
         this_round.commit(agent, scored[best].rewards)
 
-    if group_by == "agent":  # ablation: no turn-wise grouping, an agent's turns pooled
-        for sample in result.samples:
-            sample.group = trajectory_group(task_id, sample.agent)
+    regroup(result.samples, task_id, group_by)  # rollout.group_by (grouping.py)
     result.paired_calls = continuations.calls
     return _outcome(result, env, totals)
 
@@ -308,7 +309,7 @@ async def collect_tree_batch(
     rollout_prefix: str = "train",
     concurrency: int = 8,
     sample_seed: int | None = None,
-    group_by: Literal["agent", "turn_agent"] = "turn_agent",
+    group_by: GroupBy = "turn_agent",
     team_credit: TeamCredit = "committed",
 ) -> list[TaskRollout]:
     """Tree rollouts of many tasks in flight at once (the backend batches their calls);
@@ -334,7 +335,7 @@ async def collect_tree_batch(
 
 
 # ---------------------------------------------------------------------------------------------
-# Trajectory-level GRPO (rollout.mode: trajectory): K independent episodes per task, no tree.
+# Baselines without a tree (rollout.mode: trajectory, no_tree): K independent episodes per task.
 # ---------------------------------------------------------------------------------------------
 
 
@@ -345,17 +346,18 @@ async def trajectory_rollout(
     *,
     episode: int,
     policy_of: Callable[[str], str],
-    group_by: Literal["agent", "turn_agent"] = "turn_agent",
+    group_by: GroupBy = "turn_agent",
     rollout_id: str,
     reset_options: dict[str, Any] | None = None,
     sample_seed: int | None = None,
 ) -> TaskRollout:
     """Episode `episode` of task `seed`: every agent answers once per turn (n=1) and plays on.
 
-    Every call is a sample. `group_by="turn_agent"`: group (task, round, agent), reward the
-    agent's mixed reward of that turn (with the team term later agents' steps pay, see
-    `RoundCredit`); `"agent"`: group (task, agent), reward the agent's episode return, shared
-    by all its calls (GRPO on whole trajectories). The K episodes of a task fill the groups.
+    Every call is a sample, in `group_by`'s group (trainer/rollout/grouping.py). Its reward is
+    the agent's mixed reward of that turn (with the team term later agents' steps pay, see
+    `RoundCredit`), or, when the group pools rounds ('agent', 'task'), the agent's episode
+    return, shared by all its calls (GRPO on whole trajectories). The K episodes of a task
+    fill the groups.
     """
     env = make_env()
     _, infos = env.reset(seed=seed, options=reset_options)
@@ -392,11 +394,21 @@ async def trajectory_rollout(
             totals[name] += reward
         this_round.commit(agent, rewards)
 
-    if group_by == "agent":  # one outcome per agent and episode, on every call it made
+    if spans_turns(group_by):  # one outcome per agent and episode, on every call it made
         for sample in result.samples:
             sample.reward = totals[sample.agent]
-            sample.group = trajectory_group(task_id, sample.agent)
+    regroup(result.samples, task_id, group_by)
     return _outcome(result, env, totals)
+
+
+def keep_last_turn(episodes: list[TaskRollout]) -> None:
+    """`rollout.mode: no_tree`, the authors' protocol, on the K episodes of one task: only the
+    samples of the task's last turn train (`last_turn_only`, per policy), each with its
+    turn's reward, in one group per task and policy. The episodes' outcomes stay as played."""
+    kept = {id(s) for s in last_turn_only([s for e in episodes for s in e.samples])}
+    for e in episodes:
+        e.samples = [s for s in e.samples if id(s) in kept]
+        regroup(e.samples, e.task_id, "task")
 
 
 async def collect_trajectory_batch(
@@ -406,18 +418,21 @@ async def collect_trajectory_batch(
     *,
     branches: int,
     policy_of: Callable[[str], str],
-    group_by: Literal["agent", "turn_agent"] = "turn_agent",
+    group_by: GroupBy = "turn_agent",
+    no_tree: bool = False,
     rollout_prefix: str = "train",
     concurrency: int = 8,
     sample_seed: int | None = None,
+    reset_options: dict[str, Any] | None = None,
 ) -> list[TaskRollout]:
     """`branches` (K) independent episodes of every task, one `TaskRollout` each, in (task,
-    episode) order; `concurrency` tasks in flight, each with its K episodes at once."""
+    episode) order; `concurrency` tasks in flight, each with its K episodes at once.
+    `no_tree`: the authors' protocol (`keep_last_turn`), whatever `group_by` says."""
     limit = asyncio.Semaphore(concurrency)
 
     async def task(seed: int) -> list[TaskRollout]:
         async with limit:
-            return await asyncio.gather(
+            episodes = await asyncio.gather(
                 *(
                     trajectory_rollout(
                         make_env,
@@ -425,13 +440,17 @@ async def collect_trajectory_batch(
                         policy,
                         episode=k,
                         policy_of=policy_of,
-                        group_by=group_by,
+                        group_by="turn_agent" if no_tree else group_by,
                         rollout_id=f"{rollout_prefix}-{seed}-e{k}",
+                        reset_options=reset_options,
                         sample_seed=sample_seed,
                     )
                     for k in range(branches)
                 )
             )
+        if no_tree:
+            keep_last_turn(episodes)
+        return episodes
 
     per_task = await asyncio.gather(*(task(s) for s in seeds))
     return [r for results in per_task for r in results]

@@ -28,6 +28,7 @@ from masenvs.engine.protocol import honours_seed
 from masenvs.registry import make
 from masenvs.traces import EpisodeRecord
 from masenvs.trainer.config import DistributedConfig, TrainConfig
+from masenvs.trainer.rollout.grouping import GroupBy
 from masenvs.trainer.rollout.paired_credit import TeamCredit
 from masenvs.trainer.rollout.ray_cluster import WorkerError, ray_reason, reachable_url, start_ray
 from masenvs.trainer.rollout.tree import TaskRollout, collect_trajectory_batch, collect_tree_batch
@@ -58,8 +59,8 @@ class WorkerSpec:
     select_by: Literal["team", "agent"] = "agent"
     concurrency: int = 8  # tasks in flight in this worker
     sample_seed: int | None = None  # seeds tree sampling's calls (rollout.call_seed)
-    mode: Literal["tree", "trajectory"] = "tree"  # rollout.mode: what `tree()` plays
-    group_by: Literal["agent", "turn_agent"] = "turn_agent"  # rollout.group_by
+    mode: Literal["tree", "trajectory", "no_tree"] = "tree"  # rollout.mode: what `tree()` plays
+    group_by: GroupBy = "turn_agent"  # rollout.group_by
     team_credit: TeamCredit = "committed"  # rollout.team_credit
     workflow: WorkflowSpec | None = None  # workflow mode: the program runs in the worker
     # The trainer's working directory and import path, where they exist on the worker's node:
@@ -93,9 +94,10 @@ class RolloutWorker:
 
     async def tree(self, prefix: str, seeds: list[int]) -> list[TaskRollout]:
         """Training rollouts of `seeds` as in-process: tree rollouts (ids `{prefix}-{seed}`),
-        or K independent episodes per seed in trajectory mode (`{prefix}-{seed}-e{k}`)."""
+        or K independent episodes per seed in trajectory and no_tree modes
+        (`{prefix}-{seed}-e{k}`)."""
         s = self.spec
-        if s.mode == "trajectory":
+        if s.mode in ("trajectory", "no_tree"):
             return await collect_trajectory_batch(
                 lambda: make(s.env_name, **s.env_options),
                 seeds,
@@ -103,6 +105,7 @@ class RolloutWorker:
                 branches=s.branches,
                 policy_of=s.policies.__getitem__,
                 group_by=s.group_by,
+                no_tree=s.mode == "no_tree",
                 rollout_prefix=prefix,
                 concurrency=s.concurrency,
                 sample_seed=s.sample_seed,
