@@ -1,6 +1,7 @@
 """Solver demonstrations: each agent's turn as the env prompts it, hint-free, answered by the
 task's exact solver in the format the env parses (plan-path: a BFS shortest path; Sudoku: the
-unique solution; Sokoban: a BFS shortest solution), and played so the env accepts it.
+unique solution; Sokoban: a BFS shortest solution; a tool agent that writes code: a program
+that finds and prints that answer), and played so the env accepts it.
 
 `masenvs demos` writes them for `masenvs sft` (a cold start). The solvers are called here and
 nowhere else: no env, observation or tool of a rollout reaches them.
@@ -14,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from masenvs.demo_programs import PRINTS, program_reply
 from masenvs.env import MASEnv
 from masenvs.envs import grid
 from masenvs.registry import make
@@ -50,21 +52,21 @@ def shortest_path(env: Any) -> list[str]:
     return moves
 
 
-def plan_path_reply(env: Any, agent: str) -> str:
-    return f"#### [{', '.join(shortest_path(env))}]"
+def plan_path_answer(env: Any) -> str:
+    return f"[{', '.join(shortest_path(env))}]"
 
 
-def sudoku_reply(env: Any, agent: str) -> str:
+def sudoku_answer(env: Any) -> str:
     from masenvs.envs.sudoku_solver import solutions
 
     n = env.task.size
     found = solutions([v for row in env.state.board for v in row], n, 1)
     if not found:
         raise DemoError(f"the sudoku board of seed {env.demo_seed} has no solution")
-    return "#### " + json.dumps([found[0][r * n : (r + 1) * n] for r in range(n)])
+    return json.dumps([found[0][r * n : (r + 1) * n] for r in range(n)])
 
 
-def sokoban_reply(env: Any, agent: str) -> str:
+def sokoban_answer(env: Any) -> str:
     from dataclasses import replace
 
     from masenvs.envs.sokoban_solver import solve
@@ -76,26 +78,37 @@ def sokoban_reply(env: Any, agent: str) -> str:
             f"the Sokoban solver found no solution for seed {env.demo_seed} within "
             f"{env.config.solver_states} states: raise --set solver_states=..."
         )
-    return f"#### [{', '.join(found.moves)}]"
+    return f"[{', '.join(found.moves)}]"
 
 
-SOLVERS: dict[str, Callable[[Any, str], str]] = {
-    "plan_path": plan_path_reply,
-    "sudoku": sudoku_reply,
-    "sokoban": sokoban_reply,
+# env -> its solver's answer on the current state, as the env parses it after `####`
+SOLVERS: dict[str, Callable[[Any], str]] = {
+    "plan_path": plan_path_answer,
+    "sudoku": sudoku_answer,
+    "sokoban": sokoban_answer,
 }
 
 
+def writes_program(env: MASEnv, agent: str) -> bool:
+    """The agent's role is a program (the tool agent, unless plan-path's tool proposes moves)."""
+    tool_task = getattr(env.config, "tool_task", "search")
+    return agent == "tool" and not env.config.single_agent and tool_task == "search"
+
+
 def solver_reply(env: MASEnv, agent: str) -> str:
-    """The solver's answer for `agent` on the env's current state, as the env parses it."""
-    return SOLVERS[env.name](env, agent)
+    """The solver's answer for `agent` on the env's current state, in the form the env reads:
+    `#### answer`, or for a role that writes a program, a program that prints the answer."""
+    if writes_program(env, agent):
+        board = env.state.board if env.name == "sudoku" else env.board()
+        return program_reply(env.name, board)
+    return f"#### {SOLVERS[env.name](env)}"
 
 
 # --- demonstrations -------------------------------------------------------------------------
 
 
 def demo_env(env_name: str, options: dict[str, Any]) -> MASEnv:
-    """The env demonstrations are written in: hint-free, every role answering in words."""
+    """The env demonstrations are written in: one with a solver, and hint-free."""
     if env_name not in SOLVERS:
         raise DemoError(
             f"no solver for {env_name!r}: demonstrations exist for {', '.join(sorted(SOLVERS))}"
@@ -110,15 +123,6 @@ def demo_env(env_name: str, options: dict[str, Any]) -> MASEnv:
     hinted = [o for o in HINTS[env_name] if getattr(env.config, o)]
     if hinted:  # a default that turns a hint on
         raise DemoError(f"{env_name}'s {hinted[0]} is on: --set {hinted[0]}=false")
-    writes_program = "tool" in env.possible_agents and (
-        env_name != "plan_path" or env.config.tool_task == "search"
-    )
-    if writes_program:
-        fix = "--set tool_task=propose (or " if env_name == "plan_path" else "("
-        raise DemoError(
-            f"the tool agent of {env_name} writes a program here, and demonstrations are "
-            f"answers: {fix}--set single_agent=true for the plan agent alone)"
-        )
     return env
 
 
@@ -131,12 +135,15 @@ def episode_demos(env: MASEnv, seed: int) -> list[dict[str, Any]]:
     while env.agents:
         agent, round_ = env.acting, env.round
         prompt = infos[agent]["messages"]
-        reply = solver_reply(env, agent)
+        reply, answer = solver_reply(env, agent), SOLVERS[env.name](env)
         _, _, _, _, infos = env.step({agent: reply})
-        if infos[agent]["reward_parts"]["agent"] < 0:  # a format, rule or clue penalty
+        printed = f"{PRINTS[env.name]} {answer}"
+        if infos[agent]["reward_parts"]["agent"] < 0 or (  # a format, rule or clue penalty
+            writes_program(env, agent) and env.state.tool_runs[-1].output.strip() != printed
+        ):
             raise DemoError(
-                f"{env.name} did not accept the solver's reply {reply!r} to {agent} on seed "
-                f"{seed}: {env.last_feedback.get(agent)}"
+                f"{env.name} did not accept the solver's reply {reply[:300]!r} to {agent} on seed "
+                f"{seed} (a program must print {printed!r}): {env.last_feedback.get(agent)}"
             )
         rows.append(
             {

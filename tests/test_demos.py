@@ -9,6 +9,7 @@ from pathlib import Path
 import pytest
 
 from masenvs.cli import main
+from masenvs.demo_programs import PRINTS
 from masenvs.demos import DemoError, episode_demos, solver_reply
 from masenvs.registry import make
 from masenvs.trainer.commands.demos import demos
@@ -22,6 +23,13 @@ HINT_FREE = {
     "sudoku": {"size": 4, "single_agent": True},
     "sokoban": {"width": 6, "height": 6, "single_agent": True},
 }
+# The tool agent writes a program in these: its demonstration is a program that solves the task.
+TEAMS = {
+    "plan_path": {"size": 5, "tool_task": "search"},
+    "sudoku": {"size": 4},
+    "sokoban": {"width": 6, "height": 6},
+}
+CASES = [(name, options) for name in sorted(HINT_FREE) for options in (HINT_FREE, TEAMS)]
 # Words that only a hint option puts into a prompt (offsets, candidates, empty-cell lists).
 HINT_WORDS = ("of A", "if no wall", "only", "fits", "?]", "stand at", "its goal is")
 
@@ -30,14 +38,16 @@ def read(path: Path) -> list[dict]:
     return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-@pytest.mark.parametrize("env_name", sorted(HINT_FREE))
-def test_demos_replay_to_success_from_hint_free_prompts(env_name: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("env_name", "cases"), CASES)
+def test_demos_replay_to_success_from_hint_free_prompts(
+    env_name: str, cases: dict, tmp_path: Path
+) -> None:
     out = tmp_path / "demos.jsonl"
-    sets = [f"--set={k}={v}" for k, v in HINT_FREE[env_name].items()]
+    sets = [f"--set={k}={v}" for k, v in cases[env_name].items()]
     assert main(["demos", env_name, "--seeds", "10:14", "--out", str(out), *sets]) == 0
     rows = read(out)
     assert sorted({r["seed"] for r in rows}) == [10, 11, 12, 13]
-    env = make(env_name, **HINT_FREE[env_name])
+    env = make(env_name, **cases[env_name])
     for seed in range(10, 14):
         mine = [r for r in rows if r["seed"] == seed]
         assert [r["agent"] for r in mine] == env.possible_agents  # every role's turn, in order
@@ -76,11 +86,18 @@ def test_a_hint_option_is_refused(env_name: str, option: str) -> None:
         demos(env_name, options, range(0, 2))
 
 
-def test_a_role_that_writes_programs_is_refused_with_the_fix() -> None:
-    with pytest.raises(DemoError, match="tool_task=propose"):
-        demos("plan_path", {"tool_task": "search"}, range(0, 2))
-    with pytest.raises(DemoError, match="single_agent=true"):
-        demos("sudoku", {}, range(0, 2))
+@pytest.mark.parametrize("env_name", sorted(TEAMS))
+def test_the_tool_agent_demonstrates_a_program_that_prints_the_solvers_answer(
+    env_name: str,
+) -> None:
+    rows = demos(env_name, TEAMS[env_name], range(3, 5))
+    for tool, plan in zip(rows[::2], rows[1::2], strict=True):
+        assert (tool["agent"], plan["agent"]) == ("tool", "plan")
+        program = tool["messages"][-1]["content"]
+        assert program.startswith("```python\n") and program.endswith("\n```")
+        answer = plan["messages"][-1]["content"].removeprefix("#### ")
+        # the plan agent reads the program's output: the answer it then gives
+        assert f"{PRINTS[env_name]} {answer}" in plan["messages"][-2]["content"]
 
 
 def test_validation_seeds_are_refused(tmp_path: Path, capsys) -> None:
@@ -168,25 +185,34 @@ def test_episode_demos_stop_on_a_reply_the_env_rejects(monkeypatch) -> None:
     import masenvs.demos as module
 
     env = make("plan_path", size=4, single_agent=True)
-    monkeypatch.setitem(module.SOLVERS, "plan_path", lambda env, agent: "#### [U, U, U, U]")
+    monkeypatch.setitem(module.SOLVERS, "plan_path", lambda env: "[U, U, U, U]")
     with pytest.raises(DemoError, match="did not accept"):
         episode_demos(env, 3)
 
 
+DEMO_MODULES = {"masenvs.demos", "masenvs.demo_programs"}
+
+
 def importers_of_demos(root: Path = ROOT) -> list[str]:
-    """Every package module that imports masenvs.demos (the solvers' caller)."""
+    """Every package module that imports masenvs.demos or masenvs.demo_programs."""
+    import ast
+
     found = []
     for folder in ("masenvs", "adapters", "trainer"):
         for path in sorted((root / folder).rglob("*.py")):
-            text = path.read_text(encoding="utf-8")
-            if "masenvs.demos" in text or "from masenvs import demos" in text:
-                found.append(path.relative_to(root).as_posix())
+            for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+                names = [a.name for a in node.names] if isinstance(node, ast.Import) else []
+                if isinstance(node, ast.ImportFrom) and node.module:
+                    names = [node.module, *(f"{node.module}.{a.name}" for a in node.names)]
+                if DEMO_MODULES & set(names):
+                    found.append(path.relative_to(root).as_posix())
+                    break
     return found
 
 
 def test_only_the_demos_command_calls_the_solvers_demonstrations() -> None:
     """No env, tool, policy or trainer part of a rollout imports the demonstrations' solvers."""
-    assert importers_of_demos() == ["trainer/commands/demos.py"]
+    assert importers_of_demos() == ["masenvs/demos.py", "trainer/commands/demos.py"]
 
 
 def test_a_tool_program_cannot_import_the_solvers() -> None:
