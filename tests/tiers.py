@@ -29,6 +29,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_agent_settings": (),
     "test_architecture": ("process",),  # `git ls-files`, a fresh interpreter's imports
     "test_auto_mas": ("process",),  # designs run in the sandbox
+    "test_auto_mas_harness": ("process",),  # designs in the sandbox; `masenvs sft`
     "test_baselines": (),
     "test_batch_invariant": (),
     "test_chat_templates": (),
@@ -164,6 +165,7 @@ SLOW: frozenset[str] = frozenset(
         "test_progress::test_a_training_run_in_a_log_names_each_phase_as_it_starts",
         "test_progress::test_rollout_and_eval_say_what_they_load_before_it_is_loaded",
         "test_serving::test_separate_bases_serve_each_agent_from_its_own_base",
+        "test_auto_mas_harness::test_the_authors_sft_trains_every_token_with_a_rank_64_adapter",
         "test_sft::test_full_sft_learns_the_replies",
         "test_sft::test_sft_lowers_the_loss_and_train_resumes_from_its_adapters",
         "test_serve_adapters::test_serve_warms_every_adapter_before_it_says_ready",

@@ -29,6 +29,7 @@ from pydantic import Field, model_validator
 
 from masenvs.env import EnvConfig, EpisodeState, MASEnv, Message, RewardParts
 from masenvs.mas.blocks import answer_of
+from masenvs.mas.compat import published
 from masenvs.mas.design import DesignRun, DesignRunner, extract_design
 from masenvs.mas.llm import EXECUTOR
 from masenvs.parsing import clip_text, last_code_block
@@ -36,8 +37,19 @@ from masenvs.sampling_args import SamplingArgs
 from masenvs.tasks.loaders import TaskSource, open_source, task_from_dict
 from masenvs.tasks.records import CodeTask, MathTask
 
+HARNESS_DEFAULTS = {"max_rounds": 1, "temperature": 0.0, "repetition_penalty": 1.2}
+
 
 class AutoMASConfig(EnvConfig):
+    harness: Literal["masenvs", "published"] = Field(
+        "masenvs",
+        description="Which harness prompts the designer and runs its designs. masenvs: our "
+        "block library and example, every design form, ToolAgent nodes. published: the "
+        "published MetaAgent-X harness (docs/auto-mas.md, 'Two harnesses'): its designer and "
+        "node prompts, tool output and extraction, its AgentNode loop, only `workflow = "
+        "Workflow(...)` scripts run; max_rounds 1, executors greedy with repetition "
+        "penalty 1.2 unless set.",
+    )
     task: Literal["math", "code", "mixed"] = Field(
         "math",
         description="What the designed systems solve; mixed: math and code tasks drawn at "
@@ -90,8 +102,14 @@ class AutoMASConfig(EnvConfig):
     )
     temperature: float | None = Field(
         None,
-        description="Executor temperature (None: the endpoint's default).",
+        description="Executor temperature (None: the endpoint's default; harness published: 0).",
         **SamplingArgs.bounds("temperature"),
+    )
+    repetition_penalty: float | None = Field(
+        None,
+        description="Executor repetition penalty (None: the endpoint's default; harness "
+        "published: 1.2, as its executors sample).",
+        **SamplingArgs.bounds("repetition_penalty"),
     )
     design_seconds: float = Field(120.0, gt=0, description="Wall seconds of one execution.")
     design_memory_mb: int = Field(1024, ge=256, description="Memory of one execution's process.")
@@ -104,6 +122,21 @@ class AutoMASConfig(EnvConfig):
     )
     test_timeout: float = Field(5.0, gt=0, description="CPU seconds per hidden code test.")
     shown_chars: int = Field(1500, ge=200, description="How much of a result is shown back.")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _published_defaults(cls, data: Any) -> Any:
+        """The published harness asks for one design and samples executors greedily with
+        repetition penalty 1.2 (gen_agent.py:120-126; trainer/async_generate.py:451-458);
+        temperature and penalty stay the user's to set."""
+        if not isinstance(data, dict) or data.get("harness") != "published":
+            return data
+        if data.get("max_rounds", 1) != 1:
+            raise ValueError(
+                "harness: published asks the designer once (its prompt has no place for a "
+                "last design's result): max_rounds must be 1"
+            )
+        return {**HARNESS_DEFAULTS, **data}
 
     @model_validator(mode="after")
     def _mixed_sources(self) -> AutoMASConfig:
@@ -236,10 +269,17 @@ class AutoMASEnv(MASEnv):
     def question(self) -> str:
         if isinstance(self.task, MathTask):
             return self.task.question
+        if self.config.harness == "published":  # the problem as it is (its nodes say <solution>)
+            return self.task.prompt
         return f"{self.task.prompt}\n\n{CODE_NOTE}"
 
     def prompt(self, agent: str) -> list[Message]:
         cfg = self.config
+        if cfg.harness == "published":  # gen_agent.py:123-124
+            return [
+                {"role": "system", "content": published.DESIGNER_SYSTEM},
+                {"role": "user", "content": published.designer_user(self.question())},
+            ]
         lines = [f"Task:\n{self.question()}", "", f"Design {self.round + 1} of {cfg.max_rounds}."]
         if self.state.designs:
             last = self.state.designs[-1]
@@ -261,7 +301,8 @@ class AutoMASEnv(MASEnv):
     # --- one design ---------------------------------------------------------------------------
 
     def play_turn(self, agent: str, action: str) -> RewardParts:
-        design = extract_design(action)
+        published_harness = self.config.harness == "published"
+        design = (published.extract_design if published_harness else extract_design)(action)
         design_id = self._design_id(action)
         executions: list[Execution] = []
         error = None
@@ -323,6 +364,8 @@ class AutoMASEnv(MASEnv):
             memory_mb=cfg.design_memory_mb,
             max_tool_runs=cfg.max_tool_runs,
             task="math" if isinstance(self.task, MathTask) else "code",
+            repetition_penalty=cfg.repetition_penalty,
+            harness=cfg.harness,
         )
         messages = [{"role": "user", "content": self.question()}]
         ids = [f"mas-{design_id}-{m}" for m in range(cfg.executions)]

@@ -82,6 +82,10 @@ class DesignRunner:
     memory_mb: int = 1024
     max_tool_runs: int = 16  # runs of the Python tool (ToolAgent) per execution
     task: str = "math"  # math | code: what the `workflow` API's nodes are told to deliver
+    repetition_penalty: float | None = None  # every call's (None: the endpoint's default)
+    # "published": run it as the published harness would (masenvs.mas.compat.published):
+    # a `workflow` script, patched as there, its nodes prompted as there
+    harness: str = "masenvs"
 
     def run(self, source: str, messages: list[Message], rollout_id: str) -> DesignRun:
         from masenvs.mas.gate import Gate
@@ -101,6 +105,7 @@ class DesignRunner:
             max_tokens=self.max_tokens,
             temperature=self.temperature,
             max_tool_runs=self.max_tool_runs,
+            repetition_penalty=self.repetition_penalty,
         )
         try:
             job = {
@@ -112,6 +117,7 @@ class DesignRunner:
                 "max_tokens": self.max_tokens,
                 "temperature": self.temperature,
                 "task_type": self.task,
+                "harness": self.harness,
             }
             limits = replace(
                 sandbox.limits,
@@ -285,6 +291,15 @@ def _result_fields(out: dict[str, Any]) -> dict[str, Any]:
     }
 
 
+def _as_run(source: str, published: bool) -> str:
+    """The design's code as its harness runs it: the published one patches it first."""
+    if not published:
+        return source
+    from masenvs.mas.compat.published import patch_script
+
+    return patch_script(source)
+
+
 def _main() -> None:
     """Run one design (stdin: the job as JSON) and print the result line."""
     import asyncio
@@ -296,6 +311,7 @@ def _main() -> None:
 
     job = json.loads(sys.stdin.read())
     out: dict[str, Any] = {"answer": None, "graph": None, "error": None}
+    published = job.get("harness") == "published"
     llm = connect(
         uds=job["socket"],
         model=job["model"],
@@ -303,16 +319,20 @@ def _main() -> None:
         max_tokens=job["max_tokens"],
         temperature=job["temperature"],
         per_node=True,
+        harness=job.get("harness") or "masenvs",
     )
     system: Any = None
+    source = _as_run(job["source"], published)
     try:
-        code = compile(job["source"], "<design>", "exec")
+        code = compile(source, "<design>", "exec")
     except SyntaxError as exc:
         out["error"] = f"syntax error: {exc.msg} (line {exc.lineno})"
     else:
         from masenvs.mas import compat
 
-        if compat.uses_workflow_api(job["source"]):  # the published system's scripts
+        # The published harness runs every design as a `workflow` script; ours also runs
+        # masenvs blocks.
+        if published or compat.uses_workflow_api(source):
             question = next(
                 (m["content"] for m in reversed(job["messages"]) if m["role"] == "user"), ""
             )

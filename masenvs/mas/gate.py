@@ -45,7 +45,7 @@ _NODE = re.compile(r"[A-Za-z0-9_.:-]{1,64}")
 GATE_HEADER = "X-Masenvs-Gate"  # what the gate changed in a request, as JSON
 # Request fields a design may set: none of them changes how tokens are drawn. Everything
 # else (n, top_p, seed, ignore_eos, min_tokens, logit_bias, penalties, ...) is dropped;
-# max_tokens and temperature are the env's.
+# max_tokens, temperature and repetition_penalty are the env's.
 _KEPT = frozenset(
     {"model", "messages", "stop", "tools", "tool_choice", "parallel_tool_calls", "user"}
 )
@@ -99,10 +99,11 @@ class Gate:
         max_tokens: int | None = None,
         temperature: float | None = None,
         max_tool_runs: int | None = None,
+        repetition_penalty: float | None = None,
     ) -> None:
-        """`max_tokens` / `temperature`: the env's settings every call is sent with (None:
-        the endpoint's default, whatever the design asks). `max_tool_runs` bounds the runs
-        of the Python tool (`POST /v1/tools/python`)."""
+        """`max_tokens` / `temperature` / `repetition_penalty`: the env's settings every call
+        is sent with (None: the endpoint's default, whatever the design asks).
+        `max_tool_runs` bounds the runs of the Python tool (`POST /v1/tools/python`)."""
         if "/" in rollout_id or not rollout_id:
             raise ValueError(f"bad rollout id {rollout_id!r}")
         self.target = f"{endpoint_url.rstrip('/')}/r/{rollout_id}/v1/chat/completions"
@@ -121,6 +122,8 @@ class Gate:
             self.sampling["max_tokens"] = max_tokens
         if temperature is not None:
             self.sampling["temperature"] = temperature
+        if repetition_penalty is not None:
+            self.sampling["repetition_penalty"] = repetition_penalty
         # The directory is searchable but not listable by the sandbox uid (0711), so a
         # design reaches only a socket whose name it was given.
         GATE_DIR.mkdir(parents=True, exist_ok=True)

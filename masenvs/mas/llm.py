@@ -47,6 +47,9 @@ class LLM:
     gate: Any = None
     socket: str | None = None  # the gate's Unix socket (for the synchronous tool call)
     tool_runs: int = 0
+    # "published": nodes and tool output as the published MetaAgent-X harness words them
+    # (masenvs.mas.compat.published); "masenvs": ours.
+    harness: str = "masenvs"
 
     async def chat(self, node: str, messages: list[Message]) -> str:
         """One completion for `node`; its call id is recorded under the node's name."""
@@ -76,9 +79,9 @@ class LLM:
 
             from masenvs.mas.tools import run_python
 
-            return (await asyncio.to_thread(run_python, code)).observation()
+            return self._words((await asyncio.to_thread(run_python, code)).to_dict())
         reply = await self.gate.post(TOOL_URL, json={"code": code})
-        return _observation(reply)
+        return _observation(reply, self._words)
 
     def execute_python_sync(self, code: str) -> str:
         """`execute_python` for synchronous callers (the `workflow` API's tools)."""
@@ -86,13 +89,23 @@ class LLM:
             from masenvs.mas.tools import run_python
 
             self.tool_runs += 1
-            return run_python(code).observation()
+            return self._words(run_python(code).to_dict())
         import httpx
 
         self.tool_runs += 1
         transport = httpx.HTTPTransport(uds=self.socket, verify=False)
         with httpx.Client(transport=transport, timeout=300.0) as http:
-            return _observation(http.post(TOOL_URL, json={"code": code}))
+            return _observation(http.post(TOOL_URL, json={"code": code}), self._words)
+
+    def _words(self, run: dict[str, Any]) -> str:
+        """A tool run (verdict, stdout, stderr, returncode) as this harness shows it."""
+        from masenvs.mas.tools import TOOL_SECONDS, ToolResult
+
+        if self.harness == "published":
+            from masenvs.mas.compat.published import observation
+
+            return observation(run, TOOL_SECONDS)
+        return ToolResult(run["verdict"], run["stdout"], run["stderr"]).observation()
 
     def calls_by_node(self) -> dict[str, list[str]]:
         out: dict[str, list[str]] = {}
@@ -107,14 +120,18 @@ class LLM:
 TOOL_URL = "http://gate/v1/tools/python"
 
 
-def _observation(reply: Any) -> str:
-    """The gate's answer to a tool run as the text the agent is shown."""
+def _observation(reply: Any, words: Any) -> str:
+    """The gate's answer to a tool run as the text the agent is shown (`words` the run's
+    fields)."""
     try:
         body = reply.json()
     except ValueError:
         body = {}
     if not isinstance(body, dict):
         body = {}
+    fields = ("verdict", "stdout", "stderr")
+    if reply.status_code == 200 and all(isinstance(body.get(k), str) for k in fields):
+        return words(body)
     if reply.status_code == 200 and isinstance(body.get("observation"), str):
         return body["observation"]
     message = (body.get("error") or {}).get("message") or f"HTTP {reply.status_code}"
@@ -137,6 +154,7 @@ def connect(
     temperature: float | None = None,
     timeout: float = 300.0,
     per_node: bool = False,
+    harness: str = "masenvs",
 ) -> LLM:
     """An LLM at an OpenAI base URL (`http://host:port/v1`), or behind a Unix socket (`uds`)."""
     import httpx
@@ -155,7 +173,15 @@ def connect(
         base_url=base_url, api_key=api_key, http_client=http_client, max_retries=0, timeout=timeout
     )
     return LLM(
-        client, model, max_calls, max_tokens, temperature, per_node, gate=http_client, socket=uds
+        client,
+        model,
+        max_calls,
+        max_tokens,
+        temperature,
+        per_node,
+        gate=http_client,
+        socket=uds,
+        harness=harness,
     )
 
 
@@ -172,6 +198,12 @@ def use(llm: LLM) -> Iterator[LLM]:
         yield llm
     finally:
         _current.reset(token)
+
+
+def current_harness() -> str:
+    """The harness of the LLM in use ("masenvs" where none is)."""
+    llm = _current.get()
+    return "masenvs" if llm is None else llm.harness
 
 
 def current() -> LLM:

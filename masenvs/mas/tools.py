@@ -30,6 +30,7 @@ class ToolResult:
     verdict: str  # the sandbox's: ok, error, timeout, memory, output_limit
     stdout: str
     stderr: str
+    returncode: int | None = None  # the program's exit status (None: it never ran)
 
     def observation(self) -> str:
         """What the agent is shown: the output, or the error and its cause."""
@@ -46,7 +47,12 @@ class ToolResult:
         return f"Error:\n{err}" + (f"\nOutput before the error:\n{out}" if out.strip() else "")
 
     def to_dict(self) -> dict[str, Any]:
-        return {"verdict": self.verdict, "stdout": self.stdout, "stderr": self.stderr}
+        return {
+            "verdict": self.verdict,
+            "stdout": self.stdout,
+            "stderr": self.stderr,
+            "returncode": self.returncode,
+        }
 
 
 _sandbox: Any = None
@@ -82,7 +88,7 @@ def run_python(code: str, seconds: float | None = None) -> ToolResult:
         seconds = max(0.1, min(float(seconds), TOOL_SECONDS))
         limits = replace(limits, wall_seconds=seconds, cpu_seconds=seconds)
     result = sandbox.run(code, limits=limits)
-    return ToolResult(str(result.verdict), result.stdout, result.stderr)
+    return ToolResult(str(result.verdict), result.stdout, result.stderr, result.returncode)
 
 
 def _clip(text: str) -> str:

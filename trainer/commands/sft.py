@@ -105,13 +105,26 @@ def _conversation(row: dict[str, Any], where: str, default_agent: str | None) ->
 
 
 def targets(
-    conversation: Conversation, tokenizer: Any, template_kwargs: dict[str, Any], max_tokens: int
+    conversation: Conversation,
+    tokenizer: Any,
+    template_kwargs: dict[str, Any],
+    max_tokens: int,
+    loss_on: str = "completion",
 ) -> tuple[list[Target], int]:
-    """The conversation's assistant turns as token targets, and how many were cut short."""
+    """The conversation's assistant turns as token targets, and how many were cut short.
+    `loss_on="all"`: one target, the whole conversation (every token after the first), as
+    the published MetaAgent-X SFT trains (labels = input_ids, sft_train/train_sft.py:145-176
+    of pettingllms-ai/PettingLLMs), cut to its first `max_tokens` tokens."""
     out, cut = [], 0
     eos = tokenizer.eos_token_id
     messages = conversation.messages
     markers = _control_strings(tokenizer)
+    if loss_on == "all":
+        whole = _render(tokenizer, messages, False, template_kwargs, markers)
+        kept = whole[:max_tokens]
+        if len(kept) < 2:
+            return [], 1
+        return [Target(conversation.agent, kept[:1], kept[1:])], int(len(kept) < len(whole))
     for i, message in enumerate(messages):
         if message["role"] != "assistant":
             continue
@@ -200,6 +213,7 @@ def sft(
     max_tokens: int = 4096,
     default_agent: str | None = None,
     log: Any = print,
+    loss_on: str = "completion",
 ) -> SFTResult:
     """Fine-tune the run's policies on `data` and write them as checkpoint 0 of `cfg.run_dir`."""
     from masenvs.engine.loading import load_tokenizer
@@ -223,7 +237,8 @@ def sft(
     found: list[Target] = []
     cut = 0
     for c in conversations:
-        new, n = targets(c, tokenizer, dict(cfg.agent(c.agent).chat_template_kwargs), max_tokens)
+        kwargs = dict(cfg.agent(c.agent).chat_template_kwargs)
+        new, n = targets(c, tokenizer, kwargs, max_tokens, loss_on)
         found += new
         cut += n
 
@@ -252,7 +267,15 @@ def sft(
     with open(run_dir / "sft_metrics.jsonl", "w") as f:
         f.writelines(json.dumps(m) + "\n" for m in metrics)
     save_config(cfg, run_dir / "config.yaml")
-    extra = {"sft": {"data": [str(p) for p in data], "epochs": epochs, "lr": lr, "loss": losses}}
+    extra = {
+        "sft": {
+            "data": [str(p) for p in data],
+            "epochs": epochs,
+            "lr": lr,
+            "loss_on": loss_on,
+            "loss": losses,
+        }
+    }
     state = TrainState(step=0, next_task_seed=cfg.env.seed_start, extra=extra)
     path = save_checkpoint(run_dir, learner, state, cfg, cfg.checkpoint.keep_last)
     return SFTResult(path, losses, len(found), cut)
@@ -371,7 +394,22 @@ def build_parser() -> argparse.ArgumentParser:
         default=4096,
         help="tokens of prompt + reply; longer replies are cut",
     )
+    parser.add_argument(
+        "--loss-on",
+        choices=("completion", "all"),
+        default="completion",
+        help="completion: each assistant reply given its prompt; all: every token of the "
+        "conversation, prompt included (the published MetaAgent-X SFT)",
+    )
+    parser.add_argument("--lora-rank", type=int, help="LoRA rank r (sets lora.rank)")
+    parser.add_argument("--lora-alpha", type=int, help="LoRA alpha (sets lora.alpha)")
     return parser
+
+
+def overrides(args: argparse.Namespace) -> list[str]:
+    """The config overrides the LoRA flags stand for (`--set lora.rank=...`)."""
+    flags = (("lora.rank", args.lora_rank), ("lora.alpha", args.lora_alpha))
+    return [f"{key}={value}" for key, value in flags if value is not None]
 
 
 def main(argv: list[str]) -> int:
@@ -386,6 +424,7 @@ def main(argv: list[str]) -> int:
     if not (math.isfinite(args.lr) and args.lr > 0) or args.max_length < 2:
         console.print("[red]--lr must be a positive number and --max-length at least 2[/red]")
         return 2
+    args.set += overrides(args)
     try:
         cfg = load_config(args.config, args.set)
         started = time.perf_counter()
@@ -398,6 +437,7 @@ def main(argv: list[str]) -> int:
             max_tokens=args.max_length,
             default_agent=args.agent,
             log=console.print,
+            loss_on=args.loss_on,
         )
     except (ConfigError, DataError) as exc:
         console.print(f"[red]{exc}[/red]")

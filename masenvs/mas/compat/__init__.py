@@ -119,9 +119,14 @@ def run_script(
     core.reset()
     out: dict[str, Any] = {"answer": None, "graph": None, "error": None}
     printed = _Capped()
+    namespace: dict[str, Any] = {"__name__": "__main__", "__builtins__": __builtins__}
+    if llm.harness == "published":  # the client the published harness defines first
+        from masenvs.mas.compat.published import HarnessClient
+
+        namespace["ai_client"] = HarnessClient()
     try:
         with use(llm), contextlib.redirect_stdout(printed):
-            exec(code, {"__name__": "__main__", "__builtins__": __builtins__})
+            exec(code, namespace)
     except BudgetExceeded as exc:
         out["error"] = f"budget: {exc}"
     except SystemExit as exc:  # the original's scripts exit(1) after printing an error

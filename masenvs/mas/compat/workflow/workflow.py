@@ -5,6 +5,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+from masenvs.mas.llm import current_harness
+
 from .core import (
     Context,
     Message,
@@ -20,6 +22,11 @@ class Workflow:
     """Nodes run in order on one shared context; the first ERROR stops the run. The
     verl-era arguments (`ai_client`, `tokenizer`, ...) are accepted and unused: every
     node's calls go to the design's executor."""
+
+    # The published Workflow.run puts the workflow in the run's context, where its
+    # AgentNodes find their client; its ConditionalWorkflow and LoopWorkflow do not
+    # (workflow.py:111 vs 206-260, 295-355 there), so under that harness their nodes fail.
+    shares_itself = True
 
     def __init__(
         self,
@@ -47,7 +54,8 @@ class Workflow:
 
     def run(self, input_message: Any, initial_state: dict[str, Any] | None = None) -> Message:
         context = Context(state=dict(initial_state or {}))
-        context.state["workflow"] = self
+        if self.shares_itself or current_harness() != "published":
+            context.state["workflow"] = self
         context.add_message(Message(input_message, MessageType.USER_INPUT))
         return self.run_with_context(context)
 
@@ -74,6 +82,8 @@ class Workflow:
 class ConditionalWorkflow(Workflow):
     """A node runs only when its condition (a function of the context) holds; a condition
     that raises counts as false."""
+
+    shares_itself = False
 
     def __init__(self, name: str = "conditional_workflow", **kwargs: Any) -> None:
         super().__init__(name, **kwargs)
@@ -104,6 +114,8 @@ class ConditionalWorkflow(Workflow):
 class LoopWorkflow(Workflow):
     """All nodes run, in order, again and again while the loop condition holds, at most
     `max_iterations` times."""
+
+    shares_itself = False
 
     def __init__(self, name: str = "loop_workflow", max_iterations: int = 10, **kwargs: Any):
         super().__init__(name, **kwargs)

@@ -127,9 +127,37 @@ class AgentNode(WorkflowNode):
 
     def process(self, context: Context) -> Message:
         from masenvs.mas.compat import run_sync
+        from masenvs.mas.llm import current
 
         from ..core import agent_ran
 
+        llm = current()
+        if llm.harness == "published":
+            return self.process_published(context, llm)
         agent_ran(self.name)
         reply = run_sync(self.block().run(self.messages(context)))
         return Message(reply, MessageType.AGENT_RESPONSE, {"agent_name": self.name})
+
+    def process_published(self, context: Context, llm: Any) -> Message:
+        """As the published harness runs a node (masenvs.mas.compat.published): the client of
+        the workflow in the context, its prompts, its loop."""
+        from masenvs.mas.compat import published, run_sync
+
+        from ..core import agent_ran
+
+        # agent_node.py:547-548: no workflow in the context (an AgentGraph, a Conditional- or
+        # LoopWorkflow) fails here; a Workflow the harness gave no client, at its first call.
+        client = context.state.get("workflow").ai_client
+        if client is None:
+            raise AttributeError("'NoneType' object has no attribute 'chat'")
+        agent_ran(self.name)
+        earlier = [
+            (m.sender or "Agent", as_text(m.content))
+            for m in context.get_messages_by_type(MessageType.AGENT_RESPONSE)
+        ]
+        messages = [
+            {"role": "system", "content": published.system_prompt(self.system_prompt)},
+            {"role": "user", "content": published.user_turn(context.question(), earlier)},
+        ]
+        loop = published.agent_loop(self.name, messages, self.tool_registry, self.max_turns, llm)
+        return Message(run_sync(loop), MessageType.AGENT_RESPONSE, {"agent_name": self.name})
