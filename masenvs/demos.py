@@ -62,7 +62,7 @@ def sudoku_answer(env: Any) -> str:
     n = env.task.size
     found = solutions([v for row in env.state.board for v in row], n, 1)
     if not found:
-        raise DemoError(f"the sudoku board of seed {env.demo_seed} has no solution")
+        raise DemoError("the sudoku board has no solution")
     return json.dumps([found[0][r * n : (r + 1) * n] for r in range(n)])
 
 
@@ -75,8 +75,8 @@ def sokoban_answer(env: Any) -> str:
     found = solve(now, env.config.solver_states)
     if found.moves is None:
         raise DemoError(
-            f"the Sokoban solver found no solution for seed {env.demo_seed} within "
-            f"{env.config.solver_states} states: raise --set solver_states=..."
+            f"the Sokoban solver found no solution within {env.config.solver_states} states: "
+            "raise --set solver_states=..."
         )
     return f"[{', '.join(found.moves)}]"
 
@@ -130,12 +130,14 @@ def episode_demos(env: MASEnv, seed: int) -> list[dict[str, Any]]:
     """Every agent turn of seed's episode, each answered by the solver and played, until the
     episode ends; an answer the env does not accept raises DemoError."""
     _, infos = env.reset(seed=seed)
-    env.demo_seed = seed  # for the solvers' error messages
     rows = []
     while env.agents:
         agent, round_ = env.acting, env.round
         prompt = infos[agent]["messages"]
-        reply, answer = solver_reply(env, agent), SOLVERS[env.name](env)
+        try:
+            reply, answer = solver_reply(env, agent), SOLVERS[env.name](env)
+        except DemoError as exc:
+            raise DemoError(f"seed {seed}: {exc}") from None
         _, _, _, _, infos = env.step({agent: reply})
         printed = f"{PRINTS[env.name]} {answer}"
         if infos[agent]["reward_parts"]["agent"] < 0 or (  # a format, rule or clue penalty
