@@ -323,10 +323,11 @@ def test_a_cluster_nobody_runs_fails_at_once_naming_the_fix() -> None:
     assert time.monotonic() - started < 15
 
 
-def test_workers_play_trajectory_mode_as_in_process(cluster: None, stack: Stack) -> None:
-    """rollout.mode=trajectory on the workers: K independent episodes per task, the same
-    rollouts (temperature 0) as collect_trajectory_batch in the trainer's process."""
-    cfg = config("distributed.rollout_workers=2", "rollout.mode=trajectory")
+@pytest.mark.parametrize("mode", ["trajectory", "no_tree"])
+def test_workers_play_trajectory_mode_as_in_process(cluster: None, stack: Stack, mode: str) -> None:
+    """rollout.mode=trajectory (and no_tree) on the workers: K independent episodes per task,
+    the same rollouts (temperature 0) as collect_trajectory_batch in the trainer's process."""
+    cfg = config("distributed.rollout_workers=2", f"rollout.mode={mode}")
     seeds = [200, 201, 202]
     workers = pool(stack, cfg)
     try:
@@ -343,6 +344,7 @@ def test_workers_play_trajectory_mode_as_in_process(cluster: None, stack: Stack)
                 policy,
                 branches=2,
                 policy_of=AGENTS.__getitem__,
+                no_tree=mode == "no_tree",
                 rollout_prefix="traj-local",
             )
         finally:
@@ -360,5 +362,8 @@ def test_workers_play_trajectory_mode_as_in_process(cluster: None, stack: Stack)
         assert [(s.group, s.reward, s.meta["episode"]) for s in a.samples] == [
             (s.group, s.reward, s.meta["episode"]) for s in b.samples
         ]
+    if mode == "no_tree":  # the task's last turn only, one group per task and policy
+        assert any(r.samples for r in remote)
+        assert all(s.group == (r.task_id, s.policy) for r in remote for s in r.samples)
     traced = {c.rollout_id for c in stack.store.calls() if c.rollout_id.startswith("traj-")}
     assert {f"traj-{s}-e{k}" for s in seeds for k in (0, 1)} <= traced
