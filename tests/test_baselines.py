@@ -206,3 +206,43 @@ def test_one_no_tree_step_trains(tmp_path: Path) -> None:
     # runs 2 rounds and only round 2's 2 x 2 samples per task train.
     assert row["groups/groups"] == 4
     assert row["groups/samples_kept"] <= 8
+
+
+class Unsure:
+    """`ChatPolicy.act`'s signature: every candidate says it does not know."""
+
+    async def act(
+        self, rollout_id: str, agent: str, messages: list[dict[str, Any]], n: int = 1, **_: Any
+    ) -> list[Reply]:
+        return [Reply("I do not know.", 3, "stop", token_ids=[7], prompt_token_ids=[1])] * n
+
+
+SINGLE = {  # the authors' L0 single agents: plan (stateful), reasoner (math), coder (code)
+    "plan_path": ("plan", {}),
+    "sudoku": ("plan", {}),
+    "sokoban": ("plan", {}),
+    "math": ("reasoner", {"source": "generated"}),
+    "code": ("coder", {"source": "builtin"}),
+}
+
+
+@pytest.mark.parametrize("env_name", list(SINGLE))
+def test_every_paper_task_runs_single_agent_tree_grpo(env_name: str) -> None:
+    # The authors' single-agent "GRPO" is tree sampling with one agent: here
+    # env.options.single_agent with rollout.mode tree, K candidates of the one role per turn.
+    role, options = SINGLE[env_name]
+    result = asyncio.run(
+        tree_rollout(
+            lambda: masenvs.make(env_name, single_agent=True, max_rounds=2, **options),
+            0,
+            Unsure(),  # type: ignore[arg-type]
+            branches=3,
+            policy_of=lambda agent: agent,
+            rollout_id="sa",
+        )
+    )
+    assert result.error is None
+    assert Counter(s.group for s in result.samples) == {
+        (f"{env_name}:0", r, role): 3 for r in range(result.rounds)
+    }
+    assert result.rounds >= 1
