@@ -121,7 +121,7 @@ final = AgentNode(name="Finalizer", system_prompt="Give the final answer.", max_
 """
 
 SOLO = """
-from workflow import AgentNode, Workflow, AgentGraph
+from workflow import AgentGraph, AgentNode, LoopWorkflow, Workflow
 final = AgentNode(name="Finalizer", system_prompt="Give the final answer.", max_turns=1)
 vote = final
 """
@@ -208,6 +208,32 @@ def test_agent_graph_and_other_workflow_names_fail_as_in_the_published_harness(s
         SOLO + AS_WORKFLOW.replace("workflow", "pipeline"),
     ):
         assert run(env_for(scripted.url, "masenvs"), body)["error"] is None
+
+
+@pytest.mark.parametrize(
+    ("body", "error"),
+    [
+        # a masenvs blocks design: their harness has no blocks in scope
+        ('system = Agent("solver", "Solve it.")', "NameError: name 'Agent' is not defined"),
+        # workflow.py:206-260, 295-355: these runs put no workflow in the context
+        (
+            SOLO + 'workflow = LoopWorkflow(name="w", max_iterations=1)\n'
+            "workflow.add_node(final)\nworkflow.set_loop_condition(lambda c: False)\n"
+            'print(workflow.run("What is 6 * 7?").content)',
+            "'NoneType' object has no attribute 'ai_client'",
+        ),
+        # gen_agent.py:575-590: the patch matches `math_workflow = Workflow(`, then names
+        # `workflow`, which the script never defined
+        (
+            SOLO + AS_WORKFLOW.replace("workflow", "math_workflow"),
+            "NameError: name 'workflow' is not defined",
+        ),
+    ],
+)
+def test_other_design_forms_fail_as_in_the_published_harness(scripted, body, error) -> None:
+    info = run(env_for(scripted.url, "published"), body)
+    assert info["error"] is not None and error in info["error"], info
+    assert info["executions"][0]["calls"] == 0
 
 
 def test_a_reply_with_code_is_always_run_and_a_final_call_is_forced(scripted) -> None:
