@@ -390,3 +390,67 @@ def test_the_authors_sft_trains_every_token_with_a_rank_64_adapter(tmp_path) -> 
     assert ranks == {64}  # train_sft.py:64-66: r 64, alpha 16
     saved = (run / "checkpoints" / "step_00000000" / "config.yaml").read_text()
     assert "rank: 64" in saved and "alpha: 16" in saved
+
+
+# reflection_node.py:82-101
+REFLECTION = (
+    "You are a critical reviewer. Analyze the following response to a question.\n\n"
+    "Original question: {question}\n\n"
+    "Response to review:\n{response}\n\n"
+    "Provide a thorough critique:\n"
+    "1. Identify any errors, inaccuracies, or logical flaws\n"
+    "2. Check if the response is complete and addresses all aspects of the question\n"
+    "3. Evaluate the clarity and structure of the response\n"
+    "4. Suggest specific improvements\n\n"
+    "Be constructive but rigorous in your critique."
+)
+REFINEMENT = (
+    "Original question: {question}\n\n"
+    "Your previous response:\n{response}\n\n"
+    "Critique from reviewer:\n{reflection}\n\n"
+    "Based on this critique, provide an improved response that addresses all the issues raised."
+)
+
+
+def test_reflection_and_debate_nodes_speak_in_the_published_words(scripted) -> None:
+    answer = "<delivery>6 * 7 = 42</delivery>\nFINAL ANSWER: \\boxed{42}"  # policy()'s
+    question = "What is 6 * 7?"
+    reflect = """
+from workflow import AgentNode, Workflow
+from workflow.nodes import ReflectionNode
+solver = AgentNode(name="Solver", system_prompt="Solve it.", max_turns=1)
+checker = AgentNode(name="Checker", system_prompt="Check it.", max_turns=1)
+workflow = Workflow(name="reflect")
+workflow.add_node(ReflectionNode(name="r", agent=solver, critic_agent=checker, num_iterations=1))
+print(workflow.run("What is 6 * 7?").content)
+"""
+    info = run(env_for(scripted.url, "published"), reflect)
+    calls = calls_of(scripted, info)
+    assert [c.messages[-1]["content"] for c in calls] == [
+        question,
+        REFLECTION.format(question=question, response=answer),
+        REFINEMENT.format(question=question, response=answer, reflection=answer),
+    ], info
+    debate = """
+from workflow import AgentNode, Workflow
+from workflow.nodes import DebateNode
+a = AgentNode(name="A", system_prompt="Argue.", max_turns=1)
+b = AgentNode(name="B", system_prompt="Argue.", max_turns=1)
+workflow = Workflow(name="debate")
+workflow.add_node(DebateNode(name="d", debaters=[a, b], num_rounds=2))
+print(workflow.run("What is 6 * 7?").content)
+"""
+    calls = calls_of(scripted, run(env_for(scripted.url, "published"), debate))
+    rounds = f"=== Round 1 ===\nAgent 1 (A):\n{answer}\n\nAgent 2 (B):\n{answer}\n\n"
+    # debate_node.py:46-63, 100-106, 146-159
+    assert calls[2].messages[-1]["content"] == (
+        f"Original question: {question}\n\nPrevious debate rounds:\n\n{rounds}\n"
+        "Based on the discussion above, please provide your refined answer. "
+        "You may critique other responses and improve your own."
+    )
+    assert calls[4].messages[-1]["content"] == (
+        f"Original question: {question}\n\nAfter 2 rounds of debate, here are the final "
+        f"responses:\n\nResponse 1 from A:\n{answer}\n\nResponse 2 from B:\n{answer}\n\n"
+        "Please select the best response or synthesize a better answer based on the debate. "
+        "Provide your final answer."
+    )

@@ -312,3 +312,155 @@ def observation(fields: dict[str, Any], seconds: float) -> str:
     error = str(fields.get("stderr") or "").strip() or "Unknown error"
     code = fields.get("returncode")
     return f"Error executing code (exit code {1 if code is None else code}):\n{error}"
+
+
+# --- what one node reads of another (agent_node.py:75-220) ------------------------------------
+
+
+def _deliverable(text: str) -> tuple[str | None, int]:
+    """The final deliverable and where it starts: the last `\\boxed{}` (math) or the last
+    `<solution>`, `<code>`, ```python or ``` block (code) (agent_node.py:85-128)."""
+    if is_code_task():
+        for pattern, wrap in (
+            (r"<solution>\s*(.*?)\s*</solution>", "<solution>\n{}\n</solution>"),
+            (r"<code>\s*(.*?)\s*</code>", "<code>\n{}\n</code>"),
+            (r"```python\s*(.*?)```", "```python\n{}\n```"),
+            (r"```\s*(.*?)```", "```\n{}\n```"),
+        ):
+            found = list(re.finditer(pattern, text, re.DOTALL))
+            if found and found[-1].group(1).strip():
+                return wrap.format(found[-1].group(1).strip()), found[-1].start()
+        return None, -1
+    at = text.rfind("\\boxed{")
+    if at < 0:
+        return None, -1
+    depth, i = 1, at + len("\\boxed{")
+    while i < len(text) and depth > 0:
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        i += 1
+    return ("\\boxed{" + text[at + 7 : i - 1] + "}", at) if depth == 0 else (None, -1)
+
+
+def compact_response(text: str) -> str:
+    """A reply over 10,000 characters cut to its `<delivery>` and deliverable, else the
+    reasoning before the deliverable, else its tail; at most 3,000 characters
+    (agent_node.py:149-203)."""
+    text = (text or "").strip()
+    if len(text) <= 10000:
+        return text
+    shared = delivery(text)
+    if shared and shared.startswith(("\\boxed{", "<solution>")):
+        shared = None
+    deliverable, at = _deliverable(text)
+    if shared and deliverable:
+        compact = f"{shared}\n\n{deliverable}"
+    elif shared:
+        compact = shared
+    elif deliverable:
+        start = max(0, at - 800)
+        prefix = "...[earlier reasoning omitted]...\n" if start > 0 else ""
+        compact = (prefix + text[start:at].strip() + "\n" + deliverable).strip()
+    else:
+        compact = "...[earlier content omitted]...\n" + text[-4000:] if len(text) > 4000 else text
+    if len(compact) > 3000:
+        compact = compact[:1500] + "\n...[truncated]...\n" + compact[-1500:]
+    return compact.strip()
+
+
+def compact_critique(text: str) -> str:
+    """A critique over 1,500 characters: its head and tail (agent_node.py:206-218)."""
+    text = (text or "").strip()
+    if len(text) <= 1500:
+        return text
+    return text[:500] + "\n...[truncated critique]...\n" + text[-1000:]
+
+
+# --- ReflectionNode, EnsembleNode, DebateNode (their nodes/*.py) ---------------------------
+
+# reflection_node.py:82-111
+REFLECTION = (
+    "You are a critical reviewer. Analyze the following response to a question.\n\n"
+    "Original question: {question}\n\n"
+    "Response to review:\n{response}\n\n"
+    "Provide a thorough critique:\n"
+    "1. Identify any errors, inaccuracies, or logical flaws\n"
+    "2. Check if the response is complete and addresses all aspects of the question\n"
+    "3. Evaluate the clarity and structure of the response\n"
+    "4. Suggest specific improvements\n\n"
+    "Be constructive but rigorous in your critique."
+)
+REFINEMENT = (
+    "Original question: {question}\n\n"
+    "Your previous response:\n{response}\n\n"
+    "Critique from reviewer:\n{reflection}\n\n"
+    "Based on this critique, provide an improved response that addresses all the issues raised."
+)
+REFINEMENT_WITH_HISTORY = (
+    "Original question: {question}\n\n"
+    "=== Iteration History ===\n{history}\n\n"
+    "=== Current Iteration ===\n"
+    "Your latest response:\n{response}\n\n"
+    "Latest critique:\n{reflection}\n\n"
+    "Based on ALL previous feedback, provide a significantly improved response."
+)
+
+
+def reflection_history(history: list[dict[str, Any]]) -> str:
+    """Earlier iterations as a refinement reads them (reflection_node.py:113-137)."""
+    if not history:
+        return "No previous iterations."
+    lines = []
+    for record in history:
+        lines.append(f"--- Iteration {record.get('iteration', 0)} ---")
+        lines.append(f"Response: {compact_response(record.get('response', ''))}")
+        critique = compact_critique(record.get("reflection") or "")
+        if critique:
+            lines.append(f"Critique: {critique}")
+        lines.append("")
+    return "\n".join(lines)
+
+
+def consensus_prompt(question: str, named: list[tuple[str, str]]) -> str:
+    """What the ensemble's judge reads when the vote splits (ensemble_node.py:313-341)."""
+    listing = "\n\n".join(
+        f"--- Solution {i + 1} ({name}) ---\n{compact_response(reply)}"
+        for i, (name, reply) in enumerate(named)
+    )
+    form = (
+        "Your final solution MUST be wrapped in <solution>...</solution> tags, "
+        "containing the complete runnable Python code (stdin in, stdout out)."
+        if is_code_task()
+        else "Your final answer MUST be in \\boxed{} format."
+    )
+    return (
+        f"**Original Question:**\n{question}\n\n**Multiple Solutions:**\n\n{listing}\n\n"
+        "Review each solution carefully. Check the reasoning and calculations. "
+        f"Select the best answer or synthesize a corrected answer. {form}"
+    )
+
+
+def debate_round(question: str, names: list[str], history: list[list[str]]) -> str:
+    """A debater's prompt from the second round on (debate_node.py:46-63, 100-106)."""
+    text = "Previous debate rounds:\n\n"
+    for i, replies in enumerate(history):
+        text += f"=== Round {i + 1} ===\n"
+        for j, reply in enumerate(replies):
+            text += f"Agent {j + 1} ({names[j]}):\n{compact_response(reply)}\n\n"
+    return (
+        f"Original question: {question}\n\n{text}\n"
+        "Based on the discussion above, please provide your refined answer. "
+        "You may critique other responses and improve your own."
+    )
+
+
+def debate_judge(question: str, rounds: int, names: list[str], replies: list[str]) -> str:
+    """The judge's prompt after the last round (debate_node.py:146-159)."""
+    listing = "\n\n".join(
+        f"Response {i + 1} from {names[i]}:\n{compact_response(r)}" for i, r in enumerate(replies)
+    )
+    return (
+        f"Original question: {question}\n\n"
+        f"After {rounds} rounds of debate, here are the final responses:\n\n{listing}\n\n"
+        "Please select the best response or synthesize a better answer based on the debate. "
+        "Provide your final answer."
+    )

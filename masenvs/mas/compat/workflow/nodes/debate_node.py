@@ -4,6 +4,9 @@ from __future__ import annotations
 
 from typing import Any
 
+from masenvs.mas.compat import published
+from masenvs.mas.llm import current_harness
+
 from ..core import Context, Message, MessageType, WorkflowNode, as_text
 from .agent_node import shared
 
@@ -33,11 +36,21 @@ class DebateNode(WorkflowNode):
 
     def process(self, context: Context) -> Message:
         question = context.question()
+        mine = current_harness() != "published"
+        if not mine:  # theirs debates the latest message (debate_node.py:80)
+            latest = context.get_latest_message()
+            question = as_text(latest.content) if latest is not None else question
+        names = [d.name for d in self.debaters]
         history: list[list[str]] = []
         for round_ in range(self.num_rounds):
             replies = []
             for debater in self.debaters:
-                prompt = question if round_ == 0 else self._revise(question, history)
+                if round_ == 0:
+                    prompt = question
+                elif mine:
+                    prompt = self._revise(question, history)
+                else:
+                    prompt = published.debate_round(question, names, history)
                 result = debater(
                     Context([Message(prompt, MessageType.USER_INPUT)], dict(context.state))
                 )
@@ -54,6 +67,8 @@ class DebateNode(WorkflowNode):
             f"Original question: {question}\n\nAfter {self.num_rounds} rounds of debate, here "
             f"are the final responses:\n\n{finals}\n\nSelect the best response or give a better "
             "answer based on the debate. Provide your final answer."
+            if mine
+            else published.debate_judge(question, self.num_rounds, names, history[-1])
         )
         verdict = self.judge(
             Context([Message(prompt, MessageType.USER_INPUT)], dict(context.state))

@@ -8,6 +8,8 @@ from collections import Counter
 from typing import Any
 
 from masenvs.mas.blocks import answer_of
+from masenvs.mas.compat import published
+from masenvs.mas.llm import current_harness
 
 from ..core import Context, Message, MessageType, WorkflowNode, as_text
 from .agent_node import shared
@@ -100,6 +102,12 @@ class EnsembleNode(WorkflowNode):
         return first[tally.most_common(1)[0][0]]
 
     def consensus(self, context: Context, answers: list[tuple[str, float, str]]) -> str:
+        if current_harness() == "published":  # its words (ensemble_node.py:313-341)
+            named = [(name, reply) for reply, _, name in answers]
+            prompt = published.consensus_prompt(context.question(), named)
+            judge = Context([Message(prompt, MessageType.USER_INPUT)], dict(context.state))
+            assert self.consensus_agent is not None
+            return as_text(self.consensus_agent(judge).content)
         listing = "\n\n".join(
             f"--- Solution {i + 1} ({name}) ---\n{shared(reply)}"
             for i, (reply, _, name) in enumerate(answers)

@@ -5,6 +5,9 @@ from __future__ import annotations
 from difflib import SequenceMatcher
 from typing import Any
 
+from masenvs.mas.compat import published as theirs
+from masenvs.mas.llm import current_harness
+
 from ..core import Context, Message, MessageType, WorkflowNode, as_text
 
 REFLECTION = (
@@ -54,8 +57,14 @@ class ReflectionNode(WorkflowNode):
             raise ValueError(f"num_iterations must be an integer >= 0, got {num_iterations!r}")
         self.agent, self.critic_agent = agent, critic_agent or agent
         self.num_iterations, self.include_history = num_iterations, include_history
-        self.reflection_prompt = reflection_prompt or REFLECTION
-        self.refinement_prompt = refinement_prompt or REFINEMENT
+        # Under the published harness, its texts and its cuts of long replies (theirs).
+        self.published = current_harness() == "published"
+        self.reflection_prompt = reflection_prompt or (
+            theirs.REFLECTION if self.published else REFLECTION
+        )
+        self.refinement_prompt = refinement_prompt or (
+            theirs.REFINEMENT if self.published else REFINEMENT
+        )
 
     def process(self, context: Context) -> Message:
         question = context.question()
@@ -67,9 +76,10 @@ class ReflectionNode(WorkflowNode):
         response = as_text(result.content)
         history: list[dict[str, Any]] = [{"iteration": 0, "response": response, "reflection": None}]
         for i in range(self.num_iterations):
+            shown = theirs.compact_response(response) if self.published else response
             critique = self._ask(
                 self.critic_agent,
-                _fill(self.reflection_prompt, question=question, response=response),
+                _fill(self.reflection_prompt, question=question, response=shown),
                 context,
             )
             if approved(critique):
@@ -82,21 +92,8 @@ class ReflectionNode(WorkflowNode):
                     }
                 )
                 break
-            template = REFINEMENT_WITH_HISTORY if self.include_history else self.refinement_prompt
-            past = "\n\n".join(
-                f"Iteration {h['iteration']}:\n{h['response']}\nCritique: {h['reflection']}"
-                for h in history
-            )
             revised = self._ask(
-                self.agent,
-                _fill(
-                    template,
-                    question=question,
-                    response=response,
-                    reflection=critique,
-                    history=past,
-                ),
-                context,
+                self.agent, self._refinement(question, response, critique, history), context
             )
             repeated = SequenceMatcher(None, response, revised).ratio() > REPEATED
             if not repeated or "\\boxed{" in revised:
@@ -114,6 +111,28 @@ class ReflectionNode(WorkflowNode):
                 "history": history,
             },
         )
+
+    def _refinement(
+        self, question: str, response: str, critique: str, history: list[dict[str, Any]]
+    ) -> str:
+        """What the agent reads to revise its answer."""
+        if self.published:  # reflection_node.py:187-222
+            template = (
+                theirs.REFINEMENT_WITH_HISTORY if self.include_history else self.refinement_prompt
+            )
+            past = theirs.reflection_history(history)
+            response, critique = (
+                theirs.compact_response(response),
+                theirs.compact_critique(critique),
+            )
+        else:
+            template = REFINEMENT_WITH_HISTORY if self.include_history else self.refinement_prompt
+            past = "\n\n".join(
+                f"Iteration {h['iteration']}:\n{h['response']}\nCritique: {h['reflection']}"
+                for h in history
+            )
+        values = {"question": question, "response": response, "reflection": critique}
+        return _fill(template, **values, history=past)
 
     def _ask(self, node: WorkflowNode, prompt: str, context: Context) -> str:
         return as_text(
