@@ -22,6 +22,7 @@ import yaml
 
 from masenvs.overrides import ConfigError
 from masenvs.trainer.commands import eval as eval_command
+from masenvs.trainer.commands import sft as sft_command
 from masenvs.trainer.commands import train as train_command
 from masenvs.trainer.config import TrainConfig, load_config
 
@@ -32,7 +33,11 @@ CONFIGS_SECTION = "## The configs"
 ROWS_SECTION = "## Every row, ablation and MetaAgent-X result"
 LANDING = "(landing with issue 45)"
 SOLO = {"plan_path": "plan", "sudoku": "plan", "sokoban": "plan", "math": "reasoner"}
-PARSERS = {"train": train_command.build_parser, "eval": eval_command.build_parser}
+PARSERS = {
+    "train": train_command.build_parser,
+    "eval": eval_command.build_parser,
+    "sft": sft_command.build_parser,
+}
 # An eval row's flags and the config values they stand for (the ref validates as it trains).
 EVAL_FLAGS = {
     "--temperature": "validation.temperature",
@@ -156,7 +161,7 @@ def test_each_row_names_a_config_and_holds_its_values(
     if words[1] in PARSERS and not (landing and words[1] == "eval"):
         with contextlib.redirect_stderr(io.StringIO()) as said:
             try:  # every flag of the row's command is one the command takes
-                PARSERS[words[1]]().parse_args(words[2:])
+                parsed = PARSERS[words[1]]().parse_args(words[2:])
             except SystemExit:
                 pytest.fail(f"{label}: `{' '.join(words)}`: {said.getvalue().strip()}")
     if words[1] in ("train", "sft"):
@@ -166,6 +171,8 @@ def test_each_row_names_a_config_and_holds_its_values(
         pytest.skip(f"{path.name} {LANDING}")
     values = key_values(cells[4])
     overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
+    if words[1] == "sft":  # --lora-rank and --lora-alpha stand for --set lora.*
+        overrides += sft_command.overrides(parsed)
     if words[1] == "eval":
         overrides = []  # eval's --set are env options; the values are the trained config's
         for flag, key in EVAL_FLAGS.items():  # an eval flag and the config say one thing
