@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
-import os
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,12 +20,15 @@ import pytest
 from tiers import PARALLEL_UNSAFE
 
 
-def lock_dir() -> Path | None:
-    """The lock files of this xdist run (all its workers share the run's uid); None: no xdist."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not os.environ.get("PYTEST_XDIST_WORKER") or not run:
+def lock_dir(config: pytest.Config) -> Path | None:
+    """The lock files of this xdist run (all its workers share the run's uid); None: no xdist.
+
+    Read from the worker's config, not the environment: a pytest that a test starts in a
+    subprocess inherits PYTEST_XDIST_WORKER, and must not wait on the run's lock."""
+    worker = getattr(config, "workerinput", None)
+    if worker is None:
         return None
-    path = Path(tempfile.gettempdir()) / f"masenvs-pytest-{run}"
+    path = Path(tempfile.gettempdir()) / f"masenvs-pytest-{worker['testrunuid']}"
     path.mkdir(exist_ok=True)
     return path
 
@@ -34,7 +36,7 @@ def lock_dir() -> Path | None:
 @contextlib.contextmanager
 def held(item: pytest.Item) -> Iterator[None]:
     """Hold the run's lock, exclusive for a PARALLEL_UNSAFE test, shared for any other."""
-    where = lock_dir()
+    where = lock_dir(item.config)
     if where is None:
         yield
         return

@@ -91,11 +91,22 @@ def test_ci_runs_the_fast_tier_then_the_rest_and_nothing_twice() -> None:
 def test_a_serial_test_runs_alone_under_xdist(tmp_path: Path) -> None:
     """Two workers: while the serial test of one module runs, no test of the other does."""
     log = tmp_path / "log"
-    (tmp_path / "conftest.py").write_text(
+    conftest = (
         f"import sys\nsys.path.insert(0, {str(ROOT / 'tests')!r})\n"
         "import pytest\nfrom exclusive import held\n\n"
         "@pytest.hookimpl(hookwrapper=True)\n"
         "def pytest_runtest_protocol(item):\n    with held(item):\n        yield\n"
+    )
+    (tmp_path / "conftest.py").write_text(conftest)
+    # A test that runs pytest in a subprocess (which inherits the workers' PYTEST_XDIST_*
+    # variables) while the serial test waits: the inner run must not wait on the lock.
+    (tmp_path / "inner").mkdir()
+    (tmp_path / "inner" / "conftest.py").write_text(conftest)
+    (tmp_path / "inner" / "test_inner.py").write_text("def test_inner():\n    pass\n")
+    nested = (
+        "\nimport subprocess, sys\n\ndef test_nested():\n    time.sleep(0.5)\n"
+        "    subprocess.run([sys.executable, '-m', 'pytest', '-q', '-p', 'no:xdist', "
+        f"{str(tmp_path / 'inner')!r}], check=True, timeout=60)\n"
     )
     body = (
         "import time\n\n"
@@ -105,14 +116,14 @@ def test_a_serial_test_runs_alone_under_xdist(tmp_path: Path) -> None:
         "        f.write(f'{name} {start} {time.monotonic()}\\n')\n"
     )
     others = "".join(f"\ndef test_other_{i}():\n    spell('other', 0.3)\n" for i in range(8))
-    (tmp_path / "test_a.py").write_text(body + others)
+    (tmp_path / "test_a.py").write_text(body + nested + others)
     (tmp_path / "test_b.py").write_text(
         body + "import pytest\n\n@pytest.mark.serial\ndef test_alone():\n    spell('alone', 1.0)\n"
     )
     (tmp_path / "pytest.ini").write_text("[pytest]\nmarkers =\n    serial: alone\n")
     command = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2"]
     done = subprocess.run(
-        [*command, "--dist", "loadfile", str(tmp_path)],
+        [*command, "--dist", "loadfile", "--ignore", str(tmp_path / "inner"), str(tmp_path)],
         capture_output=True,
         text=True,
         cwd=tmp_path,
