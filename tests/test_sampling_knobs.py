@@ -173,7 +173,7 @@ def test_every_command_takes_the_same_sampling_flags_with_the_same_defaults() ->
         with pytest.raises(SystemExit):
             parser.parse_args([*REQUIRED.get(command, []), "--temperature", "2.5"])
     eval_help = " ".join(command_parsers()["masenvs eval"].format_help().split())
-    assert "--temperature TEMPERATURE sampling temperature; 0 is greedy (default 0.7:" in eval_help
+    assert "--temperature TEMPERATURE sampling temperature; 0 is greedy (default: 0.7," in eval_help
 
 
 def test_the_endpoint_accepts_exactly_what_SamplingArgs_accepts() -> None:

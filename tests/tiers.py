@@ -144,6 +144,8 @@ SLOW: frozenset[str] = frozenset(
         "test_cli_errors::test_a_script_that_never_shuts_its_engine_down_exits_cleanly",
         "test_endpoint::test_kill_9_after_n_responses_keeps_all_n_in_the_store",
         "test_evaluate::test_a_checkpoint_is_scored_beside_its_base_model",
+        "test_evaluate::test_full_model_checkpoints_per_role_are_evaluated_and_swapped",
+        "test_evaluate::test_swap_scores_the_papers_100_held_out_tasks_greedily_unless_told_otherwise",
         "test_frameworks_examples::test_example_runs_and_takes_a_training_step",
         "test_frameworks_workflow::test_masenvs_rollout_runs_your_factory_against_masenvs_serve",
         "test_integration_openenv::test_docs_example_runs",

@@ -12,6 +12,7 @@ hosted API), called directly.
 from __future__ import annotations
 
 import asyncio
+import difflib
 import math
 import time
 from collections import defaultdict
@@ -268,6 +269,9 @@ def results_table(results: list[TargetResult], title: str) -> Table:
 # -- role swaps ----------------------------------------------------------------------------
 
 
+SWAP_TASKS = 100  # Stronger-MAS's swap test: 100 fixed held-out tasks, played greedily
+
+
 def parse_swaps(items: list[str], agents: list[str]) -> dict[str, str]:
     """`--swap A=B` items as {agent: the agent whose policy it plays with}, both ways."""
     swap: dict[str, str] = {}
@@ -278,13 +282,28 @@ def parse_swaps(items: list[str], agents: list[str]) -> dict[str, str]:
             raise ValueError(f"--swap {item!r} must name two different agents: --swap plan=tool")
         for name in (a, b):
             if name not in agents:
+                close = difflib.get_close_matches(name, agents, n=1)
+                hint = f"; did you mean {close[0]!r}?" if close else ""
                 raise ValueError(
-                    f"--swap {item!r}: {name!r} is not an agent of this env ({', '.join(agents)})"
+                    f"--swap {item!r}: {name!r} is not an agent of this env "
+                    f"({', '.join(agents)}){hint}"
                 )
             if name in swap:
                 raise ValueError(f"--swap {item!r}: {name!r} is already swapped")
         swap[a], swap[b] = b, a
     return swap
+
+
+def check_swap(swap: dict[str, str], weights: dict[str, str], target: str, fix: str) -> None:
+    """Refuse a swap that exchanges identical weights: `weights[agent]` says what answers
+    the agent's calls unswapped; a pair with the same would score the unswapped policy."""
+    for a, b in sorted({tuple(sorted(p)) for p in swap.items()}):
+        if weights[a] == weights[b]:
+            raise ValueError(
+                f"--swap {a}={b} changes nothing for {target}: {a} and {b} play with the same "
+                f"weights ({weights[a]}), and swapping identical weights leaves every answer "
+                f"as it was. {fix}"
+            )
 
 
 def swap_label(swap: dict[str, str]) -> str:

@@ -38,12 +38,15 @@ from masenvs.sampling_args import DEFAULT as SAMPLING
 from masenvs.sampling_args import SamplingArgs
 from masenvs.tasks.records import TaskSourceError
 from masenvs.traces import TraceStore
+from masenvs.trainer.eval_checkpoints import Engines, EvalCheckpoint, open_checkpoint
 from masenvs.trainer.evaluate import (
     DEFAULT_SEED_START,
+    SWAP_TASKS,
     DirectPolicy,
     EvalTask,
     Target,
     TargetResult,
+    check_swap,
     dataset_tasks,
     evaluate,
     parse_swaps,
@@ -67,7 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     tasks.add_argument(
         "--tasks",
         type=int,
-        help="tasks to evaluate (default: 32 seeds; with --source: every task of the dataset)",
+        help=f"tasks to evaluate (default: 32 seeds, or with --source every task of the "
+        f"dataset; with --swap the first {SWAP_TASKS}, the paper's swap protocol)",
     )
     tasks.add_argument(
         "--seed-start",
@@ -83,8 +87,9 @@ def build_parser() -> argparse.ArgumentParser:
     SamplingArgs.add_cli_args(
         scoring,
         defaults={
-            "temperature": (0.7, "answers sampled for pass@k, a little cooler than "
-                            "training's 1.0"),
+            "temperature": (None, "0.7, answers sampled for pass@k, a little cooler "
+                            "than training's 1.0; with --swap 0, greedy, as the paper's "
+                            "swap test"),
             "max_tokens": (None, "the checkpoint's rollout.max_tokens, else "
                            f"{SAMPLING.max_tokens}"),
         },
@@ -132,39 +137,15 @@ def build_parser() -> argparse.ArgumentParser:
         default=[],
         metavar="A=B",
         help="role swap: agent A plays with agent B's trained policy and B with A's "
-        "(Stronger-MAS's swapped-policies test, e.g. --swap plan=tool); repeatable",
+        "(Stronger-MAS's swapped-policies test, e.g. --swap plan=tool); repeatable. As the "
+        f"paper ran it: {SWAP_TASKS} held-out tasks, greedy (temperature 0), unless --tasks "
+        "or --temperature say otherwise; A and B must have different trained weights",
     )
     parser.add_argument("--concurrency", type=int, default=8, help="episodes in flight")
     parser.add_argument("--device", default="auto", help="embedded engine: auto, cpu or cuda")
     add_engine_arguments(parser)
     parser.add_argument("--out", type=Path, help="JSON results (default runs/eval-TIME.json)")
     return parser
-
-
-@dataclass
-class _Checkpoint:
-    label: str
-    path: Path
-    config: Any  # TrainConfig
-
-
-def _checkpoint(path: str) -> _Checkpoint:
-    from masenvs.trainer.config import load_config
-    from masenvs.trainer.run.checkpoint import load_latest
-
-    where = Path(path)
-    if not (where / "adapters").is_dir():
-        latest = load_latest(where) if where.is_dir() else None
-        if latest is None:
-            raise ValueError(
-                f"{path} is neither a checkpoint (a step_* directory with adapters/) nor a run "
-                "directory with checkpoints; pass runs/NAME/checkpoints/step_N or runs/NAME"
-            )
-        where = latest.path
-    step = where.name.removeprefix("step_").lstrip("0") or "0"
-    return _Checkpoint(
-        f"{where.parent.parent.name}@{step}", where, load_config(where / "config.yaml")
-    )
 
 
 def main(argv: list[str]) -> int:
@@ -181,21 +162,23 @@ def main(argv: list[str]) -> int:
 def _main(args: argparse.Namespace, console: Console) -> int:
     from masenvs.adapters.stack import StackError
 
-    checkpoints = [_checkpoint(p) for p in args.checkpoint]
+    checkpoints = [open_checkpoint(p) for p in args.checkpoint]
     first = checkpoints[0].config if checkpoints else None
     env_name = args.env or (first.env.name if first else None)
     if env_name is None:
         raise ValueError("name the environment with --env (or give a --checkpoint)")
     env_options = _env_options(args, env_name, first)
     agents, tasks = _agents_and_tasks(args, env_name, env_options, first)
-    args.swap_map = parse_swaps(args.swap, agents)
+    args.swap_map = _swaps(args, agents, checkpoints)
     n = args.n or args.k
     if not 1 <= args.k <= n:
         raise ValueError(f"-k {args.k} must be between 1 and -n {n} (episodes per task)")
 
     # Every policy samples alike; template variables: the checkpoint's per agent, then ours.
     max_tokens = first.rollout.max_tokens if first else SAMPLING.max_tokens
-    sampling = Sampling.from_cli_args(args, max_tokens=max_tokens)
+    # The swap test as the paper ran it is greedy; a plain evaluation samples for pass@k.
+    temperature = 0.0 if args.swap_map else 0.7
+    sampling = Sampling.from_cli_args(args, max_tokens=max_tokens, temperature=temperature)
     template = {
         a: {**(first.agent(a).chat_template_kwargs if first else {}), **args.chat_template_kwargs}
         for a in agents
@@ -210,17 +193,16 @@ def _main(args: argparse.Namespace, console: Console) -> int:
             )
     out = args.out or Path("runs") / f"eval-{time.strftime('%Y%m%d-%H%M%S')}.json"
     try:
-        loading = phase_status(console, f"loading {model}") if embedded else None
+        base = args.baseline or any(c.config.policy.finetune == "lora" for c in checkpoints)
+        what = model if base or not checkpoints else "the models of " + checkpoints[0].label
+        loading = phase_status(console, f"loading {what}") if embedded else None
         with loading or contextlib.nullcontext():
             setup = _Setup.start(args, model, checkpoints, agents, template, sampling, out)
     except StackError as exc:
         console.print(f"[red]{exc}[/red]")
         return 2
     setup.add_urls(args, template, sampling)
-    console.print(
-        f"{len(tasks)} tasks of {env_name}, {n} episode(s) each, T={args.temperature}: "
-        + ", ".join(t.name for t in setup.targets)
-    )
+    _print_header(console, args, f"{len(tasks)} tasks of {env_name}", n, sampling, setup)
     try:
         with Progress(
             TextColumn("[bold]{task.description}"),
@@ -256,6 +238,41 @@ def _main(args: argparse.Namespace, console: Console) -> int:
     return 0
 
 
+def _swaps(
+    args: argparse.Namespace, agents: list[str], checkpoints: list[EvalCheckpoint]
+) -> dict[str, str]:
+    """`--swap`'s pairs, each of which must exchange different weights in every checkpoint
+    and on every --url server (a swap of identical weights would score the unswapped run)."""
+    swap = parse_swaps(args.swap, agents)
+    for c in checkpoints:
+        c.check_swap(swap)
+    fix = "Name each role's model: " + " ".join(f"--served-model {a}=NAME" for a in swap)
+    for url in args.url:
+        named = {a: f"the model {m!r} of {url}" for a, m in _url_models(args, agents).items()}
+        check_swap(swap, named, url, fix)
+    return swap
+
+
+def _print_header(
+    console: Console, args: argparse.Namespace, tasks: str, n: int, sampling: Sampling, setup: Any
+) -> None:
+    """What is about to run: `100 tasks of plan_path, 1 episode(s) each, T=0 (greedy): ...`,
+    and for a swap whether it is the paper's protocol."""
+    greedy = " (greedy)" if sampling.temperature == 0 else ""
+    console.print(
+        f"{tasks}, {n} episode(s) each, T={sampling.temperature:g}{greedy}: "
+        + ", ".join(t.name for t in setup.targets)
+    )
+    if not args.swap_map:
+        return
+    flags = (("--tasks", args.tasks), ("--temperature", args.temperature))
+    told = " and ".join(f for f, value in flags if value is not None)
+    console.print(
+        f"role swap{swap_label(args.swap_map)}: Stronger-MAS's protocol is {SWAP_TASKS} "
+        "held-out tasks, greedy; " + (f"{told} changed that" if told else "this is it")
+    )
+
+
 def _env_options(args: argparse.Namespace, env_name: str, first: Any) -> dict[str, Any]:
     """The env's options: the first checkpoint's validation env (when it is the same env),
     then `--set`, `--source` and `--data-path`."""
@@ -282,31 +299,49 @@ def _agents_and_tasks(
     (else the checkpoint's validation seeds)."""
     try:
         agents = list(make(env_name, **env_options).possible_agents)
-        tasks = dataset_tasks(env_name, env_options, args.tasks) if args.source else []
+        count = args.tasks or (SWAP_TASKS if args.swap else None)
+        tasks = dataset_tasks(env_name, env_options, count) if args.source else []
     except (KeyError, TypeError, ValueError, TaskSourceError) as exc:
         raise ValueError(f"{env_name} with options {env_options}: {exc}") from None
     if not args.source:
         seed_start = args.seed_start
         if seed_start is None:
             seed_start = first.validation.seed_start if first else DEFAULT_SEED_START
-        tasks = seed_tasks(env_name, seed_start, args.tasks or 32)
+        tasks = seed_tasks(env_name, seed_start, count or 32)
     return agents, tasks
+
+
+def _url_models(
+    args: argparse.Namespace, agents: list[str], swap: dict[str, str] | None = None
+) -> dict[str, str]:
+    """The model name each agent asks a --url server for (`--served-model`), played with
+    `swap[agent]`'s name where swapped."""
+    names: dict[str, str] = {}
+    every: str | None = None
+    for item in args.served_model:
+        agent, sep, name = item.partition("=")
+        if sep:
+            names[agent] = name
+        else:
+            every = item
+    swap = swap or {}
+    return {a: names.get(swap.get(a, a), every or swap.get(a, a)) for a in agents}
 
 
 @dataclass
 class _Setup:
-    """The embedded engine with every checkpoint's adapters, one endpoint per policy."""
+    """The embedded engines with every checkpoint's weights, one endpoint per policy."""
 
     targets: list[Target]
     servers: list[Any]
-    backend: Any = None
+    engines: Engines | None = None
 
     @classmethod
     def start(
         cls,
         args: argparse.Namespace,
         model: str,
-        checkpoints: list[_Checkpoint],
+        checkpoints: list[EvalCheckpoint],
         agents: list[str],
         template: dict[str, dict[str, Any]],
         sampling: Sampling,
@@ -317,31 +352,30 @@ class _Setup:
             return setup
         from masenvs.adapters.endpoint import EndpointServer, create_app
         from masenvs.adapters.policy_map import BASE, PolicyMap
-        from masenvs.adapters.stack import StackError, engine_options, make_backend
+        from masenvs.adapters.stack import engine_options
 
         options = engine_options(args)
         if args.batch_invariant is None and checkpoints:  # validate as the run did
             options["batch_invariant"] = checkpoints[0].config.backend.batch_invariant
         if args.device != "auto":
             options["device"] = args.device
-        setup.backend = backend = make_backend(model, "embedded", **options)
+        setup.engines = engines = Engines(model, options)
         routes: list[tuple[str, dict[str, str]]] = []
-        if args.baseline or not checkpoints:
-            routes.append(("base", {a: BASE for a in agents}))
-        swap = getattr(args, "swap_map", {})
-        for i, c in enumerate(checkpoints):
-            route = {}
-            for agent in agents:
-                policy = c.config.policy.policy_of(swap.get(agent, agent))
-                name = f"ckpt{i}.{policy}"
-                if name not in backend.model_names():
-                    path = c.path / "adapters" / policy
-                    try:
-                        asyncio.run(backend.load_adapter(name, str(path)))
-                    except (OSError, ValueError, KeyError) as exc:
-                        raise StackError(f"could not load {path}: {exc}") from exc
-                route[agent] = name
-            routes.append((c.label + swap_label(swap), route))
+        try:
+            if args.baseline or not checkpoints:
+                routes.append(("base", {a: engines.serve(BASE, "base", model) for a in agents}))
+            swap = getattr(args, "swap_map", {})
+            for i, c in enumerate(checkpoints):
+                route = {}
+                for agent in agents:  # a swapped seat plays with its partner's weights
+                    partner = swap.get(agent, agent)
+                    name = f"ckpt{i}.{c.config.policy.policy_of(partner)}"
+                    route[agent] = engines.serve(name, *c.weights_of(partner))
+                routes.append((c.label + swap_label(swap), route))
+            backend = engines.front()
+        except BaseException:
+            engines.shutdown()
+            raise
         traces = out.with_suffix("")  # runs/eval-TIME/<policy>/ next to the JSON
         for label, route in routes:
             store = TraceStore(traces / label.replace("/", "_").replace("@", "_"))
@@ -359,18 +393,10 @@ class _Setup:
         template: dict[str, dict[str, Any]],
         sampling: Sampling,
     ) -> None:
-        names: dict[str, str] = {}
-        every: str | None = None
-        for item in args.served_model:
-            agent, sep, name = item.partition("=")
-            if sep:
-                names[agent] = name
-            else:
-                every = item
         swap = getattr(args, "swap_map", {})
         for url in args.url:
             # A swapped agent asks for the model its partner's name would get.
-            models = {a: names.get(swap.get(a, a), every or swap.get(a, a)) for a in template}
+            models = _url_models(args, list(template), swap)
             policy = DirectPolicy(
                 url,
                 api_key=args.api_key,
@@ -416,5 +442,5 @@ class _Setup:
         for target in self.targets:
             if target.store is not None:
                 target.store.close()
-        if self.backend is not None:
-            self.backend.shutdown()
+        if self.engines is not None:
+            self.engines.shutdown()
