@@ -336,3 +336,16 @@ def test_full_model_checkpoints_per_role_are_evaluated_and_swapped(tmp_path: Pat
     }
     report = json.loads((tmp_path / "swapped.json").read_text())
     assert [r["name"] for r in report["results"]] == ["run@4 swap reasoner=tool"]
+
+
+def test_device_auto_puts_the_engines_on_a_gpu_where_torch_sees_one(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`--device auto` (the default): a GPU run of the swap protocol must not decode two 1.7B
+    models on the CPU."""
+    from masenvs.trainer.commands.eval import engine_device
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert (engine_device("auto"), engine_device("cpu")) == ("cuda", "cpu")
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert (engine_device("auto"), engine_device("cuda")) == ("cpu", "cuda")

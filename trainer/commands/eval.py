@@ -142,7 +142,11 @@ def build_parser() -> argparse.ArgumentParser:
         "or --temperature say otherwise; A and B must have different trained weights",
     )
     parser.add_argument("--concurrency", type=int, default=8, help="episodes in flight")
-    parser.add_argument("--device", default="auto", help="embedded engine: auto, cpu or cuda")
+    parser.add_argument(
+        "--device",
+        default="auto",
+        help="embedded engine: auto (a GPU if there is one), cpu or cuda",
+    )
     add_engine_arguments(parser)
     parser.add_argument("--out", type=Path, help="JSON results (default runs/eval-TIME.json)")
     return parser
@@ -311,6 +315,15 @@ def _agents_and_tasks(
     return agents, tasks
 
 
+def engine_device(device: str) -> str:
+    """`--device`: 'auto' is the GPU where torch sees one, else the CPU."""
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
 def _url_models(
     args: argparse.Namespace, agents: list[str], swap: dict[str, str] | None = None
 ) -> dict[str, str]:
@@ -357,8 +370,7 @@ class _Setup:
         options = engine_options(args)
         if args.batch_invariant is None and checkpoints:  # validate as the run did
             options["batch_invariant"] = checkpoints[0].config.backend.batch_invariant
-        if args.device != "auto":
-            options["device"] = args.device
+        options["device"] = engine_device(args.device)
         setup.engines = engines = Engines(model, options)
         routes: list[tuple[str, dict[str, str]]] = []
         try:
