@@ -207,16 +207,18 @@ def test_swap_scores_the_papers_100_held_out_tasks_greedily_unless_told_otherwis
     args += ["--concurrency", "32"]
     swapped = tmp_path / "swap.json"
     assert main([*args, "--swap", "tool=reasoner", "--out", str(swapped)]) == 0
-    header = capsys.readouterr().out
+    header = " ".join(capsys.readouterr().out.split())  # rich wraps at the terminal's width
     report = json.loads(swapped.read_text())
     assert len(report["tasks"]) == 100 and report["tasks"][0] == "math:1000000"
     assert report["sampling"]["temperature"] == 0.0 and (report["n"], report["k"]) == (1, 1)
-    assert "100 tasks" in header and "greedy" in header and "swap" in header
+    assert "100 tasks of math, 1 episode(s) each, T=0 (greedy)" in header
+    assert "protocol is 100 held-out tasks, greedy; this is it" in header
     told = tmp_path / "told.json"
     extra = ["--tasks", "3", "--temperature", "0.5", "--out", str(told)]
     assert main([*args, "--swap", "tool=reasoner", *extra]) == 0
     report = json.loads(told.read_text())
     assert len(report["tasks"]) == 3 and report["sampling"]["temperature"] == 0.5
+    assert "this run differs (3 tasks, T=0.5)" in " ".join(capsys.readouterr().out.split())
     help_text = build_parser().format_help()
     assert "100" in help_text and "greedy" in help_text
 

@@ -206,7 +206,7 @@ def _main(args: argparse.Namespace, console: Console) -> int:
         console.print(f"[red]{exc}[/red]")
         return 2
     setup.add_urls(args, template, sampling)
-    _print_header(console, args, f"{len(tasks)} tasks of {env_name}", n, sampling, setup)
+    _print_header(console, args, (len(tasks), env_name), n, sampling, setup)
     try:
         with Progress(
             TextColumn("[bold]{task.description}"),
@@ -258,23 +258,28 @@ def _swaps(
 
 
 def _print_header(
-    console: Console, args: argparse.Namespace, tasks: str, n: int, sampling: Sampling, setup: Any
+    console: Console,
+    args: argparse.Namespace,
+    tasks: tuple[int, str],
+    n: int,
+    sampling: Sampling,
+    setup: Any,
 ) -> None:
     """What is about to run: `100 tasks of plan_path, 1 episode(s) each, T=0 (greedy): ...`,
     and for a swap whether it is the paper's protocol."""
-    greedy = " (greedy)" if sampling.temperature == 0 else ""
+    count, env_name = tasks
+    t = sampling.temperature
     console.print(
-        f"{tasks}, {n} episode(s) each, T={sampling.temperature:g}{greedy}: "
-        + ", ".join(t.name for t in setup.targets)
+        f"{count} tasks of {env_name}, {n} episode(s) each, T={t:g}{' (greedy)' * (t == 0)}: "
+        + ", ".join(target.name for target in setup.targets)
     )
-    if not args.swap_map:
-        return
-    flags = (("--tasks", args.tasks), ("--temperature", args.temperature))
-    told = " and ".join(f for f, value in flags if value is not None)
-    console.print(
-        f"role swap{swap_label(args.swap_map)}: Stronger-MAS's protocol is {SWAP_TASKS} "
-        "held-out tasks, greedy; " + (f"{told} changed that" if told else "this is it")
-    )
+    if args.swap_map:
+        protocol = count == SWAP_TASKS and t == 0
+        console.print(
+            f"role{swap_label(args.swap_map)}: Stronger-MAS's protocol is {SWAP_TASKS} "
+            "held-out tasks, greedy; "
+            + ("this is it" if protocol else f"this run differs ({count} tasks, T={t:g})")
+        )
 
 
 def _env_options(args: argparse.Namespace, env_name: str, first: Any) -> dict[str, Any]:
