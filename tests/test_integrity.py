@@ -17,6 +17,7 @@ import select
 import socket
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Iterator
@@ -136,11 +137,13 @@ time.sleep(600)
 
 
 @pytest.fixture
-def gate_process(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+def gate_process() -> Iterator[tuple[subprocess.Popen, str]]:
     """A gate in a process of its own (as in the trainer), its Unix socket's path."""
-    env = {"MASENVS_GATE_DIR": str(tmp_path / "gates")}
-    with server_process([sys.executable, "-c", GATE_SERVER], r"gate at (\S+)", env) as (p, m):
-        yield p, m.group(1)
+    # Short: a socket's path fits 107 bytes, and xdist's tmp_path is longer than that.
+    with tempfile.TemporaryDirectory(prefix="gates-") as gates:
+        env = {"MASENVS_GATE_DIR": gates}
+        with server_process([sys.executable, "-c", GATE_SERVER], r"gate at (\S+)", env) as (p, m):
+            yield p, m.group(1)
 
 
 def unix(path: str) -> socket.socket:
@@ -1014,3 +1017,16 @@ def test_judges_refuse_a_sandbox_that_cannot_hide_the_tests(monkeypatch) -> None
         with pytest.warns(UserWarning, match="hidden tests"):
             result = CodeJudge(sandbox=weak).run("print(2 * int(input()))", tests)
         assert result.all_passed
+
+
+def test_a_gate_dir_too_long_for_a_socket_is_a_clear_error(tmp_path: Path) -> None:
+    long = tmp_path / ("d" * 100)
+    done = subprocess.run(
+        [sys.executable, "-c", GATE_SERVER],
+        capture_output=True,
+        text=True,
+        env={**os.environ, "MASENVS_GATE_DIR": str(long)},
+        timeout=60,
+    )
+    assert done.returncode != 0
+    assert "too long for a unix socket" in done.stderr and "AF_UNIX" not in done.stderr

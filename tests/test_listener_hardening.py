@@ -17,6 +17,7 @@ import resource
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from collections.abc import Iterator
@@ -196,11 +197,13 @@ time.sleep(600)
 
 
 @pytest.fixture
-def gate(tmp_path: Path) -> Iterator[tuple[subprocess.Popen, str]]:
+def gate() -> Iterator[tuple[subprocess.Popen, str]]:
     """A gate in a process of its own (as in the trainer), its Unix socket's path."""
-    env = {"MASENVS_GATE_DIR": str(tmp_path / "gates")}
-    with server([sys.executable, "-c", GATE_SERVER], r"gate at (\S+)", env) as (proc, found, _):
-        yield proc, found.group(1)
+    # Short: a socket's path fits 107 bytes, and xdist's tmp_path is longer than that.
+    with tempfile.TemporaryDirectory(prefix="gates-") as gates:
+        env = {"MASENVS_GATE_DIR": gates}
+        with server([sys.executable, "-c", GATE_SERVER], r"gate at (\S+)", env) as (proc, found, _):
+            yield proc, found.group(1)
 
 
 def unix(path: str) -> socket.socket:

@@ -36,6 +36,7 @@ from masenvs.listeners import CappedHandler, ConnectionCap
 from masenvs.request_bodies import BodyError, JsonLimits, parse_json
 
 GATE_DIR = Path(os.environ.get("MASENVS_GATE_DIR", "/var/tmp/masenvs-gates"))
+_UNIX_PATH_MAX = 107  # bytes of a unix socket's path (sun_path is 108, with its NUL)
 MAX_BODY = 4 << 20  # bytes of one request
 MAX_CONNECTIONS = 64  # connections one gate serves at once (a design's parallel calls)
 # A chat request: its messages, tools and their schemas, not the million dicts of 4 MB of
@@ -129,6 +130,12 @@ class Gate:
         GATE_DIR.mkdir(parents=True, exist_ok=True)
         os.chmod(GATE_DIR, 0o711)
         self.path = str(GATE_DIR / f"{secrets.token_hex(16)}.sock")
+        if len(os.fsencode(self.path)) > _UNIX_PATH_MAX:
+            raise ValueError(
+                f"MASENVS_GATE_DIR={GATE_DIR} is too long for a unix socket: its sockets' paths "
+                f"would be {len(os.fsencode(self.path))} bytes, at most {_UNIX_PATH_MAX} fit; "
+                "choose a shorter directory"
+            )
         self._server = _Server(self.path, _Handler)
         os.chmod(self.path, 0o666)  # the sandbox runs under a uid of its own
         self._server.gate = self
