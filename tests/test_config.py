@@ -92,8 +92,9 @@ MEMORY_DEFAULTS = {
     "optim.max_tokens_per_microbatch": 512,
     # a chunk's fp32 logits (49k vocab: 0.2 MB per token), their log-softmax and softmax.
     "optim.logprob_chunk_tokens": 256,
-    # activations kept; checkpointing trades a third more compute for them (opt in).
-    "optim.gradient_checkpointing": False,
+    # recomputed in the backward: a 512-token answer goes whole into a micro-batch, whose
+    # kept activations (~0.9 GB) put a run on defaults over the main job (issue 44).
+    "optim.gradient_checkpointing": True,
     # float32 on CPU, as the main job; bfloat16 on a GPU.
     "model.dtype": "auto",
     # KV rows grow on demand with the sequences in flight; the main job's limit.

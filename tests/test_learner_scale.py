@@ -14,6 +14,7 @@ from test_learner import VOCAB, config
 
 from masenvs.engine.loading import cache_dir
 from masenvs.trainer.atgrpo import group_advantages
+from masenvs.trainer.config import load_config
 from masenvs.trainer.learner.learner import Learner
 from masenvs.trainer.learner.packing import prompt_units, unit_length
 from masenvs.trainer.samples import Sample, tree_group
@@ -80,6 +81,55 @@ def test_gradient_checkpointing_gives_the_same_update(loader: Any) -> None:
         assert _checkpointing(base) is (on == "true")
         runs.append(grads_and_metrics(learner, "coder", samples))
     assert_same_update(*runs)
+
+
+class _Saved:
+    """A tensor autograd keeps for the backward, counted while it is alive."""
+
+    alive = peak = 0
+
+    def __init__(self, tensor: torch.Tensor, size: int) -> None:
+        self.tensor, self.size = tensor, size
+        _Saved.alive += size
+        _Saved.peak = max(_Saved.peak, _Saved.alive)
+
+    def __del__(self) -> None:
+        _Saved.alive -= self.size
+
+
+def peak_saved_activations(learner: Learner, samples: list[Sample]) -> int:
+    """Most bytes of activations held for the backward at once during one update (weights,
+    which autograd saves too but never copies, are not counted)."""
+    weights = {p.untyped_storage().data_ptr() for p in learner.policies["coder"].model.parameters()}
+
+    def pack(t: torch.Tensor) -> Any:
+        own = t.untyped_storage().data_ptr() not in weights
+        return _Saved(t, t.untyped_storage().nbytes() if own else 0)
+
+    _Saved.alive = _Saved.peak = 0
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda saved: saved.tensor):
+        learner.step(samples)
+    return _Saved.peak
+
+
+@pytest.mark.filterwarnings("ignore:.*is_gradient_checkpointing.*:FutureWarning")  # peft
+def test_the_defaults_keep_an_updates_activations_few(loader: Any) -> None:
+    """Issue 44: a run on defaults stays under the main job's peak memory because the update
+    recomputes activations in the backward instead of keeping a long answer's whole set
+    (docs/memory.md, 'Defaults and the main job's peak')."""
+    rng = random.Random(5)
+    prompt = [rng.randrange(VOCAB) for _ in range(30)]
+    answers = [[rng.randrange(VOCAB) for _ in range(200)] for _ in range(2)]  # long answers
+    group = tree_group(0, 0, "coder")
+    samples = [
+        Sample(prompt, a, [], "coder", "coder", group, float(r)) for r, a in enumerate(answers)
+    ]
+    samples = group_advantages(samples, config().algorithm)[0]
+    peaks = {}
+    for name, overrides in {"defaults": [], "kept": ["optim.gradient_checkpointing=false"]}.items():
+        learner = Learner(load_config(None, ["model.name=tiny", *overrides]), ["coder"], loader)
+        peaks[name] = peak_saved_activations(learner, samples)
+    assert peaks["defaults"] < 0.5 * peaks["kept"], peaks
 
 
 def test_a_prompts_completions_split_across_micro_batches_when_over_budget(loader: Any) -> None:
