@@ -79,6 +79,7 @@ class ChatPolicy:
         self.sampling = sampling or Sampling()
         self.agent_sampling = agent_sampling or {}  # per-agent settings over `sampling`
         self.models = models or {}
+        self.timeout = timeout  # seconds one call may take
         self._http = httpx.AsyncClient(
             timeout=timeout, limits=httpx.Limits(max_connections=max_concurrency)
         )
@@ -112,18 +113,27 @@ class ChatPolicy:
             extra["top_k"] = s.top_k
         if s.repetition_penalty != 1.0:
             extra["repetition_penalty"] = s.repetition_penalty
+        from openai import APITimeoutError
+
         async with self._limit:
-            response = await self.client(rollout_id).chat.completions.create(
-                model=self.models.get(agent, agent),
-                messages=messages,
-                n=n,
-                temperature=s.temperature,
-                top_p=s.top_p,
-                max_tokens=s.max_tokens,
-                seed=s.seed if seed is None else seed,
-                logprobs=True,
-                extra_body=extra,
-            )
+            try:
+                response = await self.client(rollout_id).chat.completions.create(
+                    model=self.models.get(agent, agent),
+                    messages=messages,
+                    n=n,
+                    temperature=s.temperature,
+                    top_p=s.top_p,
+                    max_tokens=s.max_tokens,
+                    seed=s.seed if seed is None else seed,
+                    logprobs=True,
+                    extra_body=extra,
+                )
+            except APITimeoutError as exc:
+                raise TimeoutError(
+                    f"{agent!r}'s call ({n} answer(s) of up to {s.max_tokens} tokens) took over "
+                    f"{self.timeout:g} s; in `masenvs train` raise backend.request_timeout "
+                    "(--set backend.request_timeout=SECONDS), or lower rollout.max_tokens"
+                ) from exc
         prompt_ids = list(getattr(response, "prompt_token_ids", None) or [])
         replies = []
         for choice in sorted(response.choices, key=lambda c: c.index):

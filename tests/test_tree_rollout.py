@@ -263,3 +263,30 @@ def test_each_turn_asks_with_its_own_seed_when_seeded() -> None:
         turns = [(agent, i // 2) for i, (agent, _, _) in enumerate(policy.calls)]
         assert policy.seeds == [call_seed(sample_seed, "t", r, a) for a, r in turns]
         assert (len(set(policy.seeds)) == len(turns)) == (sample_seed is not None)
+
+
+def test_a_call_over_the_request_timeout_says_which_setting_raises_it() -> None:
+    """The trainer's policy calls wait backend.request_timeout (was a fixed 600 s), and a call
+    that takes longer fails naming that setting, in the task's error."""
+    import socket
+
+    from masenvs.adapters.policy import ChatPolicy
+
+    silent = socket.create_server(("127.0.0.1", 0))  # accepts, never answers
+    try:
+        url = f"http://127.0.0.1:{silent.getsockname()[1]}"
+        policy = ChatPolicy(url, timeout=0.5)
+        rollout = asyncio.run(
+            tree_rollout(
+                lambda: masenvs.make("plan_path", size=4),
+                0,
+                policy,
+                branches=2,
+                policy_of=lambda agent: agent,
+                rollout_id="r0",
+            )
+        )
+        assert rollout.error is not None and "backend.request_timeout" in rollout.error
+        assert "0.5 s" in rollout.error
+    finally:
+        silent.close()

@@ -185,7 +185,10 @@ class _BackendClients(Section):
         "['--gpu-memory-utilization', '0.5'] (each server the trainer starts gets them).",
     )
     request_timeout: float = Field(
-        600.0, gt=0.0, description="Seconds any one request to a vLLM server may take."
+        600.0,
+        gt=0.0,
+        description="Seconds any one request may take: each policy call of a rollout (all K "
+        "answers of a tree turn) and each request to a vLLM server.",
     )
 
     def engine_args(self, **run: Any) -> EngineArgs:

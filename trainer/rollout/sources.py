@@ -161,6 +161,7 @@ class TreeSource:
             sampling=Sampling(**dataclasses.asdict(cfg.sampling())),
             agent_sampling=agent_sampling(cfg, learner.agents),
             api_key=stack.api_key or "masenvs",
+            timeout=cfg.backend.request_timeout,
         )
         self.last_errors: list[str] = []  # the last step's failed tasks, for an empty step
         self.sample_seed = rollout_sample_seed(cfg, stack.backend)
@@ -258,6 +259,7 @@ class TreeSource:
             sampling=sampling,
             agent_sampling=agent_sampling(cfg, self.learner.agents, validation=True),
             api_key=self.policy.api_key,
+            timeout=self.policy.timeout,
         )
         try:
             results = await run_episodes(

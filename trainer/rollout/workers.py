@@ -62,6 +62,7 @@ class WorkerSpec:
     mode: Literal["tree", "trajectory", "no_tree"] = "tree"  # rollout.mode: what `tree()` plays
     group_by: GroupBy = "turn_agent"  # rollout.group_by
     team_credit: TeamCredit = "committed"  # rollout.team_credit
+    request_timeout: float = 600.0  # backend.request_timeout: seconds one policy call may take
     workflow: WorkflowSpec | None = None  # workflow mode: the program runs in the worker
     # The trainer's working directory and import path, where they exist on the worker's node:
     # user programs (workflow factories, env packages) import as they do in the trainer.
@@ -88,7 +89,11 @@ class RolloutWorker:
         if self._policy is None:
             s = self.spec
             self._policy = ChatPolicy(
-                s.root_url, api_key=s.api_key, sampling=s.sampling, agent_sampling=s.agent_sampling
+                s.root_url,
+                api_key=s.api_key,
+                sampling=s.sampling,
+                agent_sampling=s.agent_sampling,
+                timeout=s.request_timeout,
             )
         return self._policy
 
@@ -154,7 +159,13 @@ class RolloutWorker:
     ) -> list[EpisodeResult]:
         """Independent episodes (validation) at `sampling`; the trainer records them."""
         s = self.spec
-        policy = ChatPolicy(s.root_url, api_key=s.api_key, sampling=sampling, agent_sampling=agents)
+        policy = ChatPolicy(
+            s.root_url,
+            api_key=s.api_key,
+            sampling=sampling,
+            agent_sampling=agents,
+            timeout=s.request_timeout,
+        )
         try:
             return await run_episodes(
                 s.env_name,
@@ -197,6 +208,7 @@ def worker_spec(
         mode=cfg.rollout.mode,
         group_by=cfg.rollout.group_by,
         team_credit=cfg.rollout.team_credit,
+        request_timeout=cfg.backend.request_timeout,
     )
 
 
@@ -209,6 +221,7 @@ def workflow_worker_spec(cfg: TrainConfig, stack: Stack) -> WorkerSpec:
         api_key=stack.api_key or "masenvs",
         concurrency=math.ceil(cfg.rollout.concurrency / cfg.distributed.rollout_workers),
         workflow=cfg.workflow,
+        request_timeout=cfg.backend.request_timeout,
     )
 
 
