@@ -61,7 +61,7 @@ MODULES: dict[str, tuple[str, ...]] = {
     "test_inference_plan": (),
     "test_integration_openenv": ("process",),  # `masenvs openenv-serve`
     "test_integration_trl": ("process", "slow"),  # `masenvs serve`, TRL trainings
-    "test_integration_verifiers": ("process",),  # pytest in the verifiers venv
+    "test_integration_verifiers": ("process", "slow"),  # pytest in the verifiers venv: 43 s CPU
     "test_integrations_same_reward": ("process",),  # the sandbox (code, verilog)
     "test_integrity": ("process", "serial"),  # hostile clients; host shared-memory bounds
     "test_langgraph_state": ("process",),  # `masenvs train` in the agent's project
