@@ -20,7 +20,6 @@ from typing import Any
 import pytest
 import yaml
 
-from masenvs.overrides import ConfigError
 from masenvs.trainer.commands import eval as eval_command
 from masenvs.trainer.commands import sft as sft_command
 from masenvs.trainer.commands import train as train_command
@@ -31,7 +30,6 @@ DOC = ROOT / "docs" / "paper.md"
 PAPER = ROOT / "examples" / "paper"
 CONFIGS_SECTION = "## The configs"
 ROWS_SECTION = "## Every row, ablation and MetaAgent-X result"
-LANDING = "(landing with issue 45)"
 SOLO = {"plan_path": "plan", "sudoku": "plan", "sokoban": "plan", "math": "reasoner"}
 PARSERS = {
     "train": train_command.build_parser,
@@ -133,16 +131,12 @@ def test_every_paper_config_is_in_the_configs_table() -> None:
     named = [r[0].strip("`") for r in config_rows()]
     assert len(named) == len(set(named)), "a config is listed twice"
     shipped = sorted(p.name for p in PAPER.glob("*.yaml"))
-    assert sorted(n for n in named if (PAPER / n).exists()) == shipped
-    missing = [r[0] for r in config_rows() if not (PAPER / r[0].strip("`")).exists()]
-    assert all(LANDING in " ".join(r) for r in config_rows() if r[0] in missing), missing
+    assert sorted(named) == shipped
 
 
 @pytest.mark.parametrize("row", config_rows(), ids=lambda r: r[0].strip("`"))
 def test_the_configs_table_states_each_configs_values(row: list[str]) -> None:
     path = PAPER / row[0].strip("`")
-    if not path.exists():
-        pytest.skip(f"{path.name} {LANDING}")
     values = key_values(row[2])
     assert len(values) >= 5, f"{path.name}: its key values"
     assert not mismatches(load_config(path), values), path.name
@@ -153,12 +147,11 @@ def test_each_row_names_a_config_and_holds_its_values(
     case: tuple[str, str | None, list[str]],
 ) -> None:
     label, task, cells = case
-    landing = LANDING in " ".join(cells)
     configs = re.findall(r"`(examples/paper/[^`]+\.yaml)`", cells[2])
     assert len(configs) == 1, f"{label}: one config, examples/paper/..., in its config cell"
     path = ROOT / expand(configs[0], task)
     words = shlex.split(expand(command_of(cells[3]), task))
-    if words[1] in PARSERS and not (landing and words[1] == "eval"):
+    if words[1] in PARSERS:
         with contextlib.redirect_stderr(io.StringIO()) as said:
             try:  # every flag of the row's command is one the command takes
                 parsed = PARSERS[words[1]]().parse_args(words[2:])
@@ -166,9 +159,7 @@ def test_each_row_names_a_config_and_holds_its_values(
                 pytest.fail(f"{label}: `{' '.join(words)}`: {said.getvalue().strip()}")
     if words[1] in ("train", "sft"):
         assert ROOT / words[2] == path, f"{label}: its command trains {words[2]}, not {path}"
-    if not path.exists():
-        assert landing, f"{label}: {path.relative_to(ROOT)} does not exist"
-        pytest.skip(f"{path.name} {LANDING}")
+    assert path.exists(), f"{label}: {path.relative_to(ROOT)} does not exist"
     values = key_values(cells[4])
     overrides = [words[i + 1] for i, w in enumerate(words) if w == "--set"]
     if words[1] == "sft":  # --lora-rank and --lora-alpha stand for --set lora.*
@@ -178,13 +169,7 @@ def test_each_row_names_a_config_and_holds_its_values(
         for flag, key in EVAL_FLAGS.items():  # an eval flag and the config say one thing
             if flag in words and key in values:
                 assert expected(words[words.index(flag) + 1]) == expected(values[key]), flag
-    try:
-        config = load_config(path, overrides)
-    except ConfigError:
-        if landing:
-            pytest.skip(f"{label}: {LANDING}")
-        raise
-    assert not mismatches(config, values), label
+    assert not mismatches(load_config(path, overrides), values), label
 
 
 def test_every_config_has_a_row_and_every_paper_row_is_mapped() -> None:
