@@ -1,20 +1,25 @@
 """Cold start from solver demonstrations, then AT-GRPO, beside the SFT-continued control (issue 46).
 
-    python scripts/cold_start_then_rl.py --seed 0 --out runs/cold     # one seed of the table
-    python scripts/cold_start_then_rl.py --smoke --out /tmp/cold      # the tiny model, ~2 min
+    python scripts/cold_start_then_rl.py --seed 0 --out runs/cold-s0            # one seed
+    python scripts/cold_start_then_rl.py --seed 1 --out runs/cold-s1 --sft-from runs/cold-s0/sft
+    python scripts/cold_start_then_rl.py --smoke --out /tmp/cold                # tiny model, ~2 min
 
 Each step is the `masenvs` command a user would type (printed as it starts), run in this process:
   1. demos:  masenvs demos --config CONFIG --seeds A:B --out OUT/demos.jsonl
-  2. sft:    masenvs sft CONFIG OUT/demos.jsonl --set run_dir=OUT/rl   (checkpoint 0 of the RL run;
-             few demonstrations and epochs: a weak cold start on purpose, so that RL has room)
-  3. eval:   masenvs eval --checkpoint OUT/rl --temperature 0            (greedy, validation seeds)
-  4. train:  masenvs train CONFIG --resume --set run_dir=OUT/rl          (AT-GRPO from the SFT weights)
+  2. sft:    masenvs sft CONFIG OUT/demos.jsonl --set run_dir=OUT/sft   (few demonstrations and
+             epochs: a weak cold start on purpose, so that RL has room). With --sft-from RUN,
+             steps 1-2 are skipped and RUN's SFT checkpoint is the cold start (one SFT, several
+             RL seeds).
+  3. eval:   masenvs eval --checkpoint OUT/sft --temperature 0          (greedy, validation seeds)
+  4. train:  masenvs train CONFIG --resume --set run_dir=OUT/rl          (AT-GRPO from the SFT
+             weights: OUT/rl starts as a copy of the SFT checkpoint)
   5. eval:   the RL checkpoint, greedy
-  6. control: the same SFT continued for about RL's wall time (more epochs, the same data and
-             shuffles, in OUT/sft_continued), greedy eval
-  7. control: RL from the base model with the same recipe (OUT/rl_from_base), greedy eval
-Writes OUT/summary.json and prints the greedy success of the four checkpoints. The learning
-table (3 seeds, docs/learning.md) is made of these runs; it is not measured yet.
+  6. control: the SFT checkpoint's training continued on the same demonstrations for about RL's
+             wall time (`sft --init-from`, whole epochs, in OUT/sft_continued), greedy eval
+  7. control: RL from the base model with the same recipe (OUT/rl_from_base), greedy eval;
+             --no-base skips it
+Writes OUT/summary.json and prints the greedy success of each checkpoint. docs/learning.md
+gives the table these runs made.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import sys
 import time
 from pathlib import Path
@@ -30,6 +36,7 @@ from masenvs.cli import main as masenvs
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "learning" / "cold_start_plan_path.yaml"
+CHECKPOINT_0 = Path("checkpoints") / "step_00000000"
 
 # --smoke: the tiny random model, one step of everything, so the whole pipeline runs in minutes.
 SMOKE_SETS = [
@@ -64,52 +71,64 @@ def greedy_eval(checkpoint: Path, out: Path, tasks: int) -> float:
     return float(json.loads(out.read_text())["results"][0]["avg"])
 
 
+def sft_run(args: argparse.Namespace, out: Path, flags: list[str]) -> tuple[Path, Path, dict]:
+    """The cold start: OUT/sft written here (demos, then sft), or --sft-from's. Returns the SFT
+    run, its demonstrations and the sft record of its checkpoint (data, epochs, lr, seconds)."""
+    if args.sft_from is not None:
+        source = Path(args.sft_from)
+        record = json.loads((source / CHECKPOINT_0 / "state.json").read_text())["extra"]["sft"]
+        return source, Path(record["data"][0]), record
+    demos = out / "demos.jsonl"
+    seeds = f"{args.demo_seeds}:{args.demo_seeds + args.demos}"
+    run(["demos", "--config", str(args.config), "--seeds", seeds, "--out", str(demos)])
+    sft = out / "sft"
+    recipe = ["--epochs", str(args.sft_epochs), "--lr", str(args.sft_lr), "--batch-size", "4"]
+    run(["sft", str(args.config), str(demos), *flags, "--set", f"run_dir={sft}", *recipe])
+    record = json.loads((sft / CHECKPOINT_0 / "state.json").read_text())["extra"]["sft"]
+    return sft, demos, record
+
+
 def pipeline(args: argparse.Namespace) -> dict:
     out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
     config = str(args.config)
     sets = [*(SMOKE_SETS if args.smoke else []), f"seed={args.seed}", *args.set]
     flags = [x for s in sets for x in ("--set", s)]
-    demos = out / "demos.jsonl"
-    seeds = f"{args.demo_seeds}:{args.demo_seeds + args.demos}"
-    run(["demos", "--config", config, "--seeds", seeds, "--out", str(demos)])
+    sft, demos, record = sft_run(args, out, flags)
+    before = greedy_eval(sft, out / "eval_sft.json", args.eval_tasks)
 
-    sft = ["--epochs", str(args.sft_epochs), "--lr", str(args.sft_lr), "--batch-size", "4"]
-    rl, control = out / "rl", out / "sft_continued"
-    sft_seconds = run(["sft", config, str(demos), *flags, "--set", f"run_dir={rl}", *sft])
-    before = greedy_eval(rl, out / "eval_sft.json", args.eval_tasks)
+    rl = out / "rl"
+    shutil.copytree(sft / CHECKPOINT_0, rl / CHECKPOINT_0)
     rl_seconds = run(["train", config, "--resume", *flags, "--set", f"run_dir={rl}"])
     after = greedy_eval(rl, out / "eval_rl.json", args.eval_tasks)
 
-    # The control: the same SFT (same data, seed and shuffles) continued for about RL's wall
-    # time, measured in epochs of the first SFT (whose time includes loading the model: the
-    # control gets at least one more epoch, and at most that much less than RL's time).
-    extra = max(1, round(rl_seconds / (sft_seconds / args.sft_epochs)))
-    more = ["--epochs", str(args.sft_epochs + extra), *sft[2:]]
+    # The control: the SFT checkpoint trained on for about RL's wall time, in whole epochs of
+    # the first SFT (whose seconds include loading the model: at least one epoch).
+    epoch_seconds = record["seconds"] / record["epochs"]
+    extra = max(1, round(rl_seconds / epoch_seconds))
+    control = out / "sft_continued"
+    more = ["--epochs", str(extra), "--lr", str(record["lr"]), "--batch-size", "4"]
+    more += ["--init-from", str(sft)]
     control_seconds = run(["sft", config, str(demos), *flags, "--set", f"run_dir={control}", *more])
     continued = greedy_eval(control, out / "eval_sft_continued.json", args.eval_tasks)
-    # RL from the base model, the same recipe and seed (issue 33's result on this task).
-    base = out / "rl_from_base"
-    base_seconds = run(["train", config, *flags, "--set", f"run_dir={base}"])
-    from_base = greedy_eval(base, out / "eval_rl_from_base.json", args.eval_tasks)
+
+    success = {"sft": before, "rl": after, "sft_continued": continued}
+    seconds = {"sft": record["seconds"], "rl": rl_seconds, "sft_continued": control_seconds}
+    if not args.no_base:  # RL from the base model, the same recipe and seed (issue 33)
+        base = out / "rl_from_base"
+        seconds["rl_from_base"] = run(["train", config, *flags, "--set", f"run_dir={base}"])
+        success["rl_from_base"] = greedy_eval(base, out / "eval_rl_from_base.json", args.eval_tasks)
 
     summary = {
         "config": config,
         "seed": args.seed,
         "smoke": args.smoke,
-        "demos": {"file": str(demos), "seeds": seeds},
-        "greedy_success": {
-            "sft": before,
-            "rl": after,
-            "sft_continued": continued,
-            "rl_from_base": from_base,
-        },
-        "seconds": {
-            "sft": sft_seconds,
-            "rl": rl_seconds,
-            "sft_continued": control_seconds,
-            "rl_from_base": base_seconds,
-        },
-        "sft_epochs": {"sft": args.sft_epochs, "sft_continued": args.sft_epochs + extra},
+        "sft_run": str(sft),
+        "demos": str(demos),
+        "greedy_success": success,
+        "seconds": seconds,
+        "sft_epochs": {"sft": record["epochs"], "sft_continued": record["epochs"] + extra},
+        "eval_tasks": args.eval_tasks,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
     return summary
@@ -126,7 +145,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     parser.add_argument("--sft-epochs", type=int, default=2, help="few: a weak cold start")
     parser.add_argument("--sft-lr", type=float, default=1e-3)
-    parser.add_argument("--eval-tasks", type=int, default=32, help="greedy eval tasks")
+    parser.add_argument("--eval-tasks", type=int, default=64, help="greedy eval tasks")
+    parser.add_argument(
+        "--sft-from", metavar="RUN", help="an earlier seed's OUT/sft: its cold start, no new SFT"
+    )
+    parser.add_argument("--no-base", action="store_true", help="skip RL from the base model")
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument(
         "--smoke", action="store_true", help="the tiny model, one step each: checks the wiring"

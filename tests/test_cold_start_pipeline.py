@@ -20,17 +20,21 @@ def lora_b(run: Path, step: int, policy: str) -> list:
     return [v for k, v in tensors.items() if "lora_B" in k]
 
 
-def test_the_smoke_pipeline_runs_every_step_from_demos_to_rl(tmp_path: Path) -> None:
-    out = tmp_path / "cold"
+def pipeline(tmp_path: Path, *args: str) -> str:
     done = subprocess.run(
-        [sys.executable, str(SCRIPT), "--smoke", "--out", str(out)],
+        [sys.executable, str(SCRIPT), "--smoke", *args],
         capture_output=True,
         text=True,
         timeout=600,
         cwd=tmp_path,
     )
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    said = done.stdout
+    return done.stdout
+
+
+def test_the_smoke_pipeline_runs_every_step_from_demos_to_rl(tmp_path: Path) -> None:
+    out = tmp_path / "cold"
+    said = pipeline(tmp_path, "--out", str(out))
     # each step as the command a user types, in order
     steps = ["$ masenvs demos", "$ masenvs sft", "$ masenvs eval", "$ masenvs train", "--resume"]
     at = [said.find(s) for s in steps]
@@ -45,7 +49,11 @@ def test_the_smoke_pipeline_runs_every_step_from_demos_to_rl(tmp_path: Path) -> 
     # sft read the 4 demonstrations and trained both agents' adapters (B starts at zero) ...
     rl = out / "rl"
     for policy in ("tool", "plan"):
-        assert all(float(b.abs().max()) > 0 for b in lora_b(rl, 0, policy))
+        assert all(float(b.abs().max()) > 0 for b in lora_b(out / "sft", 0, policy))
+        assert all(
+            bool((a == b).all())
+            for a, b in zip(lora_b(out / "sft", 0, policy), lora_b(rl, 0, policy))
+        )
     # ... and RL continued from them: step 1 of the same run, resumed from checkpoint 0
     assert "resumed from" in said and (rl / "checkpoints" / "step_00000001").is_dir()
     state = json.loads((rl / "checkpoints" / "step_00000000" / "state.json").read_text())
@@ -61,3 +69,24 @@ def test_the_smoke_pipeline_runs_every_step_from_demos_to_rl(tmp_path: Path) -> 
         assert not demo_seeds & {int(t.rsplit(":", 1)[-1]) for t in report["tasks"]}, report[
             "tasks"
         ]
+
+    # The control continued the SFT checkpoint's weights, for at least one more epoch.
+    control = json.loads(
+        (out / "sft_continued" / "checkpoints" / "step_00000000" / "state.json").read_text()
+    )
+    assert control["extra"]["sft"]["init_from"] == str(out / "sft")
+
+    # Another seed from the same cold start: no new demonstrations or SFT, RL from its weights.
+    again = tmp_path / "cold-s1"
+    said = pipeline(
+        tmp_path, "--out", str(again), "--seed", "1", "--sft-from", str(out / "sft"), "--no-base"
+    )
+    assert "$ masenvs demos" not in said and "$ masenvs sft" in said  # the control only
+    summary = json.loads((again / "summary.json").read_text())
+    assert set(summary["greedy_success"]) == {"sft", "rl", "sft_continued"} and summary["seed"] == 1
+    for policy in ("tool", "plan"):
+        assert all(
+            bool((a == b).all())
+            for a, b in zip(lora_b(out / "sft", 0, policy), lora_b(again / "rl", 0, policy))
+        )
+    assert (again / "rl" / "checkpoints" / "step_00000001").is_dir()

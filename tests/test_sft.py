@@ -85,6 +85,50 @@ def test_full_sft_learns_the_replies(tmp_path) -> None:
     assert sorted(p.name for p in saved.iterdir()) == ["designer", "executor"]
 
 
+def test_init_from_continues_from_a_runs_weights_and_refuses_one_that_does_not_fit(
+    tmp_path, capsys
+) -> None:
+    data = tmp_path / "executor.jsonl"
+    data.write_text("\n".join(EXAMPLE.read_text().splitlines()[1:6:2]) + "\n")
+
+    def sft(run: str, *more: str) -> int:
+        args = ["sft", CONFIG, str(data), *TINY, "--set", f"run_dir={tmp_path / run}"]
+        return main([*args, "--batch-size", "2", *more])
+
+    assert sft("first", "--epochs", "3", "--lr", "1e-2") == 0
+    first = adapter(tmp_path / "first", 0, "executor")
+    # A vanishing learning rate: what the second run writes is what it started from.
+    assert (
+        sft("continued", "--epochs", "1", "--lr", "1e-12", "--init-from", str(tmp_path / "first"))
+        == 0
+    )
+    assert sft("fresh", "--epochs", "1", "--lr", "1e-12") == 0
+    continued, fresh = (
+        adapter(tmp_path / "continued", 0, "executor"),
+        adapter(tmp_path / "fresh", 0, "executor"),
+    )
+    assert all(float((continued[k] - v).abs().max()) < 1e-6 for k, v in first.items())
+    assert any(float((fresh[k] - v).abs().max()) > 1e-3 for k, v in first.items())
+    losses = {
+        run: json.loads(
+            (tmp_path / run / "checkpoints" / "step_00000000" / "state.json").read_text()
+        )["extra"]["sft"]
+        for run in ("first", "continued")
+    }
+    assert losses["continued"]["loss"][0] < losses["first"]["loss"][0] - 0.1
+    assert losses["continued"]["init_from"] == str(tmp_path / "first")
+    # One step_* directory works as well as the run.
+    step = tmp_path / "first" / "checkpoints" / "step_00000000"
+    assert sft("from_step", "--epochs", "1", "--lr", "1e-12", "--init-from", str(step)) == 0
+    capsys.readouterr()
+
+    assert sft("r1", "--init-from", str(tmp_path / "nowhere")) == 2
+    assert "no checkpoint there" in capsys.readouterr().out
+    assert sft("r2", "--init-from", str(tmp_path / "first"), "--lora-rank", "4") == 2
+    out = " ".join(capsys.readouterr().out.split())
+    assert "does not fit this config" in out and "lora settings" in out, out
+
+
 def test_bad_traces_stop_with_the_file_line_and_the_fix(tmp_path, capsys) -> None:
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"messages": [{"role": "user", "content": "hi"}]}\nnot json\n')

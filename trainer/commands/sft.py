@@ -13,6 +13,9 @@ or ShareGPT's (as the published traces are written)
 Every assistant turn is a target: its tokens given everything before it, rendered with the
 agent's chat template settings exactly as a rollout prompts it. `agent` names the env agent
 (and so the policy) a line trains; `--agent` gives a default.
+
+`--init-from RUN` starts from the weights of another run's newest checkpoint (or of one
+`checkpoints/step_*` directory) instead of the base model: SFT continued, with a fresh AdamW.
 """
 
 from __future__ import annotations
@@ -214,6 +217,7 @@ def sft(
     default_agent: str | None = None,
     log: Any = print,
     loss_on: str = "completion",
+    init_from: str | Path | None = None,
 ) -> SFTResult:
     """Fine-tune the run's policies on `data` and write them as checkpoint 0 of `cfg.run_dir`."""
     from masenvs.engine.loading import load_tokenizer
@@ -223,6 +227,7 @@ def sft(
     from masenvs.trainer.run.train import seed_everything
     from masenvs.trainer.samples import Sample
 
+    started = time.perf_counter()
     run_dir = Path(cfg.run_dir)
     agents = _new_run_agents(cfg, run_dir)
     conversations = read_traces(data, default_agent)
@@ -244,6 +249,8 @@ def sft(
 
     seed_everything(cfg.seed)
     learner = Learner(cfg, agents)
+    if init_from is not None:
+        _load_weights(learner, init_from)
     by_policy: dict[str, list[Sample]] = {}
     for t in found:
         policy = learner.policy_of(t.agent)
@@ -274,11 +281,48 @@ def sft(
             "lr": lr,
             "loss_on": loss_on,
             "loss": losses,
+            "seconds": round(time.perf_counter() - started, 1),  # model load included
+            **({"init_from": str(init_from)} if init_from is not None else {}),
         }
     }
     state = TrainState(step=0, next_task_seed=cfg.env.seed_start, extra=extra)
     path = save_checkpoint(run_dir, learner, state, cfg, cfg.checkpoint.keep_last)
     return SFTResult(path, losses, len(found), cut)
+
+
+def _load_weights(learner: Any, source: str | Path) -> None:
+    """Put the trained policies' weights of `source` (a run, its newest checkpoint, or one
+    `step_*` directory) into `learner`; optimizer states stay fresh."""
+    from masenvs.trainer.run.checkpoint import ADAPTERS, MODELS, load_latest
+
+    source = Path(source)
+    if (source / "state.json").is_file():
+        path = source
+    elif (latest := load_latest(source)) is not None:
+        path = latest.path
+    else:
+        raise ConfigError(
+            f"--init-from {source}: no checkpoint there (a run directory or a step_*)"
+        )
+    for policy in learner.policies:
+        if not learner.trains(policy):
+            continue
+        where = path / (MODELS if learner.full else ADAPTERS) / policy
+        if not where.is_dir():
+            raise ConfigError(
+                f"--init-from {path} holds no {'model' if learner.full else 'adapter'} for policy "
+                f"{policy!r}: it was written by a run with other policies or lora settings"
+            )
+        try:
+            if learner.full:
+                learner.load_model(policy, where)
+            else:
+                learner.load_adapter(policy, where)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise ConfigError(
+                f"--init-from {path}: policy {policy!r} does not fit this config ({exc}); "
+                "use the same model, policy and lora settings as the run that wrote it"
+            ) from exc
 
 
 def _new_run_agents(cfg: TrainConfig, run_dir: Path) -> list[str]:
@@ -401,6 +445,12 @@ def build_parser() -> argparse.ArgumentParser:
         help="completion: each assistant reply given its prompt; all: every token of the "
         "conversation, prompt included (the published MetaAgent-X SFT)",
     )
+    parser.add_argument(
+        "--init-from",
+        metavar="RUN",
+        help="start from the weights of this run's newest checkpoint (or of one step_* "
+        "directory) instead of the base model: SFT continued, with a fresh optimizer",
+    )
     parser.add_argument("--lora-rank", type=int, help="LoRA rank r (sets lora.rank)")
     parser.add_argument("--lora-alpha", type=int, help="LoRA alpha (sets lora.alpha)")
     return parser
@@ -438,6 +488,7 @@ def main(argv: list[str]) -> int:
             default_agent=args.agent,
             log=console.print,
             loss_on=args.loss_on,
+            init_from=args.init_from,
         )
     except (ConfigError, DataError) as exc:
         console.print(f"[red]{exc}[/red]")
