@@ -56,6 +56,21 @@ def plan_path_answer(env: Any) -> str:
     return f"[{', '.join(shortest_path(env))}]"
 
 
+def plan_path_working(env: Any) -> str:
+    """The worked step before plan-path's moves: where A and G are, read from the grid the
+    prompt shows, and the offset between them (what `show_offset` would have given away)."""
+    (ar, ac), (gr, gc) = env.state.pos, env.task.goal
+    steps = [
+        f"{abs(d)} {word}"
+        for d, word in (
+            (gr - ar, "down" if gr > ar else "up"),
+            (gc - ac, "right" if gc > ac else "left"),
+        )
+        if d
+    ]
+    return f"A is at row {ar}, column {ac}; G is at row {gr}, column {gc}: {', '.join(steps)}."
+
+
 def sudoku_answer(env: Any) -> str:
     from masenvs.envs.sudoku_solver import solutions
 
@@ -95,23 +110,33 @@ def writes_program(env: MASEnv, agent: str) -> bool:
     return agent == "tool" and not env.config.single_agent and tool_task == "search"
 
 
-def solver_reply(env: MASEnv, agent: str) -> str:
+# env -> the worked step a reply states before its answer (`masenvs demos --explain`)
+WORKINGS: dict[str, Callable[[Any], str]] = {"plan_path": plan_path_working}
+
+
+def solver_reply(env: MASEnv, agent: str, explain: bool = False) -> str:
     """The solver's answer for `agent` on the env's current state, in the form the env reads:
-    `#### answer`, or for a role that writes a program, a program that prints the answer."""
+    `#### answer` (after the worked step with `explain`), or for a role that writes a program,
+    a program that prints the answer."""
     if writes_program(env, agent):
         board = env.state.board if env.name == "sudoku" else env.board()
         return program_reply(env.name, board)
-    return f"#### {SOLVERS[env.name](env)}"
+    working = f"{WORKINGS[env.name](env)} " if explain else ""
+    return f"{working}#### {SOLVERS[env.name](env)}"
 
 
 # --- demonstrations -------------------------------------------------------------------------
 
 
-def demo_env(env_name: str, options: dict[str, Any]) -> MASEnv:
+def demo_env(env_name: str, options: dict[str, Any], explain: bool = False) -> MASEnv:
     """The env demonstrations are written in: one with a solver, and hint-free."""
     if env_name not in SOLVERS:
         raise DemoError(
             f"no solver for {env_name!r}: demonstrations exist for {', '.join(sorted(SOLVERS))}"
+        )
+    if explain and env_name not in WORKINGS:
+        raise DemoError(
+            f"--explain: worked answers exist for {', '.join(sorted(WORKINGS))}, not {env_name}"
         )
     for option in HINTS[env_name]:
         if options.get(option):
@@ -126,16 +151,17 @@ def demo_env(env_name: str, options: dict[str, Any]) -> MASEnv:
     return env
 
 
-def episode_demos(env: MASEnv, seed: int) -> list[dict[str, Any]]:
-    """Every agent turn of seed's episode, each answered by the solver and played, until the
-    episode ends; an answer the env does not accept raises DemoError."""
+def episode_demos(env: MASEnv, seed: int, explain: bool = False) -> list[dict[str, Any]]:
+    """Every agent turn of seed's episode, each answered by the solver (after its worked step
+    with `explain`) and played, until the episode ends; an answer the env does not accept
+    raises DemoError."""
     _, infos = env.reset(seed=seed)
     rows = []
     while env.agents:
         agent, round_ = env.acting, env.round
         prompt = infos[agent]["messages"]
         try:
-            reply, answer = solver_reply(env, agent), SOLVERS[env.name](env)
+            reply, answer = solver_reply(env, agent, explain), SOLVERS[env.name](env)
         except DemoError as exc:
             raise DemoError(f"seed {seed}: {exc}") from None
         _, _, _, _, infos = env.step({agent: reply})

@@ -75,6 +75,46 @@ def test_plan_path_replies_are_shortest_paths() -> None:
         assert env.episode_metrics()["optimal"] == 1.0
 
 
+def test_explained_plan_path_replies_state_what_the_board_shows_then_the_moves(
+    tmp_path: Path, capsys
+) -> None:
+    import re
+
+    out = tmp_path / "demos.jsonl"
+    args = ["demos", "--config", COLD_START, "--seeds", "200000:200040", "--out", str(out)]
+    assert main([*args, "--explain"]) == 0
+    words = {"up": (-1, 0), "down": (1, 0), "left": (0, -1), "right": (0, 1)}
+    for row in read(out):
+        prompt = row["messages"][-2]["content"]
+        reply = row["messages"][-1]["content"]
+        # the positions it states are those of the board the prompt shows ...
+        found = re.fullmatch(
+            r"A is at row (\d), column (\d); G is at row (\d), column (\d): (.+)\. #### \[(.*)\]",
+            reply,
+        )
+        assert found, reply
+        ar, ac, gr, gc = map(int, found.groups()[:4])
+        board = [line.split()[1:] for line in prompt.split("\n") if re.match(r" \d ", line)]
+        assert board[ar][ac] == "A" and board[gr][gc] == "G", (board, reply)
+        # ... the offset is G's minus A's, and the moves (a shortest path) sum to it
+        offset = [0, 0]
+        for part in found.group(5).split(", "):
+            n, word = part.split()
+            offset = [o + int(n) * d for o, d in zip(offset, words[word], strict=True)]
+        assert offset == [gr - ar, gc - ac], reply
+        moves = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
+        walked = [sum(moves[m][i] for m in found.group(6).split(", ")) for i in (0, 1)]
+        assert walked == offset, reply
+        # the prompt itself states no offset: the reply works it out
+        assert not re.search(r"\d (up|down|left|right)", prompt), prompt
+    # Plain demonstrations are the answer alone; the worked step exists for plan-path only.
+    assert main([*args]) == 0
+    assert all(r["messages"][-1]["content"].startswith("#### [") for r in read(out))
+    capsys.readouterr()
+    code = main(["demos", "sudoku", "--seeds", "0:2", "--out", str(tmp_path / "s"), "--explain"])
+    assert code == 2 and "worked answers exist for plan_path" in capsys.readouterr().out
+
+
 @pytest.mark.parametrize(
     ("env_name", "option"),
     [("plan_path", "show_offset"), ("sudoku", "show_candidates"), ("sudoku", "show_empty")]

@@ -46,11 +46,12 @@ def demos(
     options: dict[str, Any],
     seeds: range,
     held_out: list[range] | None = None,
+    explain: bool = False,
 ) -> list[dict[str, Any]]:
     """The demonstration lines of every seed's episode; refuses held-out seeds and hints."""
     check_seeds(seeds, held_out_seeds() if held_out is None else held_out)
-    env = demo_env(env_name, options)
-    return [row for seed in seeds for row in episode_demos(env, seed)]
+    env = demo_env(env_name, options, explain)
+    return [row for seed in seeds for row in episode_demos(env, seed, explain)]
 
 
 # --- command --------------------------------------------------------------------------------
@@ -84,6 +85,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--set", action="append", default=[], metavar="KEY=VALUE", help="env option"
     )
+    parser.add_argument(
+        "--explain",
+        action="store_true",
+        help="worked answers: each reply states what it reads off the board before its "
+        "answer (plan-path: where A and G are and the offset, then `#### [moves]`)",
+    )
     return parser
 
 
@@ -111,7 +118,8 @@ def main(argv: list[str]) -> int:
     console = Console()
     try:
         env_name, options, validation = _env_and_options(args)
-        rows = demos(env_name, options, parse_seeds(args.seeds), held_out_seeds(validation))
+        seeds, held_out = parse_seeds(args.seeds), held_out_seeds(validation)
+        rows = demos(env_name, options, seeds, held_out, args.explain)
     except (ValueError, TypeError, KeyError) as exc:  # DemoError, ConfigError, env options
         console.print(str(exc), style="red", markup=False)
         return 2
