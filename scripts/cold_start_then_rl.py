@@ -80,7 +80,8 @@ def sft_run(args: argparse.Namespace, out: Path, flags: list[str]) -> tuple[Path
         return source, Path(record["data"][0]), record
     demos = out / "demos.jsonl"
     seeds = f"{args.demo_seeds}:{args.demo_seeds + args.demos}"
-    run(["demos", "--config", str(args.config), "--seeds", seeds, "--out", str(demos)])
+    explain = [] if args.plain else ["--explain"]
+    run(["demos", "--config", str(args.config), "--seeds", seeds, "--out", str(demos), *explain])
     sft = out / "sft"
     recipe = ["--epochs", str(args.sft_epochs), "--lr", str(args.sft_lr), "--batch-size", "4"]
     run(["sft", str(args.config), str(demos), *flags, "--set", f"run_dir={sft}", *recipe])
@@ -102,18 +103,22 @@ def pipeline(args: argparse.Namespace) -> dict:
     rl_seconds = run(["train", config, "--resume", *flags, "--set", f"run_dir={rl}"])
     after = greedy_eval(rl, out / "eval_rl.json", args.eval_tasks)
 
-    # The control: the SFT checkpoint trained on for about RL's wall time, in whole epochs of
-    # the first SFT (whose seconds include loading the model: at least one epoch).
-    epoch_seconds = record["seconds"] / record["epochs"]
-    extra = max(1, round(rl_seconds / epoch_seconds))
-    control = out / "sft_continued"
-    more = ["--epochs", str(extra), "--lr", str(record["lr"]), "--batch-size", "4"]
-    more += ["--init-from", str(sft)]
-    control_seconds = run(["sft", config, str(demos), *flags, "--set", f"run_dir={control}", *more])
-    continued = greedy_eval(control, out / "eval_sft_continued.json", args.eval_tasks)
-
-    success = {"sft": before, "rl": after, "sft_continued": continued}
-    seconds = {"sft": record["seconds"], "rl": rl_seconds, "sft_continued": control_seconds}
+    success = {"sft": before, "rl": after}
+    seconds = {"sft": record["seconds"], "rl": rl_seconds}
+    epochs = {"sft": record["epochs"]}
+    if not args.no_control:
+        # The control: the SFT checkpoint trained on for about RL's wall time, in whole epochs
+        # of the first SFT (whose seconds include loading the model: at least one epoch).
+        extra = max(1, round(rl_seconds / (record["seconds"] / record["epochs"])))
+        control = out / "sft_continued"
+        more = ["--epochs", str(extra), "--lr", str(record["lr"]), "--batch-size", "4"]
+        more += ["--init-from", str(sft)]
+        more += ["--set", f"run_dir={control}"]
+        seconds["sft_continued"] = run(["sft", config, str(demos), *flags, *more])
+        success["sft_continued"] = greedy_eval(
+            control, out / "eval_sft_continued.json", args.eval_tasks
+        )
+        epochs["sft_continued"] = record["epochs"] + extra
     if not args.no_base:  # RL from the base model, the same recipe and seed (issue 33)
         base = out / "rl_from_base"
         seconds["rl_from_base"] = run(["train", config, *flags, "--set", f"run_dir={base}"])
@@ -127,7 +132,7 @@ def pipeline(args: argparse.Namespace) -> dict:
         "demos": str(demos),
         "greedy_success": success,
         "seconds": seconds,
-        "sft_epochs": {"sft": record["epochs"], "sft_continued": record["epochs"] + extra},
+        "sft_epochs": epochs,
         "eval_tasks": args.eval_tasks,
     }
     (out / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
@@ -139,7 +144,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--config", type=Path, default=CONFIG, help="the training YAML")
     parser.add_argument("--out", default="runs/cold_start", help="folder of the runs and evals")
     parser.add_argument("--seed", type=int, default=0, help="run seed (LoRA init, shuffles, RL)")
-    parser.add_argument("--demos", type=int, default=32, help="demonstration episodes")
+    parser.add_argument("--demos", type=int, default=160, help="demonstration episodes")
     parser.add_argument(
         "--demo-seeds", type=int, default=200_000, help="first demo task seed (not validation's)"
     )
@@ -150,6 +155,10 @@ def build_parser() -> argparse.ArgumentParser:
         "--sft-from", metavar="RUN", help="an earlier seed's OUT/sft: its cold start, no new SFT"
     )
     parser.add_argument("--no-base", action="store_true", help="skip RL from the base model")
+    parser.add_argument("--no-control", action="store_true", help="skip the SFT-continued control")
+    parser.add_argument(
+        "--plain", action="store_true", help="answers alone, not worked (no demos --explain)"
+    )
     parser.add_argument("--set", action="append", default=[], metavar="KEY=VALUE")
     parser.add_argument(
         "--smoke", action="store_true", help="the tiny model, one step each: checks the wiring"
