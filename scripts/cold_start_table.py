@@ -1,0 +1,132 @@
+"""The learning table of issue 46 from `scripts/cold_start_then_rl.py` runs: one markdown row per
+seed, and one PNG of the curves (greedy validation success; each role's sampled reward).
+
+    python scripts/cold_start_table.py runs/cold-s0 runs/cold-s1 runs/cold-s2 \
+        [--base runs/base-s0] --png docs/learning/cold-start/curves.png
+
+Each OUT holds summary.json and rl/metrics.jsonl; --base a `masenvs train` run from the base model
+(its eval.json beside the metrics) for the base rows and curves.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+ROLES = ("tool", "plan")
+
+
+def rows(path: Path) -> list[dict]:
+    return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def first_last(metrics: list[dict], key: str) -> str:
+    values = [m[key] for m in metrics if key in m]
+    if not values:
+        return "-"
+    # the mean of the first and of the last two steps: one step of 8 tasks is noisy
+    head, tail = values[:2], values[-2:]
+    return f"{sum(head) / len(head):+.2f} -> {sum(tail) / len(tail):+.2f}"
+
+
+def validation(metrics: list[dict]) -> str:
+    return " / ".join(f"{m['val/success']:.0%}" for m in metrics if "val/success" in m)
+
+
+def seed_row(out: Path) -> str:
+    summary = json.loads((out / "summary.json").read_text())
+    success, seconds = summary["greedy_success"], summary["seconds"]
+    metrics = rows(out / "rl")
+    control = success.get("sft_continued")
+    cells = [
+        str(summary["seed"]),
+        f"{success['sft']:.1%}",
+        f"**{success['rl']:.1%}** ({(success['rl'] - success['sft']) * 100:+.1f})",
+        "-"
+        if control is None
+        else f"{control:.1%} ({summary['sft_epochs']['sft_continued']} epochs)",
+        validation(metrics),
+        *(first_last(metrics, f"train/reward/{role}") for role in ROLES),
+        f"{seconds['rl'] / 60:.1f} min",
+        "-" if control is None else f"{seconds['sft_continued'] / 60:.1f} min",
+    ]
+    return "| " + " | ".join(cells) + " |"
+
+
+HEADER = (
+    "| seed | SFT (greedy, 64 tasks) | after RL | SFT continued | validation during RL (32 tasks, "
+    "steps 0/4/8/12) | tool reward (first 2 -> last 2 steps) | plan reward | RL wall | control wall |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+)
+
+
+def plot(outs: list[Path], base: Path | None, png: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    runs = [
+        (f"RL from SFT, seed {json.loads((o / 'summary.json').read_text())['seed']}", o / "rl")
+        for o in outs
+    ]
+    if base is not None:
+        runs.append(("RL from the base model, seed 0", base))
+    for label, run in runs:
+        metrics = rows(run)
+        style = "--" if "base" in label else "-"
+        val = [(m["step"], m["val/success"]) for m in metrics if "val/success" in m]
+        axes[0].plot(*zip(*val), style, marker="o", label=label)
+        for ax, role in zip(axes[1:], ROLES, strict=True):
+            pts = [
+                (m["step"], m[f"train/reward/{role}"])
+                for m in metrics
+                if f"train/reward/{role}" in m
+            ]
+            if pts:
+                ax.plot(*zip(*pts), style, label=label)
+    for o in outs:
+        control = json.loads((o / "summary.json").read_text())["greedy_success"].get(
+            "sft_continued"
+        )
+        if control is not None:
+            axes[0].axhline(control, color="grey", linestyle=":", label="SFT continued (64 tasks)")
+    axes[0].set(
+        title="greedy validation success (hint-free 4x4)", xlabel="RL step", ylabel="success"
+    )
+    for ax, role in zip(axes[1:], ROLES, strict=True):
+        ax.set(title=f"{role} agent: mean sampled reward", xlabel="RL step")
+    axes[0].legend(fontsize=8)
+    fig.tight_layout()
+    png.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(png, dpi=110)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("outs", nargs="+", type=Path, help="OUT folders of the pipeline script")
+    parser.add_argument("--base", type=Path, help="a `masenvs train` run from the base model")
+    parser.add_argument("--png", type=Path, help="where to write the curves")
+    args = parser.parse_args(argv)
+    print(HEADER)
+    for out in args.outs:
+        print(seed_row(out))
+    if args.base is not None:
+        metrics = rows(args.base)
+        report = json.loads((args.base / "eval.json").read_text())["results"][0]
+        print(
+            f"\nRL from the base model: greedy {report['avg']:.1%} after RL (64 tasks); validation "
+            f"{validation(metrics)}; tool {first_last(metrics, 'train/reward/tool')}, plan "
+            f"{first_last(metrics, 'train/reward/plan')}"
+        )
+    if args.png is not None:
+        plot(args.outs, args.base, args.png)
+        print(f"\ncurves: {args.png}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
