@@ -56,6 +56,8 @@ def test_the_smoke_pipeline_runs_every_step_from_demos_to_rl(tmp_path: Path) -> 
         )
     # ... and RL continued from them: step 1 of the same run, resumed from checkpoint 0
     assert "resumed from" in said and (rl / "checkpoints" / "step_00000001").is_dir()
+    # with no KL penalty pulling the SFT weights back toward the base model
+    assert "KL penalty's reference is the base model" not in " ".join(said.split())
     state = json.loads((rl / "checkpoints" / "step_00000000" / "state.json").read_text())
     assert state["extra"]["sft"]["epochs"] == 1
 
@@ -76,10 +78,15 @@ def test_the_smoke_pipeline_runs_every_step_from_demos_to_rl(tmp_path: Path) -> 
     )
     assert control["extra"]["sft"]["init_from"] == str(out / "sft")
 
-    # Another seed from the same cold start: no new demonstrations or SFT, RL from its weights.
+    # Another seed from the same cold start: no new demonstrations or SFT, RL from its weights;
+    # a KL penalty (whose reference is the base model) is named as pulling the SFT back.
     again = tmp_path / "cold-s1"
     said = pipeline(
-        tmp_path, "--out", str(again), "--seed", "1", "--sft-from", str(out / "sft"), "--no-base"
+        tmp_path, "--out", str(again), "--seed", "1", "--sft-from", str(out / "sft"), "--no-base",
+        "--set", "algorithm.kl_coef=0.05",
+    )  # fmt: skip
+    assert "algorithm.kl_coef=0.05: the KL penalty's reference is the base model" in " ".join(
+        said.split()
     )
     assert "$ masenvs demos" not in said and "$ masenvs sft" in said  # the control only
     summary = json.loads((again / "summary.json").read_text())
