@@ -35,71 +35,68 @@ def validation(metrics: list[dict]) -> str:
     return " / ".join(f"{m['val/success']:.0%}" for m in metrics if "val/success" in m)
 
 
+def greedy(path: Path) -> float | None:
+    return json.loads(path.read_text())["results"][0]["avg"] if path.is_file() else None
+
+
 def seed_row(out: Path) -> str:
-    summary = json.loads((out / "summary.json").read_text())
-    success, seconds = summary["greedy_success"], summary["seconds"]
+    """One run's row: from its evals (a run stopped before summary.json still has them)."""
+    summary = (
+        json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
+    )
     metrics = rows(out / "rl")
-    control = success.get("sft_continued")
+    sft, rl = greedy(out / "eval_sft.json"), greedy(out / "eval_rl.json")
+    control = greedy(out / "eval_sft_continued.json")
+    rl_seconds = summary.get("seconds", {}).get("rl", metrics[-1]["time"] - metrics[0]["time"])
     cells = [
-        str(summary["seed"]),
-        f"{success['sft']:.1%}",
-        f"**{success['rl']:.1%}** ({(success['rl'] - success['sft']) * 100:+.1f})",
-        "-"
-        if control is None
-        else f"{control:.1%} ({summary['sft_epochs']['sft_continued']} epochs)",
+        out.name,
+        f"{sft:.1%}",
+        f"**{rl:.1%}** ({(rl - sft) * 100:+.1f})",
+        "-" if control is None else f"{control:.1%}",
         validation(metrics),
         *(first_last(metrics, f"train/reward/{role}") for role in ROLES),
-        f"{seconds['rl'] / 60:.1f} min",
-        "-" if control is None else f"{seconds['sft_continued'] / 60:.1f} min",
+        f"{rl_seconds / 60:.1f} min",
     ]
     return "| " + " | ".join(cells) + " |"
 
 
 HEADER = (
-    "| seed | SFT (greedy, 64 tasks) | after RL | SFT continued | validation during RL (32 tasks, "
-    "steps 0/4/8/12) | tool reward (first 2 -> last 2 steps) | plan reward | RL wall | control wall |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    "| run | SFT (greedy, 64 tasks) | after RL (64 tasks) | SFT continued | greedy validation "
+    "during RL (32 tasks, every 4 steps) | tool reward (first 2 -> last 2 steps) | plan reward "
+    "| RL wall |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 
-def plot(outs: list[Path], base: Path | None, png: Path) -> None:
+def plot(outs: list[Path], base: Path | None, control: Path | None, png: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
-    runs = [
-        (f"RL from SFT, seed {json.loads((o / 'summary.json').read_text())['seed']}", o / "rl")
-        for o in outs
-    ]
+    runs = [(o.name, o / "rl") for o in outs]
     if base is not None:
-        runs.append(("RL from the base model, seed 0", base))
+        runs.append((f"{base.name} (RL from the base model)", base))
     for label, run in runs:
         metrics = rows(run)
-        style = "--" if "base" in label else "-"
+        style = "--" if run == base else "-"
         val = [(m["step"], m["val/success"]) for m in metrics if "val/success" in m]
-        axes[0].plot(*zip(*val), style, marker="o", label=label)
+        axes[0].plot(*zip(*val, strict=True), style, marker="o", label=label)
         for ax, role in zip(axes[1:], ROLES, strict=True):
-            pts = [
-                (m["step"], m[f"train/reward/{role}"])
-                for m in metrics
-                if f"train/reward/{role}" in m
-            ]
+            key = f"train/reward/{role}"
+            pts = [(m["step"], m[key]) for m in metrics if key in m]
             if pts:
-                ax.plot(*zip(*pts), style, label=label)
-    for o in outs:
-        control = json.loads((o / "summary.json").read_text())["greedy_success"].get(
-            "sft_continued"
-        )
-        if control is not None:
-            axes[0].axhline(control, color="grey", linestyle=":", label="SFT continued (64 tasks)")
-    axes[0].set(
-        title="greedy validation success (hint-free 4x4)", xlabel="RL step", ylabel="success"
-    )
+                ax.plot(*zip(*pts, strict=True), style, label=label)
+    sft = greedy(outs[0] / "eval_sft.json")
+    if sft is not None:
+        axes[0].axhline(sft, color="black", linestyle=":", label="SFT checkpoint (64 tasks)")
+    if control is not None:
+        value = greedy(control)
+        axes[0].axhline(value, color="grey", linestyle="-.", label="SFT continued (64 tasks)")
+    axes[0].set(title="greedy validation success, 32 tasks", xlabel="RL step", ylabel="success")
     for ax, role in zip(axes[1:], ROLES, strict=True):
-        ax.set(title=f"{role} agent: mean sampled reward", xlabel="RL step")
-    axes[0].legend(fontsize=8)
+        ax.set(title=f"{role} agent: mean sampled reward per step", xlabel="RL step")
+    axes[0].legend(fontsize=7)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(png, dpi=110)
@@ -109,6 +106,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("outs", nargs="+", type=Path, help="OUT folders of the pipeline script")
     parser.add_argument("--base", type=Path, help="a `masenvs train` run from the base model")
+    parser.add_argument("--control", type=Path, help="the SFT-continued checkpoint's eval JSON")
     parser.add_argument("--png", type=Path, help="where to write the curves")
     args = parser.parse_args(argv)
     print(HEADER)
@@ -123,7 +121,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{first_last(metrics, 'train/reward/plan')}"
         )
     if args.png is not None:
-        plot(args.outs, args.base, args.png)
+        plot(args.outs, args.base, args.control, args.png)
         print(f"\ncurves: {args.png}")
     return 0
 
