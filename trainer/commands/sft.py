@@ -220,10 +220,9 @@ def sft(
     init_from: str | Path | None = None,
 ) -> SFTResult:
     """Fine-tune the run's policies on `data` and write them as checkpoint 0 of `cfg.run_dir`."""
-    from masenvs.engine.loading import load_tokenizer
     from masenvs.trainer.config import save_config
     from masenvs.trainer.learner.learner import Learner
-    from masenvs.trainer.run.checkpoint import TrainState, save_checkpoint
+    from masenvs.trainer.run.checkpoint import TrainState, load_weights, save_checkpoint
     from masenvs.trainer.run.train import seed_everything
     from masenvs.trainer.samples import Sample
 
@@ -238,19 +237,12 @@ def sft(
             f"{first.where} trains agent {first.agent!r}, not an agent of {cfg.env.name} "
             f"({', '.join(agents)})"
         )
-    tokenizer = load_tokenizer(cfg.model.name)
-    found: list[Target] = []
-    cut = 0
-    for c in conversations:
-        kwargs = dict(cfg.agent(c.agent).chat_template_kwargs)
-        new, n = targets(c, tokenizer, kwargs, max_tokens, loss_on)
-        found += new
-        cut += n
+    found, cut = _all_targets(cfg, conversations, max_tokens, loss_on)
 
     seed_everything(cfg.seed)
     learner = Learner(cfg, agents)
     if init_from is not None:
-        _load_weights(learner, init_from)
+        load_weights(learner, init_from)
     by_policy: dict[str, list[Sample]] = {}
     for t in found:
         policy = learner.policy_of(t.agent)
@@ -290,39 +282,21 @@ def sft(
     return SFTResult(path, losses, len(found), cut)
 
 
-def _load_weights(learner: Any, source: str | Path) -> None:
-    """Put the trained policies' weights of `source` (a run, its newest checkpoint, or one
-    `step_*` directory) into `learner`; optimizer states stay fresh."""
-    from masenvs.trainer.run.checkpoint import ADAPTERS, MODELS, load_latest
+def _all_targets(
+    cfg: TrainConfig, conversations: list[Conversation], max_tokens: int, loss_on: str
+) -> tuple[list[Target], int]:
+    """Every conversation's targets, rendered as its agent's rollouts are; how many were cut."""
+    from masenvs.engine.loading import load_tokenizer
 
-    source = Path(source)
-    if (source / "state.json").is_file():
-        path = source
-    elif (latest := load_latest(source)) is not None:
-        path = latest.path
-    else:
-        raise ConfigError(
-            f"--init-from {source}: no checkpoint there (a run directory or a step_*)"
-        )
-    for policy in learner.policies:
-        if not learner.trains(policy):
-            continue
-        where = path / (MODELS if learner.full else ADAPTERS) / policy
-        if not where.is_dir():
-            raise ConfigError(
-                f"--init-from {path} holds no {'model' if learner.full else 'adapter'} for policy "
-                f"{policy!r}: it was written by a run with other policies or lora settings"
-            )
-        try:
-            if learner.full:
-                learner.load_model(policy, where)
-            else:
-                learner.load_adapter(policy, where)
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise ConfigError(
-                f"--init-from {path}: policy {policy!r} does not fit this config ({exc}); "
-                "use the same model, policy and lora settings as the run that wrote it"
-            ) from exc
+    tokenizer = load_tokenizer(cfg.model.name)
+    found: list[Target] = []
+    cut = 0
+    for c in conversations:
+        kwargs = dict(cfg.agent(c.agent).chat_template_kwargs)
+        new, n = targets(c, tokenizer, kwargs, max_tokens, loss_on)
+        found += new
+        cut += n
+    return found, cut
 
 
 def _new_run_agents(cfg: TrainConfig, run_dir: Path) -> list[str]:

@@ -163,6 +163,53 @@ def load_latest(run_dir: str | Path) -> Checkpoint | None:
     return Checkpoint(path=path, state=TrainState(**state))
 
 
+def load_weights(learner: Learner, source: str | Path) -> None:
+    """Put the trained policies' weights of `source` (a run, its newest checkpoint, or one
+    `step_*` directory) into `learner`, not its optimizer states (`masenvs sft --init-from`)."""
+    from masenvs.trainer.config import ConfigError
+
+    source = Path(source)
+    if (source / "state.json").is_file():
+        path = source
+    elif (latest := load_latest(source)) is not None:
+        path = latest.path
+    else:
+        raise ConfigError(
+            f"--init-from {source}: no checkpoint there (a run directory or a step_*)"
+        )
+    for policy in learner.policies:
+        if not learner.trains(policy):
+            continue
+        where = path / (MODELS if learner.full else ADAPTERS) / policy
+        if not where.is_dir():
+            raise ConfigError(
+                f"--init-from {path} holds no {'model' if learner.full else 'adapter'} for policy "
+                f"{policy!r}: it was written by a run with other policies or lora settings"
+            )
+        try:
+            if learner.full:
+                learner.load_model(policy, where)
+            else:
+                learner.load_adapter(policy, where)
+        except (ValueError, KeyError, RuntimeError) as exc:
+            raise ConfigError(
+                f"--init-from {path}: policy {policy!r} does not fit this config ({exc}); "
+                "use the same model, policy and lora settings as the run that wrote it"
+            ) from exc
+
+
+def resume_warning(state: TrainState, cfg: TrainConfig) -> str | None:
+    """What resuming this state with cfg does that a user would not expect, if anything."""
+    if "sft" in state.extra and cfg.algorithm.kl_coef > 0.0:
+        return (
+            f"warning: this run starts from an SFT checkpoint and algorithm.kl_coef="
+            f"{cfg.algorithm.kl_coef:g}: the KL penalty's reference is the base model, not the SFT "
+            "weights, so it pulls the policy back toward the base and undoes the fine-tune step "
+            "by step; set algorithm.kl_coef=0 to keep what SFT taught (docs/learning.md, cold start)"
+        )
+    return None
+
+
 def list_checkpoints(run_dir: str | Path) -> list[Path]:
     """Complete checkpoint directories, oldest first (a step's directory moved aside by a
     save killed mid-replace stands in for it)."""

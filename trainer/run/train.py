@@ -46,7 +46,12 @@ from masenvs.trainer.learner.flops import mfu_metrics
 from masenvs.trainer.learner.learner import Learner
 from masenvs.trainer.learner.policies import resolve_device
 from masenvs.trainer.rollout import sources
-from masenvs.trainer.run.checkpoint import TrainState, load_latest, save_checkpoint
+from masenvs.trainer.run.checkpoint import (
+    TrainState,
+    load_latest,
+    resume_warning,
+    save_checkpoint,
+)
 from masenvs.trainer.run.metrics import (
     MetricsLogger,
     group_metrics,
@@ -144,8 +149,8 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     if checkpoint is not None:
         state = checkpoint.restore(learner)
         console.print(f"resumed from {checkpoint.path} (step {state.step})")
-        if "sft" in state.extra and cfg.algorithm.kl_coef > 0.0:
-            console.print(escape(sft_kl_warning(cfg.algorithm.kl_coef)), style="yellow")
+        if (warning := resume_warning(state, cfg)) is not None:
+            console.print(escape(warning), style="yellow")
     save_config(cfg, run_dir / "config.yaml")
 
     with _status(console, f"starting the {cfg.backend.kind} backend"):
@@ -493,13 +498,3 @@ def _rollout_progress(
         finally:
             stop.set()
             thread.join()
-
-
-def sft_kl_warning(kl_coef: float) -> str:
-    """What RL from an SFT checkpoint with a KL penalty does: it pulls toward the base model."""
-    return (
-        f"warning: this run starts from an SFT checkpoint and algorithm.kl_coef={kl_coef:g}: the "
-        "KL penalty's reference is the base model, not the SFT weights, so it pulls the policy "
-        "back toward the base and undoes the fine-tune step by step; set algorithm.kl_coef=0 to "
-        "keep what SFT taught (docs/learning.md, cold start)"
-    )
