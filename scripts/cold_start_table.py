@@ -89,10 +89,10 @@ def plot(outs: list[Path], base: Path | None, control: Path | None, png: Path) -
                 ax.plot(*zip(*pts, strict=True), style, label=label)
     sft = greedy(outs[0] / "eval_sft.json")
     if sft is not None:
-        axes[0].axhline(sft, color="black", linestyle=":", label="SFT checkpoint (64 tasks)")
+        axes[0].axhline(sft, color="black", linestyle=":", label="SFT, 2 epochs (64 tasks)")
     if control is not None:
         value = greedy(control)
-        axes[0].axhline(value, color="grey", linestyle="-.", label="SFT continued (64 tasks)")
+        axes[0].axhline(value, color="grey", linestyle="-.", label="SFT, 4 epochs: the control (64 tasks)")
     axes[0].set(title="greedy validation success, 32 tasks", xlabel="RL step", ylabel="success")
     for ax, role in zip(axes[1:], ROLES, strict=True):
         ax.set(title=f"{role} agent: mean sampled reward per step", xlabel="RL step")
