@@ -74,19 +74,20 @@ def greedy_eval(checkpoint: Path, out: Path, tasks: int) -> float:
 def sft_run(args: argparse.Namespace, out: Path, flags: list[str]) -> tuple[Path, Path, dict]:
     """The cold start: OUT/sft written here (demos, then sft), or --sft-from's. Returns the SFT
     run, its demonstrations and the sft record of its checkpoint (data, epochs, lr, seconds)."""
-    if args.sft_from is not None:
-        source = Path(args.sft_from)
-        record = json.loads((source / CHECKPOINT_0 / "state.json").read_text())["extra"]["sft"]
-        return source, Path(record["data"][0]), record
-    demos = out / "demos.jsonl"
-    seeds = f"{args.demo_seeds}:{args.demo_seeds + args.demos}"
-    explain = [] if args.plain else ["--explain"]
-    run(["demos", "--config", str(args.config), "--seeds", seeds, "--out", str(demos), *explain])
-    sft = out / "sft"
-    recipe = ["--epochs", str(args.sft_epochs), "--lr", str(args.sft_lr), "--batch-size", "4"]
-    run(["sft", str(args.config), str(demos), *flags, "--set", f"run_dir={sft}", *recipe])
+    if args.sft_from is None:
+        demos = out / "demos.jsonl"
+        seeds = f"{args.demo_seeds}:{args.demo_seeds + args.demos}"
+        explain = [] if args.plain else ["--explain"]
+        run(
+            ["demos", "--config", str(args.config), "--seeds", seeds, "--out", str(demos), *explain]
+        )
+        sft = out / "sft"
+        recipe = ["--epochs", str(args.sft_epochs), "--lr", str(args.sft_lr), "--batch-size", "4"]
+        run(["sft", str(args.config), str(demos), *flags, "--set", f"run_dir={sft}", *recipe])
+    else:
+        sft = Path(args.sft_from)
     record = json.loads((sft / CHECKPOINT_0 / "state.json").read_text())["extra"]["sft"]
-    return sft, demos, record
+    return sft, Path(record["data"][0]), record
 
 
 def pipeline(args: argparse.Namespace) -> dict:

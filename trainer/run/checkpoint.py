@@ -72,12 +72,7 @@ class Checkpoint:
         """Load weights, optimizer states, LR schedule position and RNG states."""
         import torch
 
-        for policy in learner.policies:
-            if learner.full:
-                if learner.trains(policy):  # frozen models are the base: not saved
-                    learner.load_model(policy, self.path / MODELS / policy)
-            else:
-                learner.load_adapter(policy, self.path / ADAPTERS / policy)
+        load_policy_weights(learner, self.path)
         if (self.path / SHARDED).is_dir():  # written by a distributed learner
             if getattr(learner, "sharded", False):
                 learner.load_sharded(self.path / SHARDED)  # type: ignore[attr-defined]
@@ -163,39 +158,36 @@ def load_latest(run_dir: str | Path) -> Checkpoint | None:
     return Checkpoint(path=path, state=TrainState(**state))
 
 
+def load_policy_weights(learner: Learner, path: Path) -> None:
+    """The weights a checkpoint directory holds for each policy (LoRA adapters, or trained full
+    models), put into `learner`."""
+    for policy in learner.policies:
+        if learner.full:
+            if learner.trains(policy):  # frozen models are the base: not saved
+                learner.load_model(policy, path / MODELS / policy)
+        else:
+            learner.load_adapter(policy, path / ADAPTERS / policy)
+
+
 def load_weights(learner: Learner, source: str | Path) -> None:
-    """Put the trained policies' weights of `source` (a run, its newest checkpoint, or one
-    `step_*` directory) into `learner`, not its optimizer states (`masenvs sft --init-from`)."""
+    """The policies' weights of `source` (a run, its newest checkpoint, or one `step_*`
+    directory) put into `learner`, not its optimizer states (`masenvs sft --init-from`)."""
     from masenvs.trainer.config import ConfigError
 
     source = Path(source)
-    if (source / "state.json").is_file():
-        path = source
-    elif (latest := load_latest(source)) is not None:
-        path = latest.path
-    else:
+    latest = None if (source / "state.json").is_file() else load_latest(source)
+    path = source if latest is None else latest.path
+    if not (path / "state.json").is_file():
         raise ConfigError(
             f"--init-from {source}: no checkpoint there (a run directory or a step_*)"
         )
-    for policy in learner.policies:
-        if not learner.trains(policy):
-            continue
-        where = path / (MODELS if learner.full else ADAPTERS) / policy
-        if not where.is_dir():
-            raise ConfigError(
-                f"--init-from {path} holds no {'model' if learner.full else 'adapter'} for policy "
-                f"{policy!r}: it was written by a run with other policies or lora settings"
-            )
-        try:
-            if learner.full:
-                learner.load_model(policy, where)
-            else:
-                learner.load_adapter(policy, where)
-        except (ValueError, KeyError, RuntimeError) as exc:
-            raise ConfigError(
-                f"--init-from {path}: policy {policy!r} does not fit this config ({exc}); "
-                "use the same model, policy and lora settings as the run that wrote it"
-            ) from exc
+    try:
+        load_policy_weights(learner, path)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise ConfigError(
+            f"--init-from {path} does not fit this config ({exc}); use the same model, policies "
+            "and lora settings as the run that wrote it"
+        ) from exc
 
 
 def resume_warning(state: TrainState, cfg: TrainConfig) -> str | None:
