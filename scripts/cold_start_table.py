@@ -92,7 +92,9 @@ def plot(outs: list[Path], base: Path | None, control: Path | None, png: Path) -
         axes[0].axhline(sft, color="black", linestyle=":", label="SFT, 2 epochs (64 tasks)")
     if control is not None:
         value = greedy(control)
-        axes[0].axhline(value, color="grey", linestyle="-.", label="SFT, 4 epochs: the control (64 tasks)")
+        axes[0].axhline(
+            value, color="grey", linestyle="-.", label="SFT, 4 epochs: the control (64 tasks)"
+        )
     axes[0].set(title="greedy validation success, 32 tasks", xlabel="RL step", ylabel="success")
     for ax, role in zip(axes[1:], ROLES, strict=True):
         ax.set(title=f"{role} agent: mean sampled reward per step", xlabel="RL step")
