@@ -63,6 +63,7 @@ def test_a_training_run_in_a_log_names_each_phase_as_it_starts(tmp_path: Path) -
     at = index(lines, "step 1/2 update:", after=at)
     at = index(lines, "step 1/2  success", "run ETA", after=at)  # the run's ETA
     at = index(lines, "step 2/2 rollout:", "ETA", "run ETA", after=at)
+    assert "0 calls" not in lines[at], lines[at]  # nothing done yet: no row of zeros
     at = index(lines, "step 2 validation", after=at)
     index(lines, "step 2/2  success", "val success", after=at)
     for bar in BARS:

@@ -472,11 +472,9 @@ def _rollout_progress(
         seconds = time.perf_counter() - started
         guess, run = clock.rollout_s, clock.eta()
         eta = f", ETA {_duration(guess - seconds)}" if guess and guess > seconds else ""
-        return (
-            f"step {step}/{clock.total} rollout: {calls} calls, {tokens} tokens, "
-            f"{tokens / max(seconds, 1e-9):.0f} tok/s, {seconds:.0f}s{eta}"
-            + (f"; {run}" if run else "")
-        )
+        done = f"{calls} calls, {tokens} tokens, {tokens / max(seconds, 1e-9):.0f} tok/s, "
+        head = f"step {step}/{clock.total} rollout: {done if calls else ''}{seconds:.0f}s"
+        return head + eta + (f"; {run}" if run else "")
 
     def tick(status: Any) -> None:
         last = time.perf_counter()
