@@ -89,12 +89,13 @@ def plot(outs: list[Path], base: Path | None, control: Path | None, png: Path) -
                 ax.plot(*zip(*pts, strict=True), style, label=label)
     sft = greedy(outs[0] / "eval_sft.json")
     if sft is not None:
-        axes[0].axhline(sft, color="black", linestyle=":", label="SFT, 2 epochs (64 tasks)")
+        axes[0].axhline(
+            sft, color="black", linestyle=":", label="the SFT checkpoint (greedy, 64 tasks)"
+        )
     if control is not None:
         value = greedy(control)
-        axes[0].axhline(
-            value, color="grey", linestyle="-.", label="SFT, 4 epochs: the control (64 tasks)"
-        )
+        label = "SFT continued: the control (64 tasks)"
+        axes[0].axhline(value, color="grey", linestyle="-.", label=label)
     axes[0].set(title="greedy validation success, 32 tasks", xlabel="RL step", ylabel="success")
     for ax, role in zip(axes[1:], ROLES, strict=True):
         ax.set(title=f"{role} agent: mean sampled reward per step", xlabel="RL step")
@@ -114,6 +115,10 @@ def main(argv: list[str] | None = None) -> int:
     print(HEADER)
     for out in args.outs:
         print(seed_row(out))
+    pairs = [(greedy(o / "eval_sft.json"), greedy(o / "eval_rl.json")) for o in args.outs]
+    gains = [rl - sft for sft, rl in pairs if sft is not None and rl is not None] or [0.0]
+    print(f"\nRL minus SFT, greedy on 64 tasks: {', '.join(f'{g * 100:+.1f}' for g in gains)} "
+          f"points (mean {sum(gains) / len(gains) * 100:+.1f})")  # fmt: skip
     if args.base is not None:
         metrics = rows(args.base)
         report = json.loads((args.base / "eval.json").read_text())["results"][0]

@@ -71,6 +71,24 @@ def greedy_eval(checkpoint: Path, out: Path, tasks: int) -> float:
     return float(json.loads(out.read_text())["results"][0]["avg"])
 
 
+def sft_record(run: Path) -> dict | None:
+    """The `sft` record of a run's checkpoint 0 (or of a step folder): data, epochs, lr, seconds,
+    init_from; None for a checkpoint that SFT did not write."""
+    for state in (run / CHECKPOINT_0 / "state.json", run / "state.json"):
+        if state.is_file():
+            return json.loads(state.read_text())["extra"].get("sft")
+    return None
+
+
+def epochs_in_all(record: dict | None) -> int:
+    """Epochs of SFT behind a checkpoint, following `sft --init-from` back to the first."""
+    total = 0
+    while record is not None:
+        total += record["epochs"]
+        record = sft_record(Path(record["init_from"])) if "init_from" in record else None
+    return total
+
+
 def sft_run(args: argparse.Namespace, out: Path, flags: list[str]) -> tuple[Path, Path, dict]:
     """The cold start: OUT/sft written here (demos, then sft), or --sft-from's. Returns the SFT
     run, its demonstrations and the sft record of its checkpoint (data, epochs, lr, seconds)."""
@@ -86,7 +104,9 @@ def sft_run(args: argparse.Namespace, out: Path, flags: list[str]) -> tuple[Path
         run(["sft", str(args.config), str(demos), *flags, "--set", f"run_dir={sft}", *recipe])
     else:
         sft = Path(args.sft_from)
-    record = json.loads((sft / CHECKPOINT_0 / "state.json").read_text())["extra"]["sft"]
+    record = sft_record(sft)
+    if record is None:
+        raise SystemExit(f"{sft} holds no SFT checkpoint 0: pass an `masenvs sft` run")
     return sft, Path(record["data"][0]), record
 
 
@@ -106,7 +126,7 @@ def pipeline(args: argparse.Namespace) -> dict:
 
     success = {"sft": before, "rl": after}
     seconds = {"sft": record["seconds"], "rl": rl_seconds}
-    epochs = {"sft": record["epochs"]}
+    epochs = {"sft": epochs_in_all(record)}
     if not args.no_control:
         # The control: the SFT checkpoint trained on for about RL's wall time, in whole epochs
         # of the first SFT (whose seconds include loading the model: at least one epoch).
@@ -119,7 +139,7 @@ def pipeline(args: argparse.Namespace) -> dict:
         success["sft_continued"] = greedy_eval(
             control, out / "eval_sft_continued.json", args.eval_tasks
         )
-        epochs["sft_continued"] = record["epochs"] + extra
+        epochs["sft_continued"] = epochs["sft"] + extra
     if not args.no_base:  # RL from the base model, the same recipe and seed (issue 33)
         base = out / "rl_from_base"
         seconds["rl_from_base"] = run(["train", config, *flags, "--set", f"run_dir={base}"])

@@ -3,6 +3,7 @@ from the SFT checkpoint -> eval, and the SFT-continued control, end to end on th
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -12,6 +13,13 @@ from safetensors.torch import load_file
 
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "cold_start_then_rl.py"
+
+
+def load_script():
+    spec = importlib.util.spec_from_file_location("cold_start_then_rl", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def lora_b(run: Path, step: int, policy: str) -> list:
@@ -77,6 +85,10 @@ def test_the_smoke_pipeline_runs_every_step_from_demos_to_rl(tmp_path: Path) -> 
         (out / "sft_continued" / "checkpoints" / "step_00000000" / "state.json").read_text()
     )
     assert control["extra"]["sft"]["init_from"] == str(out / "sft")
+    # its epochs are counted from the first SFT on, through `--init-from`
+    cold_start = load_script()
+    in_all = cold_start.epochs_in_all(cold_start.sft_record(out / "sft_continued"))
+    assert in_all == summary["sft_epochs"]["sft_continued"] == 1 + control["extra"]["sft"]["epochs"]
 
     # Another seed from the same cold start: no new demonstrations or SFT, RL from its weights;
     # a KL penalty (whose reference is the base model) is named as pulling the SFT back.

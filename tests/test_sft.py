@@ -239,3 +239,25 @@ def test_role_markers_inside_a_message_are_text_not_control_tokens(tmp_path) -> 
     assert [i for i in target.prompt_token_ids if i in special] == [im_start, im_end] * 2 + [
         im_start
     ]
+
+
+def test_a_long_epoch_says_how_far_it_is(tmp_path, monkeypatch) -> None:
+    """An epoch of a real cold start takes minutes on a CPU: between epoch lines, a line at most
+    every PROGRESS_EVERY_S says the batch, the loss so far and the ETA (here: every batch)."""
+    from masenvs.trainer.commands import sft as sft_module
+    from masenvs.trainer.config import load_config
+
+    monkeypatch.setattr(sft_module, "PROGRESS_EVERY_S", 0.0)
+    data = tmp_path / "executor.jsonl"
+    data.write_text("\n".join(EXAMPLE.read_text().splitlines()[1:6:2]) + "\n")
+    cfg = load_config(CONFIG, ["model.name=tiny", f"run_dir={tmp_path / 'run'}"])
+    said: list[str] = []
+    sft_module.sft(cfg, [data], epochs=2, lr=1e-3, batch_size=2, log=said.append)
+    progress = [line for line in said if ", batch " in line]
+    assert progress, said
+    assert progress[0].startswith("sft: epoch 1/2, batch 1/") and "ETA" in progress[0]
+    assert "loss " in progress[0]
+    # the epoch's own line still ends each epoch, and the last batch has no ETA line
+    assert said[-1].startswith("sft: epoch 2/2 loss"), said
+    total = progress[0].split(", batch 1/")[1].split(",")[0]
+    assert f"batch {total}/{total}" not in " ".join(said)

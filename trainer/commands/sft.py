@@ -35,6 +35,9 @@ from masenvs.trainer.config import ConfigError, TrainConfig, load_config
 
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant"}
 ROLES |= {"assistant": "assistant", "tool": "tool", "observation": "user", "function": "user"}
+PROGRESS_EVERY_S = (
+    30.0  # a line between epoch lines at most this often (an epoch: minutes on a CPU)
+)
 
 
 class DataError(ValueError):
@@ -336,6 +339,9 @@ def _epochs(
     optimizers = {name: _optimizer(learner, name, lr) for name in by_policy}
     losses: list[float] = []
     metrics = []
+    batches = epochs * sum(math.ceil(len(s) / batch_size) for s in by_policy.values())
+    done, started = 0, time.perf_counter()
+    said = started
     for epoch in range(epochs):
         total, tokens = 0.0, 0
         for name, samples in by_policy.items():
@@ -346,6 +352,13 @@ def _epochs(
                 loss, n = _step(learner, name, batch, lr, optimizers[name])
                 total, tokens = total + loss * n, tokens + n
                 metrics.append({"epoch": epoch + 1, "policy": name, "loss": loss, "tokens": n})
+                done, now = done + 1, time.perf_counter()
+                if now - said >= PROGRESS_EVERY_S and done < batches:
+                    said, eta = now, (now - started) / done * (batches - done)
+                    log(
+                        f"sft: epoch {epoch + 1}/{epochs}, batch {done}/{batches}, loss "
+                        f"{total / max(tokens, 1):.4f} so far, ETA {eta:.0f} s"
+                    )
         losses.append(total / max(tokens, 1))
         log(f"sft: epoch {epoch + 1}/{epochs} loss {losses[-1]:.4f} ({tokens} tokens)")
     return losses, metrics
