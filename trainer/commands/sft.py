@@ -35,9 +35,8 @@ from masenvs.trainer.config import ConfigError, TrainConfig, load_config
 
 ROLES = {"system": "system", "human": "user", "user": "user", "gpt": "assistant"}
 ROLES |= {"assistant": "assistant", "tool": "tool", "observation": "user", "function": "user"}
-PROGRESS_EVERY_S = (
-    30.0  # a line between epoch lines at most this often (an epoch: minutes on a CPU)
-)
+# a progress line between epoch lines at most this often (an epoch takes minutes on a CPU)
+PROGRESS_EVERY_S = 30.0
 
 
 class DataError(ValueError):
