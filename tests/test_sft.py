@@ -58,7 +58,11 @@ def test_sft_lowers_the_loss_and_train_resumes_from_its_adapters(tmp_path, capsy
         "--set", "rollout.max_tokens=8", "--set", "env.options.max_tokens=4",
         "--set", "env.options.executions=1",
     ]  # fmt: skip
-    assert main(["train", CONFIG, "--resume", *args, *steps]) == 0
+    # RL draws its tasks from its own config's env.seed_start, not from the SFT run's
+    start = ["--set", "env.seed_start=777"]
+    assert main(["train", CONFIG, "--resume", *args, *steps, *start]) == 0
+    state = json.loads((run / "checkpoints" / "step_00000001" / "state.json").read_text())
+    assert state["next_task_seed"] == 778, state
     said = " ".join(capsys.readouterr().out.split())
     # the default kl_coef is 0: no warning that a KL penalty would pull toward the base model
     assert "resumed from" in said and "KL penalty's reference is the base model" not in said

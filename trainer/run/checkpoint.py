@@ -190,6 +190,14 @@ def load_weights(learner: Learner, source: str | Path) -> None:
         ) from exc
 
 
+def rl_start(state: TrainState, cfg: TrainConfig) -> TrainState:
+    """The state RL goes on from: an SFT checkpoint (step 0) holds no RL data position, so RL
+    from it draws its tasks from this config's `env.seed_start`, not the SFT run's."""
+    if state.step == 0 and "sft" in state.extra:
+        return TrainState(step=0, next_task_seed=cfg.env.seed_start, extra=state.extra)
+    return state
+
+
 def resume_warning(state: TrainState, cfg: TrainConfig) -> str | None:
     """What resuming this state with cfg does that a user would not expect, if anything."""
     if "sft" in state.extra and cfg.algorithm.kl_coef > 0.0:

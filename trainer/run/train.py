@@ -50,6 +50,7 @@ from masenvs.trainer.run.checkpoint import (
     TrainState,
     load_latest,
     resume_warning,
+    rl_start,
     save_checkpoint,
 )
 from masenvs.trainer.run.metrics import (
@@ -147,7 +148,7 @@ def train(cfg: TrainConfig, *, console: Console | None = None) -> TrainResult:
     state = TrainState(step=0, next_task_seed=cfg.env.seed_start)
     checkpoint = load_latest(run_dir) if cfg.checkpoint.resume else None
     if checkpoint is not None:
-        state = checkpoint.restore(learner)
+        state = rl_start(checkpoint.restore(learner), cfg)
         console.print(f"resumed from {checkpoint.path} (step {state.step})")
         if (warning := resume_warning(state, cfg)) is not None:
             console.print(escape(warning), style="yellow")
