@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import tempfile
 import traceback
 from collections.abc import Sequence
@@ -181,12 +182,9 @@ class RankLearner:
         return Path(directory)
 
     def load_adapter(self, policy: str, directory: str | Path) -> None:
-        from peft.utils import get_peft_model_state_dict
-
         p = self.learner.lora_policy(policy)
         state = weights.read_adapter(directory, "cpu")
-        own = get_peft_model_state_dict(p.model, adapter_name=policy)  # views of the params
-        _copy_into(own, state, f"adapter at {directory}", policy)
+        _copy_into(_adapter_params(p.model, policy), state, f"adapter at {directory}", policy)
 
     def load_model(self, policy: str, directory: str | Path) -> None:
         self.learner.policy(policy)  # a clear error for an unknown name
@@ -332,6 +330,18 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
     if isinstance(tensor, DTensor):
         tensor = tensor.full_tensor()
     return tensor.detach().to("cpu", copy=True).contiguous()
+
+
+def _adapter_params(model: Any, policy: str) -> dict[str, torch.Tensor]:
+    """The adapter's parameters themselves (each rank's shard), keyed as in its adapter file
+    (the adapter name dropped). Not `get_peft_model_state_dict`: since peft 0.22 it returns
+    whole CPU copies of sharded tensors, and a copy into those loads nothing."""
+    own = re.compile(rf"\.(lora_[A-Za-z_]+)\.{re.escape(policy)}\.")
+    return {
+        own.sub(r".\1.", name, count=1): tensor
+        for name, tensor in model.state_dict(keep_vars=True).items()
+        if own.search(name)
+    }
 
 
 def _copy_into(
