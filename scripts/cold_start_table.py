@@ -31,6 +31,12 @@ def first_last(metrics: list[dict], key: str) -> str:
     return f"{sum(head) / len(head):+.2f} -> {sum(tail) / len(tail):+.2f}"
 
 
+def greedy_rewards(metrics: list[dict], role: str) -> str:
+    """A role's reward on the greedy validation tasks (the same tasks each time), first -> last."""
+    values = [m[f"val/reward/{role}"] for m in metrics if f"val/reward/{role}" in m]
+    return f"{values[0]:+.2f} -> {values[-1]:+.2f}" if values else "-"
+
+
 def validation(metrics: list[dict]) -> str:
     return " / ".join(f"{m['val/success']:.0%}" for m in metrics if "val/success" in m)
 
@@ -55,6 +61,7 @@ def seed_row(out: Path) -> str:
         "-" if control is None else f"{control:.1%}",
         validation(metrics),
         *(first_last(metrics, f"train/reward/{role}") for role in ROLES),
+        " ; ".join(greedy_rewards(metrics, role) for role in ROLES),
         f"{rl_seconds / 60:.1f} min",
     ]
     return "| " + " | ".join(cells) + " |"
@@ -63,7 +70,8 @@ def seed_row(out: Path) -> str:
 HEADER = (
     "| run | SFT (greedy, 64 tasks) | after RL (64 tasks) | SFT continued | greedy validation "
     "during RL (32 tasks, every 4 steps) | tool reward (first 2 -> last 2 steps) | plan reward "
-    "| RL wall |\n| --- | --- | --- | --- | --- | --- | --- | --- |"
+    "| tool ; plan reward on the greedy validation tasks (first -> last) | RL wall |\n"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 
@@ -86,7 +94,12 @@ def plot(outs: list[Path], base: Path | None, control: Path | None, png: Path) -
             key = f"train/reward/{role}"
             pts = [(m["step"], m[key]) for m in metrics if key in m]
             if pts:
-                ax.plot(*zip(*pts, strict=True), style, label=label)
+                (line,) = ax.plot(*zip(*pts, strict=True), style, alpha=0.35, label=label)
+            val = [
+                (m["step"], m[f"val/reward/{role}"]) for m in metrics if f"val/reward/{role}" in m
+            ]
+            if pts and val:
+                ax.plot(*zip(*val, strict=True), style, marker="o", color=line.get_color())
     sft = greedy(outs[0] / "eval_sft.json")
     if sft is not None:
         axes[0].axhline(
@@ -98,7 +111,10 @@ def plot(outs: list[Path], base: Path | None, control: Path | None, png: Path) -
         axes[0].axhline(value, color="grey", linestyle="-.", label=label)
     axes[0].set(title="greedy validation success, 32 tasks", xlabel="RL step", ylabel="success")
     for ax, role in zip(axes[1:], ROLES, strict=True):
-        ax.set(title=f"{role} agent: mean sampled reward per step", xlabel="RL step")
+        ax.set(
+            title=f"{role} agent's reward: sampled (faint), greedy val (dots)",
+            xlabel="RL step",
+        )
     axes[0].legend(fontsize=7)
     fig.tight_layout()
     png.parent.mkdir(parents=True, exist_ok=True)
