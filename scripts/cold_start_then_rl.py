@@ -37,6 +37,9 @@ from masenvs.cli import main as masenvs
 ROOT = Path(__file__).resolve().parents[1]
 CONFIG = ROOT / "examples" / "learning" / "cold_start_plan_path.yaml"
 CHECKPOINT_0 = Path("checkpoints") / "step_00000000"
+# Seed S trains on the tasks from S * SEED_STRIDE on: seeds that share a cold start differ in
+# their tasks, not only in their samples (below the demonstrations' and validation's seeds).
+SEED_STRIDE = 10_000
 
 # --smoke: the tiny random model, one step of everything, so the whole pipeline runs in minutes.
 SMOKE_SETS = [
@@ -114,7 +117,8 @@ def pipeline(args: argparse.Namespace) -> dict:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     config = str(args.config)
-    sets = [*(SMOKE_SETS if args.smoke else []), f"seed={args.seed}", *args.set]
+    seeds = [f"seed={args.seed}", f"env.seed_start={args.seed * SEED_STRIDE}"]
+    sets = [*(SMOKE_SETS if args.smoke else []), *seeds, *args.set]
     flags = [x for s in sets for x in ("--set", s)]
     sft, demos, record = sft_run(args, out, flags)
     before = greedy_eval(sft, out / "eval_sft.json", args.eval_tasks)
@@ -164,7 +168,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--config", type=Path, default=CONFIG, help="the training YAML")
     parser.add_argument("--out", default="runs/cold_start", help="folder of the runs and evals")
-    parser.add_argument("--seed", type=int, default=0, help="run seed (LoRA init, shuffles, RL)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="run seed (LoRA init, shuffles, RL, training tasks)"
+    )
     parser.add_argument("--demos", type=int, default=160, help="demonstration episodes")
     parser.add_argument(
         "--demo-seeds", type=int, default=200_000, help="first demo task seed (not validation's)"

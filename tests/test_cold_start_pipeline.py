@@ -109,3 +109,7 @@ def test_the_smoke_pipeline_runs_every_step_from_demos_to_rl(tmp_path: Path) -> 
             for a, b in zip(lora_b(out / "sft", 0, policy), lora_b(again / "rl", 0, policy))
         )
     assert (again / "rl" / "checkpoints" / "step_00000001").is_dir()
+    # each seed trains on its own tasks: seed S draws from S * 10000 on (one task a step here)
+    for run, first in ((rl, 0), (again / "rl", 10_000)):
+        state = json.loads((run / "checkpoints" / "step_00000001" / "state.json").read_text())
+        assert state["next_task_seed"] == first + 1, (run, state)
