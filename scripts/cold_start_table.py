@@ -45,6 +45,14 @@ def greedy(path: Path) -> float | None:
     return json.loads(path.read_text())["results"][0]["avg"] if path.is_file() else None
 
 
+def exact_stop(path: Path) -> str:
+    """The share of answers that stop on G (plan-path): success that no move past G pads."""
+    if not path.is_file():
+        return "-"
+    value = json.loads(path.read_text())["results"][0].get("metrics", {}).get("exact_stop")
+    return "-" if value is None else f"{value:.1%}"
+
+
 def seed_row(out: Path) -> str:
     """One run's row: from its evals (a run stopped before summary.json still has them)."""
     summary = (
@@ -58,6 +66,7 @@ def seed_row(out: Path) -> str:
         out.name,
         f"{sft:.1%}",
         f"**{rl:.1%}** ({(rl - sft) * 100:+.1f})",
+        f"{exact_stop(out / 'eval_sft.json')} -> {exact_stop(out / 'eval_rl.json')}",
         "-" if control is None else f"{control:.1%}",
         validation(metrics),
         *(first_last(metrics, f"train/reward/{role}") for role in ROLES),
@@ -68,10 +77,11 @@ def seed_row(out: Path) -> str:
 
 
 HEADER = (
-    "| run | SFT (greedy, 64 tasks) | after RL (64 tasks) | SFT continued | greedy validation "
+    "| run | SFT (greedy, 64 tasks) | after RL (64 tasks) | exact stop on G, SFT -> RL "
+    "| SFT continued | greedy validation "
     "during RL (32 tasks, every 4 steps) | tool reward (first 2 -> last 2 steps) | plan reward "
     "| tool ; plan reward on the greedy validation tasks (first -> last) | RL wall |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"
+    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
 )
 
 
