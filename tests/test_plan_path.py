@@ -239,3 +239,22 @@ def test_max_distance_draws_only_near_goals_and_none_keeps_every_task() -> None:
         env = masenvs.make("plan_path", size=4, obstacle_ratio=0.1)
         env.reset(seed=seed)
         assert env.task == generate_task(np.random.default_rng(seed), 4, 0.1)
+
+
+def test_free_moves_into_the_edge_past_the_goal_warn_and_strict_success_fails_them() -> None:
+    # Issue 46: with every move walked, invalid moves free and success not strict, an answer
+    # that reaches G on the edge and keeps walking into it still ends on G: RL learned to pad.
+    free = {"stop_at_goal": False, "invalid_move": 0.0, "step_cost": 0.0, "shaping": 0.0}
+    padded = "#### [R, R, R, R, R, R]"  # G at (0, 3) on the right edge: three more R stay on it
+    with pytest.warns(UserWarning, match="strict_success=true"):
+        env = masenvs.make("plan_path", single_agent=True, max_rounds=1, **free)
+    env.reset(seed=0, options={"task": TASK})
+    _, _, _, _, infos = env.step({"plan": padded})
+    assert infos["plan"]["success"] and env.episode_metrics()["exact_stop"] == 0.0
+    strict = masenvs.make("plan_path", single_agent=True, max_rounds=1, strict_success=True, **free)
+    strict.reset(seed=0, options={"task": TASK})
+    _, _, _, _, infos = strict.step({"plan": padded})
+    assert not infos["plan"]["success"] and infos["plan"]["reward_parts"]["team"] == 0.0
+    strict.reset(seed=0, options={"task": TASK})
+    _, _, _, _, infos = strict.step({"plan": "#### [R, R, R]"})
+    assert infos["plan"]["success"]

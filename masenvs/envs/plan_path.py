@@ -7,11 +7,12 @@ moves the team commits. Single-agent mode: `plan` alone, which may also write co
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import numpy as np
-from pydantic import Field
+from pydantic import Field, model_validator
 
 from masenvs.env import EnvConfig, EpisodeState, MASEnv, Message, RewardParts
 from masenvs.envs import grid
@@ -77,6 +78,22 @@ class PlanPathConfig(EnvConfig):
         "the way.'). False: only where G lies ('G is 2 rows down and 1 column left of A.'); "
         "the agents turn the words into moves themselves.",
     )
+
+    @model_validator(mode="after")
+    def _warn_free_padding(self) -> PlanPathConfig:
+        """Name the reward hole RL found (docs/learning.md, issue 46): every move walked, moves
+        into a wall free and success not strict, so G on the edge plus moves into it succeeds."""
+        free = self.invalid_move >= 0 and self.step_cost >= 0
+        if not self.stop_at_goal and not self.strict_success and free:
+            warnings.warn(
+                "plan_path: with stop_at_goal=false, invalid_move and step_cost >= 0 and "
+                "strict_success=false, an answer that reaches G and then walks into a wall still "
+                "ends on G and succeeds: RL learns to pad answers (docs/learning.md, cold start); "
+                "set strict_success=true, or a negative invalid_move",
+                UserWarning,
+                stacklevel=2,
+            )
+        return self
 
 
 # --- reward --------------------------------------------------------------------------------
