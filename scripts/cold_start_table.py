@@ -41,15 +41,18 @@ def validation(metrics: list[dict]) -> str:
     return " / ".join(f"{m['val/success']:.0%}" for m in metrics if "val/success" in m)
 
 
+def result(path: Path) -> dict:
+    """An eval JSON's first result ({} when the eval did not run)."""
+    return json.loads(path.read_text())["results"][0] if path.is_file() else {}
+
+
 def greedy(path: Path) -> float | None:
-    return json.loads(path.read_text())["results"][0]["avg"] if path.is_file() else None
+    return result(path).get("avg")
 
 
 def exact_stop(path: Path) -> str:
     """The share of answers that stop on G (plan-path): success that no move past G pads."""
-    if not path.is_file():
-        return "-"
-    value = json.loads(path.read_text())["results"][0].get("metrics", {}).get("exact_stop")
+    value = result(path).get("metrics", {}).get("exact_stop")
     return "-" if value is None else f"{value:.1%}"
 
 
@@ -147,7 +150,7 @@ def main(argv: list[str] | None = None) -> int:
           f"points (mean {sum(gains) / len(gains) * 100:+.1f})")  # fmt: skip
     if args.base is not None:
         metrics = rows(args.base)
-        report = json.loads((args.base / "eval.json").read_text())["results"][0]
+        report = result(args.base / "eval.json")
         print(
             f"\nRL from the base model: greedy {report['avg']:.1%} after RL (64 tasks); validation "
             f"{validation(metrics)}; tool {first_last(metrics, 'train/reward/tool')}, plan "

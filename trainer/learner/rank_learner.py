@@ -147,11 +147,8 @@ class RankLearner:
     # -- weights out and in: whole tensors from shards ------------------------------------------
 
     def adapter_state_dict(self, policy: str) -> dict[str, torch.Tensor]:
-        from peft.utils import get_peft_model_state_dict
-
         p = self.learner.lora_policy(policy)
-        state = get_peft_model_state_dict(p.model, adapter_name=policy)
-        return {k: _whole(v) for k, v in state.items()}
+        return {k: _whole(v) for k, v in _adapter_params(p.model, policy).items()}
 
     def full_state_dict(self, policy: str) -> dict[str, torch.Tensor]:
         p = weights.require_full(self.learner.policy(policy))
@@ -334,8 +331,9 @@ def _whole(tensor: torch.Tensor) -> torch.Tensor:
 
 def _adapter_params(model: Any, policy: str) -> dict[str, torch.Tensor]:
     """The adapter's parameters themselves (each rank's shard), keyed as in its adapter file
-    (the adapter name dropped). Not `get_peft_model_state_dict`: since peft 0.22 it returns
-    whole CPU copies of sharded tensors, and a copy into those loads nothing."""
+    (the adapter name dropped): what saving gathers and loading copies into. Not
+    `get_peft_model_state_dict`: since peft 0.22 it returns whole CPU copies of sharded
+    tensors (gathered once more by `_whole`), and a copy into those loads nothing."""
     own = re.compile(rf"\.(lora_[A-Za-z_]+)\.{re.escape(policy)}\.")
     return {
         own.sub(r".\1.", name, count=1): tensor
