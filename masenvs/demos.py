@@ -10,6 +10,7 @@ nowhere else: no env, observation or tool of a rollout reaches them.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -71,6 +72,10 @@ def plan_path_working(env: Any) -> str:
     return f"A is at row {ar}, column {ac}; G is at row {gr}, column {gc}: {', '.join(steps)}."
 
 
+def plan_path_worked(env: Any) -> str:
+    return f"{plan_path_working(env)} #### {plan_path_answer(env)}"
+
+
 def sudoku_answer(env: Any) -> str:
     from masenvs.envs.sudoku_solver import solutions
 
@@ -79,6 +84,38 @@ def sudoku_answer(env: Any) -> str:
     if not found:
         raise DemoError("the sudoku board has no solution")
     return json.dumps([found[0][r * n : (r + 1) * n] for r in range(n)])
+
+
+def sudoku_worked(env: Any) -> str:
+    """Sudoku's worked answer: for each empty cell in reading order, a row, column or box (in that
+    order of preference) whose other digits are all on the board (earlier fills in), those
+    digits, and the one missing; then the fills `#### [[row, column, value], ...]`."""
+    n, b = env.task.size, math.isqrt(env.task.size)
+    board = [list(row) for row in env.state.board]
+    solution = json.loads(sudoku_answer(env))
+    steps, fills = [], []
+    for r, c in [(r, c) for r in range(n) for c in range(n) if board[r][c] == 0]:
+        value = solution[r][c]
+        named = [
+            ("Row", r, [(r, k) for k in range(n)]),
+            ("Column", c, [(k, c) for k in range(n)]),
+            (
+                "Box",
+                (r // b) * b + c // b,
+                [(r - r % b + k // b, c - c % b + k % b) for k in range(n)],
+            ),
+        ]
+        for unit, index, cells in named:
+            others = [board[i][j] for i, j in cells if (i, j) != (r, c)]
+            if all(others):
+                digits = ", ".join(map(str, others))
+                steps.append(f"{unit} {index} has {digits}: row {r}, column {c} is {value}.")
+                break
+        else:
+            steps.append(f"Row {r}, column {c} is {value}.")
+        board[r][c] = value
+        fills.append([r, c, value])
+    return f"{' '.join(steps)} #### {json.dumps(fills)}"
 
 
 def sokoban_answer(env: Any) -> str:
@@ -110,8 +147,8 @@ def writes_program(env: MASEnv, agent: str) -> bool:
     return agent == "tool" and not env.config.single_agent and tool_task == "search"
 
 
-# env -> the worked step a reply states before its answer (`masenvs demos --explain`)
-WORKINGS: dict[str, Callable[[Any], str]] = {"plan_path": plan_path_working}
+# env -> its worked reply: what it reads off the board, then `#### answer` (`masenvs demos --explain`)
+WORKED: dict[str, Callable[[Any], str]] = {"plan_path": plan_path_worked, "sudoku": sudoku_worked}
 
 
 def solver_reply(env: MASEnv, agent: str, explain: bool = False) -> str:
@@ -121,8 +158,7 @@ def solver_reply(env: MASEnv, agent: str, explain: bool = False) -> str:
     if writes_program(env, agent):
         board = env.state.board if env.name == "sudoku" else env.board()
         return program_reply(env.name, board)
-    working = f"{WORKINGS[env.name](env)} " if explain else ""
-    return f"{working}#### {SOLVERS[env.name](env)}"
+    return WORKED[env.name](env) if explain else f"#### {SOLVERS[env.name](env)}"
 
 
 # --- demonstrations -------------------------------------------------------------------------
@@ -134,9 +170,9 @@ def demo_env(env_name: str, options: dict[str, Any], explain: bool = False) -> M
         raise DemoError(
             f"no solver for {env_name!r}: demonstrations exist for {', '.join(sorted(SOLVERS))}"
         )
-    if explain and env_name not in WORKINGS:
+    if explain and env_name not in WORKED:
         raise DemoError(
-            f"--explain: worked answers exist for {', '.join(sorted(WORKINGS))}, not {env_name}"
+            f"--explain: worked answers exist for {', '.join(sorted(WORKED))}, not {env_name}"
         )
     for option in HINTS[env_name]:
         if options.get(option):

@@ -16,6 +16,7 @@ from masenvs.trainer.commands.demos import demos
 from masenvs.trainer.commands.sft import read_traces, targets
 
 ROOT = Path(__file__).resolve().parents[1]
+COLD_START_SUDOKU = str(ROOT / "examples" / "learning" / "cold_start_sudoku.yaml")
 COLD_START = str(ROOT / "examples" / "learning" / "cold_start_plan_path.yaml")
 
 HINT_FREE = {
@@ -107,12 +108,57 @@ def test_explained_plan_path_replies_state_what_the_board_shows_then_the_moves(
         assert walked == offset, reply
         # the prompt itself states no offset: the reply works it out
         assert not re.search(r"\d (up|down|left|right)", prompt), prompt
-    # Plain demonstrations are the answer alone; the worked step exists for plan-path only.
+    # Plain demonstrations are the answer alone; Sokoban has no worked step.
     assert main([*args]) == 0
     assert all(r["messages"][-1]["content"].startswith("#### [") for r in read(out))
     capsys.readouterr()
-    code = main(["demos", "sudoku", "--seeds", "0:2", "--out", str(tmp_path / "s"), "--explain"])
-    assert code == 2 and "worked answers exist for plan_path" in capsys.readouterr().out
+    code = main(["demos", "sokoban", "--seeds", "0:2", "--out", str(tmp_path / "s"), "--explain"])
+    assert code == 2 and "worked answers exist for plan_path, sudoku" in capsys.readouterr().out
+
+
+def test_explained_sudoku_replies_name_each_empty_cells_full_unit_then_the_fills(
+    tmp_path: Path,
+) -> None:
+    import re
+
+    out = tmp_path / "demos.jsonl"
+    args = ["demos", "--config", COLD_START_SUDOKU, "--seeds", "200000:200040", "--out", str(out)]
+    assert main([*args, "--explain"]) == 0
+    step = re.compile(
+        r"(Row|Column|Box) (\d) has (\d), (\d), (\d): row (\d), column (\d) is (\d)\."
+    )
+    for row in read(out):
+        prompt, reply = row["messages"][-2]["content"], row["messages"][-1]["content"]
+        board = json.loads(re.search(r"As a JSON list of rows \(0 = empty\): (.*)", prompt)[1])
+        empty = [(r, c) for r in range(4) for c in range(4) if board[r][c] == 0]
+        working, answer = reply.split(" #### ")
+        fills = json.loads(answer)
+        assert [(r, c) for r, c, _ in fills] == empty, reply  # every empty cell, in reading order
+        steps = step.findall(working)
+        assert (
+            len(steps) == len(empty)
+            and " ".join(
+                f"{u} {i} has {a}, {b}, {c}: row {r}, column {col} is {v}."
+                for u, i, a, b, c, r, col, v in steps
+            )
+            == working
+        ), reply
+        for (unit, i, *digits, r, c, v), (fr, fc, fv) in zip(steps, fills, strict=True):
+            r, c, i = int(r), int(c), int(i)
+            assert (r, c, int(v)) == (fr, fc, fv), reply
+            # the unit holds the cell, and the digits it states are the board's (earlier fills in)
+            cells = {
+                "Row": [(i, k) for k in range(4)],
+                "Column": [(k, i) for k in range(4)],
+                "Box": [(2 * (i // 2) + k // 2, 2 * (i % 2) + k % 2) for k in range(4)],
+            }[unit]
+            assert (r, c) in cells, reply
+            assert sorted(map(int, digits)) == sorted(
+                board[a][b] for a, b in cells if (a, b) != (r, c)
+            )
+            assert sorted([*map(int, digits), fv]) == [1, 2, 3, 4], reply
+            board[r][c] = fv
+        assert "has" not in prompt  # the prompt states no unit's digits: the reply reads them
 
 
 @pytest.mark.parametrize(

@@ -89,7 +89,8 @@ def build_parser() -> argparse.ArgumentParser:
         "--explain",
         action="store_true",
         help="worked answers: each reply states what it reads off the board before its "
-        "answer (plan-path: where A and G are and the offset, then `#### [moves]`)",
+        "answer (plan-path: where A and G are and the offset, then `#### [moves]`; Sudoku: for "
+        "each empty cell a full row, column or box and the digit it lacks, then the fills)",
     )
     return parser
 
