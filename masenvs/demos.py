@@ -53,6 +53,29 @@ def shortest_path(env: Any) -> list[str]:
     return moves
 
 
+def wrong_proposal(env: Any, rng: np.random.Generator) -> str:
+    """A move list a tool agent might get wrong: the shortest path with one move changed, dropped
+    or added, such that the walk (walls and the edge stop it) never touches G."""
+    task, path = env.task, shortest_path(env)
+    for _ in range(1000):
+        moves, i = list(path), int(rng.integers(len(path) + 1))
+        kind = int(rng.integers(3))
+        if kind == 0 and i < len(moves):
+            moves[i] = str(rng.choice([m for m in grid.DELTAS if m != moves[i]]))
+        elif kind == 1 and i < len(moves) and len(moves) > 1:
+            del moves[i]
+        else:
+            moves.insert(i, str(rng.choice(list(grid.DELTAS))))
+        pos, touched = env.state.pos, False
+        for move in moves:
+            nxt = grid.step_cell(pos, move)
+            pos = nxt if task.is_free(nxt) else pos
+            touched |= pos == task.goal
+        if not touched:
+            return f"#### [{', '.join(moves)}]"
+    raise DemoError("found no wrong proposal in 1000 tries")  # e.g. G next to A in a dead end
+
+
 def plan_path_answer(env: Any) -> str:
     return f"[{', '.join(shortest_path(env))}]"
 
@@ -164,8 +187,18 @@ def solver_reply(env: MASEnv, agent: str, explain: bool = False) -> str:
 # --- demonstrations -------------------------------------------------------------------------
 
 
-def demo_env(env_name: str, options: dict[str, Any], explain: bool = False) -> MASEnv:
+def proposes(env: MASEnv, agent: str) -> bool:
+    """The agent is plan-path's tool agent proposing moves, which the plan agent then reads."""
+    tool_task = getattr(env.config, "tool_task", None)
+    return env.name == "plan_path" and agent == "tool" and tool_task == "propose"
+
+
+def demo_env(
+    env_name: str, options: dict[str, Any], explain: bool = False, wrong: float = 0.0
+) -> MASEnv:
     """The env demonstrations are written in: one with a solver, and hint-free."""
+    if not 0 <= wrong <= 1:
+        raise DemoError(f"--wrong-proposals {wrong}: a share of the episodes, between 0 and 1")
     if env_name not in SOLVERS:
         raise DemoError(
             f"no solver for {env_name!r}: demonstrations exist for {', '.join(sorted(SOLVERS))}"
@@ -184,18 +217,29 @@ def demo_env(env_name: str, options: dict[str, Any], explain: bool = False) -> M
     hinted = [o for o in HINTS[env_name] if getattr(env.config, o)]
     if hinted:  # a default that turns a hint on
         raise DemoError(f"{env_name}'s {hinted[0]} is on: --set {hinted[0]}=false")
+    if wrong and (env.config.single_agent or not proposes(env, "tool")):
+        raise DemoError(
+            "--wrong-proposals: a plan agent reads a tool agent's move list only in plan-path's "
+            "team with tool_task: propose"
+        )
     return env
 
 
-def episode_demos(env: MASEnv, seed: int, explain: bool = False) -> list[dict[str, Any]]:
+def episode_demos(
+    env: MASEnv, seed: int, explain: bool = False, wrong: float = 0.0
+) -> list[dict[str, Any]]:
     """Every agent turn of seed's episode, each answered by the solver (after its worked step
     with `explain`) and played, until the episode ends; an answer the env does not accept
-    raises DemoError."""
+    raises DemoError. With `wrong`, that share of the episodes (drawn from the seed) play a
+    wrong tool proposal instead, not written: the plan agent's line answers right despite it."""
     _, infos = env.reset(seed=seed)
-    rows = []
+    rows, rng = [], np.random.default_rng([seed, 46])
     while env.agents:
         agent, round_ = env.acting, env.round
         prompt = infos[agent]["messages"]
+        if wrong and proposes(env, agent) and rng.random() < wrong:
+            _, _, _, _, infos = env.step({agent: wrong_proposal(env, rng)})
+            continue
         try:
             reply, answer = solver_reply(env, agent, explain), SOLVERS[env.name](env)
         except DemoError as exc:

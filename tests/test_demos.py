@@ -308,3 +308,42 @@ def test_a_tool_program_cannot_import_the_solvers() -> None:
     program = "```python\nfrom masenvs.demos import shortest_path\nprint('Moves: [U]')\n```"
     run = run_tool(program, 5.0)
     assert not run.ok and "No module named 'masenvs'" in run.output
+
+
+def test_wrong_proposals_show_the_plan_a_wrong_move_list_and_keep_its_right_answer(
+    tmp_path: Path, capsys
+) -> None:
+    import re
+
+    out, again = tmp_path / "demos.jsonl", tmp_path / "again.jsonl"
+    args = ["demos", "--config", COLD_START, "--seeds", "200000:200040", "--explain"]
+    assert main([*args, "--wrong-proposals", "0.5", "--out", str(out)]) == 0
+    assert main([*args, "--wrong-proposals", "0.5", "--out", str(again)]) == 0
+    assert out.read_text() == again.read_text()  # the seed picks the episodes and the lists
+    lines = read(out)
+    tool_seeds = {r["seed"] for r in lines if r["agent"] == "tool"}
+    plan = [r for r in lines if r["agent"] == "plan"]
+    assert len(plan) == 40 and 10 <= 40 - len(tool_seeds) <= 30  # about half the episodes
+    moves = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
+    for row in plan:
+        prompt, reply = row["messages"][-2]["content"], row["messages"][-1]["content"]
+        board = [line.split()[1:] for line in prompt.split("\n") if re.match(r" \d ", line)]
+        cell = {ch: (r, c) for r, line in enumerate(board) for c, ch in enumerate(line)}
+        proposed = re.search(r"The tool agent proposes:\n#### \[(.*)\]", prompt)[1].split(", ")
+        pos, seen = cell["A"], []
+        for m in proposed:  # walked on the board the prompt shows: a wall or the edge stops it
+            r, c = pos[0] + moves[m][0], pos[1] + moves[m][1]
+            if 0 <= r < 4 and 0 <= c < 4 and board[r][c] != "#":
+                pos = (r, c)
+            seen.append(pos)
+        # the tool's line is kept exactly when its proposal was the solver's (so right) ...
+        assert (cell["G"] in seen) == (row["seed"] in tool_seeds), (prompt, reply)
+        # ... and the plan answers from the board either way: the solver's worked answer
+        assert reply.startswith(f"A is at row {cell['A'][0]}, column {cell['A'][1]}; G is at")
+    # only where a plan agent reads a tool's proposal, and a share in [0, 1]
+    capsys.readouterr()
+    sudoku = ["demos", "sudoku", "--seeds", "0:2", "--out", str(tmp_path / "s")]
+    assert main([*sudoku, "--wrong-proposals", "0.5"]) == 2
+    assert "tool_task: propose" in capsys.readouterr().out
+    assert main([*args, "--wrong-proposals", "1.5", "--out", str(out)]) == 2
+    assert "between 0 and 1" in capsys.readouterr().out

@@ -47,11 +47,12 @@ def demos(
     seeds: range,
     held_out: list[range] | None = None,
     explain: bool = False,
+    wrong: float = 0.0,
 ) -> list[dict[str, Any]]:
     """The demonstration lines of every seed's episode; refuses held-out seeds and hints."""
     check_seeds(seeds, held_out_seeds() if held_out is None else held_out)
-    env = demo_env(env_name, options, explain)
-    return [row for seed in seeds for row in episode_demos(env, seed, explain)]
+    env = demo_env(env_name, options, explain, wrong)
+    return [row for seed in seeds for row in episode_demos(env, seed, explain, wrong)]
 
 
 # --- command --------------------------------------------------------------------------------
@@ -92,6 +93,16 @@ def build_parser() -> argparse.ArgumentParser:
         "answer (plan-path: where A and G are and the offset, then `#### [moves]`; Sudoku: for "
         "each empty cell a full row, column or box and the digit it lacks, then the fills)",
     )
+    parser.add_argument(
+        "--wrong-proposals",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="plan-path with tool_task: propose: in this share of the episodes the plan agent "
+        "reads a wrong move list from the tool (one move changed, dropped or added; that tool "
+        "line is not written) and still answers right, so it learns to read the board rather "
+        "than copy the proposal",
+    )
     return parser
 
 
@@ -120,7 +131,7 @@ def main(argv: list[str]) -> int:
     try:
         env_name, options, validation = _env_and_options(args)
         seeds, held_out = parse_seeds(args.seeds), held_out_seeds(validation)
-        rows = demos(env_name, options, seeds, held_out, args.explain)
+        rows = demos(env_name, options, seeds, held_out, args.explain, args.wrong_proposals)
     except (ValueError, TypeError, KeyError) as exc:  # DemoError, ConfigError, env options
         console.print(str(exc), style="red", markup=False)
         return 2
