@@ -15,11 +15,23 @@ import json
 import sys
 from pathlib import Path
 
-ROLES = ("tool", "plan")
+ORDER = ("tool", "plan")  # the team's turn order; a single-agent run has the plan alone
 
 
 def rows(path: Path) -> list[dict]:
     return [json.loads(line) for line in (path / "metrics.jsonl").read_text().splitlines()]
+
+
+def roles(outs: list[Path]) -> list[str]:
+    """The roles the runs trained (their metrics' train/reward/ROLE), the team's order first."""
+    found = {
+        key.removeprefix("train/reward/")
+        for out in outs
+        for m in rows(out / "rl")
+        for key in m
+        if key.startswith("train/reward/")
+    }
+    return sorted(found, key=lambda r: (ORDER.index(r) if r in ORDER else len(ORDER), r))
 
 
 def first_last(metrics: list[dict], key: str) -> str:
@@ -56,7 +68,7 @@ def exact_stop(path: Path) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
-def seed_row(out: Path) -> str:
+def seed_row(out: Path, names: list[str]) -> str:
     """One run's row: from its evals (a run stopped before summary.json still has them)."""
     summary = (
         json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
@@ -72,20 +84,26 @@ def seed_row(out: Path) -> str:
         f"{exact_stop(out / 'eval_sft.json')} -> {exact_stop(out / 'eval_rl.json')}",
         "-" if control is None else f"{control:.1%}",
         validation(metrics),
-        *(first_last(metrics, f"train/reward/{role}") for role in ROLES),
-        " ; ".join(greedy_rewards(metrics, role) for role in ROLES),
+        *(first_last(metrics, f"train/reward/{role}") for role in names),
+        " ; ".join(greedy_rewards(metrics, role) for role in names),
         f"{rl_seconds / 60:.1f} min",
     ]
     return "| " + " | ".join(cells) + " |"
 
 
-HEADER = (
-    "| run | SFT (greedy, 64 tasks) | after RL (64 tasks) | exact stop on G, SFT -> RL "
-    "| SFT continued | greedy validation "
-    "during RL (32 tasks, every 4 steps) | tool reward (first 2 -> last 2 steps) | plan reward "
-    "| tool ; plan reward on the greedy validation tasks (first -> last) | RL wall |\n"
-    "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"
-)
+def header(names: list[str]) -> str:
+    cells = [
+        "run",
+        "SFT (greedy, 64 tasks)",
+        "after RL (64 tasks)",
+        "exact stop on G, SFT -> RL",
+        "SFT continued",
+        "greedy validation during RL (32 tasks)",
+        *(f"{role} reward (first 2 -> last 2 steps)" for role in names),
+        f"{' ; '.join(names)} reward on the greedy validation tasks (first -> last)",
+        "RL wall",
+    ]
+    return f"| {' | '.join(cells)} |\n|{' --- |' * len(cells)}"
 
 
 def plot(outs: list[Path], base: Path | None, control: Path | None, png: Path) -> None:
@@ -94,7 +112,8 @@ def plot(outs: list[Path], base: Path | None, control: Path | None, png: Path) -
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, axes = plt.subplots(1, 3, figsize=(15, 4.2))
+    names = roles(outs)
+    fig, axes = plt.subplots(1, 1 + len(names), figsize=(5 * (1 + len(names)), 4.2))
     runs = [(o.name, o / "rl") for o in outs]
     if base is not None:
         runs.append((f"{base.name} (RL from the base model)", base))
@@ -103,7 +122,7 @@ def plot(outs: list[Path], base: Path | None, control: Path | None, png: Path) -
         style = "--" if run == base else "-"
         val = [(m["step"], m["val/success"]) for m in metrics if "val/success" in m]
         axes[0].plot(*zip(*val, strict=True), style, marker="o", label=label)
-        for ax, role in zip(axes[1:], ROLES, strict=True):
+        for ax, role in zip(axes[1:], names, strict=True):
             key = f"train/reward/{role}"
             pts = [(m["step"], m[key]) for m in metrics if key in m]
             if pts:
@@ -123,7 +142,7 @@ def plot(outs: list[Path], base: Path | None, control: Path | None, png: Path) -
         label = "SFT continued: the control (64 tasks)"
         axes[0].axhline(value, color="grey", linestyle="-.", label=label)
     axes[0].set(title="greedy validation success, 32 tasks", xlabel="RL step", ylabel="success")
-    for ax, role in zip(axes[1:], ROLES, strict=True):
+    for ax, role in zip(axes[1:], names, strict=True):
         ax.set(
             title=f"{role} agent's reward: sampled (faint), greedy val (dots)",
             xlabel="RL step",
@@ -141,9 +160,10 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--control", type=Path, help="the SFT-continued checkpoint's eval JSON")
     parser.add_argument("--png", type=Path, help="where to write the curves")
     args = parser.parse_args(argv)
-    print(HEADER)
+    names = roles(args.outs)
+    print(header(names))
     for out in args.outs:
-        print(seed_row(out))
+        print(seed_row(out, names))
     pairs = [(greedy(o / "eval_sft.json"), greedy(o / "eval_rl.json")) for o in args.outs]
     gains = [rl - sft for sft, rl in pairs if sft is not None and rl is not None] or [0.0]
     print(f"\nRL minus SFT, greedy on 64 tasks: {', '.join(f'{g * 100:+.1f}' for g in gains)} "
