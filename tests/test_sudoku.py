@@ -195,8 +195,23 @@ def test_a_valid_grid_that_ignores_the_clues_is_not_solved() -> None:
 
 def test_unparsable_answer_is_a_format_penalty() -> None:
     env, reward, _, info = play("I think the first row ends with 3 4.")
-    assert info["reward_parts"] == {"process": 0.0, "agent": -1.0, "team": 0.0}
+    assert info["reward_parts"] == {"process": 0.0, "agent": -1.5, "team": 0.0}
     assert env.state.board[0] == [1, 2, 0, 0]
+
+
+def test_an_unparsable_answer_pays_less_than_any_full_grid_that_is_wrong() -> None:
+    """RL found the hole (docs/learning.md, Sudoku cold start): with the format penalty at -1.0,
+    a grid that rewrote a clue and repeated a digit (-1.0 and shaping) paid less than no grid,
+    so GRPO taught the policy to stop its grid early."""
+    wrong = [row[:] for row in SOLUTION]
+    wrong[0][0], wrong[0][2] = 2, 2  # a clue rewritten (ignored), a digit repeated in row 0
+    _, worst, _, info = play(grid_answer(wrong))
+    assert info["reward_parts"]["agent"] == -1.0  # both penalties
+    _, unparsable, _, _ = play("####\n[[1, 2, 3, 4], [3, 4, 1, 2]]")  # the grid cut short
+    assert unparsable < worst
+    # a config that opens the hole again says so
+    with pytest.warns(UserWarning, match="stop its grid early"):
+        masenvs.make("sudoku", format_penalty=-1.0)
 
 
 def test_configured_rewards_are_used() -> None:
@@ -338,7 +353,7 @@ def test_tool_program_output_is_scored_and_shown_to_plan() -> None:
     assert env.acting == "plan" and env.round == 0
     assert "Solution: [[1, 2, 3, 4]" in obs["plan"] and "print(" in obs["plan"]
     _, _, terms, _, infos = env.step({"plan": "no idea"})
-    assert infos["plan"]["reward_parts"]["agent"] == -1.0 and not terms["plan"]
+    assert infos["plan"]["reward_parts"]["agent"] == -1.5 and not terms["plan"]
     _, _, terms, _, infos = masenvs.play_round(env, {"tool": "", "plan": grid_answer(SOLUTION)})
     assert terms["tool"] and infos["tool"]["reward_parts"]["team"] == 2.0
 

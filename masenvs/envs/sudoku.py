@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 from functools import cached_property
 from typing import Any, Literal
@@ -47,7 +48,11 @@ class SudokuConfig(EnvConfig):
         -0.5, description="When the board after the answer repeats a digit in a row/column/box."
     )
     clue_penalty: float = Field(-0.5, description="When the answer tries to change a given clue.")
-    format_penalty: float = Field(-1.0, description="For an answer with no parsable grid or fills.")
+    format_penalty: float = Field(
+        -1.5,
+        description="For an answer with no parsable grid or fills: below a wrong grid's "
+        "penalties (conflict + clue), or RL learns to stop its grid early.",
+    )
     tool_timeout: float = Field(5.0, gt=0, description="Wall seconds for the tool's program.")
     show_candidates: bool = Field(
         False,
@@ -68,6 +73,21 @@ class SudokuConfig(EnvConfig):
     def _clues_fit(self) -> SudokuConfig:
         if self.clues is not None and self.clues > self.size * self.size:
             raise ValueError(f"clues={self.clues} exceeds the {self.size}x{self.size} cells")
+        return self
+
+    @model_validator(mode="after")
+    def _warn_cut_grids(self) -> SudokuConfig:
+        """Name the reward hole RL found (docs/learning.md, issue 46): no grid at all must pay
+        less than a full grid that rewrites a clue and repeats a digit."""
+        wrong = self.conflict_penalty + self.clue_penalty + self.step_cost
+        if self.format_penalty >= wrong:
+            warnings.warn(
+                f"sudoku: format_penalty {self.format_penalty} is not below a wrong grid's "
+                f"{wrong:.2f} (conflict + clue penalties + step cost): RL learns to stop its grid "
+                "early rather than risk a wrong digit (docs/learning.md); lower format_penalty",
+                UserWarning,
+                stacklevel=2,
+            )
         return self
 
     @property
