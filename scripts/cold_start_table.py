@@ -68,7 +68,7 @@ def exact_stop(path: Path) -> str:
     return "-" if value is None else f"{value:.1%}"
 
 
-def seed_row(out: Path, names: list[str]) -> str:
+def seed_row(out: Path, names: list[str], exact: bool) -> str:
     """One run's row: from its evals (a run stopped before summary.json still has them)."""
     summary = (
         json.loads((out / "summary.json").read_text()) if (out / "summary.json").is_file() else {}
@@ -81,7 +81,7 @@ def seed_row(out: Path, names: list[str]) -> str:
         out.name,
         f"{sft:.1%}",
         f"**{rl:.1%}** ({(rl - sft) * 100:+.1f})",
-        f"{exact_stop(out / 'eval_sft.json')} -> {exact_stop(out / 'eval_rl.json')}",
+        *([f"{exact_stop(out / 'eval_sft.json')} -> {exact_stop(out / 'eval_rl.json')}"] * exact),
         "-" if control is None else f"{control:.1%}",
         validation(metrics),
         *(first_last(metrics, f"train/reward/{role}") for role in names),
@@ -91,12 +91,12 @@ def seed_row(out: Path, names: list[str]) -> str:
     return "| " + " | ".join(cells) + " |"
 
 
-def header(names: list[str]) -> str:
+def header(names: list[str], exact: bool) -> str:
     cells = [
         "run",
         "SFT (greedy, 64 tasks)",
         "after RL (64 tasks)",
-        "exact stop on G, SFT -> RL",
+        *(["exact stop on G, SFT -> RL"] * exact),
         "SFT continued",
         "greedy validation during RL (32 tasks)",
         *(f"{role} reward (first 2 -> last 2 steps)" for role in names),
@@ -161,9 +161,11 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--png", type=Path, help="where to write the curves")
     args = parser.parse_args(argv)
     names = roles(args.outs)
-    print(header(names))
+    # plan-path's evals count the answers that stop on G; other envs have no such column
+    exact = any("exact_stop" in result(o / "eval_sft.json").get("metrics", {}) for o in args.outs)
+    print(header(names, exact))
     for out in args.outs:
-        print(seed_row(out, names))
+        print(seed_row(out, names, exact))
     pairs = [(greedy(o / "eval_sft.json"), greedy(o / "eval_rl.json")) for o in args.outs]
     gains = [rl - sft for sft, rl in pairs if sft is not None and rl is not None] or [0.0]
     print(f"\nRL minus SFT, greedy on 64 tasks: {', '.join(f'{g * 100:+.1f}' for g in gains)} "
