@@ -225,25 +225,35 @@ def demo_env(
     return env
 
 
+def demo_row(
+    env: MASEnv, agent: str, prompt: list[dict], reply: str, seed: int, round_: int
+) -> dict[str, Any]:
+    """One line of `masenvs demos`: the agent's prompt, then the solver's reply."""
+    messages = [*prompt, {"role": "assistant", "content": reply}]
+    return {"agent": agent, "messages": messages, "env": env.name, "seed": seed, "round": round_}
+
+
 def episode_demos(
     env: MASEnv, seed: int, explain: bool = False, wrong: float = 0.0
 ) -> list[dict[str, Any]]:
     """Every agent turn of seed's episode, each answered by the solver (after its worked step
     with `explain`) and played, until the episode ends; an answer the env does not accept
     raises DemoError. With `wrong`, that share of the episodes (drawn from the seed) play a
-    wrong tool proposal instead, not written: the plan agent's line answers right despite it."""
+    wrong tool proposal instead: the tool's line is still the solver's answer to its prompt
+    (which what is played cannot change), and the plan agent's line answers right despite it."""
     _, infos = env.reset(seed=seed)
     rows, rng = [], np.random.default_rng([seed, 46])
     while env.agents:
         agent, round_ = env.acting, env.round
         prompt = infos[agent]["messages"]
-        if wrong and proposes(env, agent) and rng.random() < wrong:
-            _, _, _, _, infos = env.step({agent: wrong_proposal(env, rng)})
-            continue
         try:
             reply, answer = solver_reply(env, agent, explain), SOLVERS[env.name](env)
         except DemoError as exc:
             raise DemoError(f"seed {seed}: {exc}") from None
+        if wrong and proposes(env, agent) and rng.random() < wrong:
+            _, _, _, _, infos = env.step({agent: wrong_proposal(env, rng)})
+            rows.append(demo_row(env, agent, prompt, reply, seed, round_))
+            continue
         _, _, _, _, infos = env.step({agent: reply})
         printed = f"{PRINTS[env.name]} {answer}"
         if infos[agent]["reward_parts"]["agent"] < 0 or (  # a format, rule or clue penalty
@@ -253,15 +263,7 @@ def episode_demos(
                 f"{env.name} did not accept the solver's reply {reply[:300]!r} to {agent} on seed "
                 f"{seed} (a program must print {printed!r}): {env.last_feedback.get(agent)}"
             )
-        rows.append(
-            {
-                "agent": agent,
-                "messages": [*prompt, {"role": "assistant", "content": reply}],
-                "env": env.name,
-                "seed": seed,
-                "round": round_,
-            }
-        )
+        rows.append(demo_row(env, agent, prompt, reply, seed, round_))
     if not env.state.success:
         raise DemoError(
             f"{env.name} did not accept the solver's replies on seed {seed}: the episode ended "

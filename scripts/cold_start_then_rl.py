@@ -121,7 +121,11 @@ def pipeline(args: argparse.Namespace) -> dict:
     sets = [*(SMOKE_SETS if args.smoke else []), *seeds, *args.set]
     flags = [x for s in sets for x in ("--set", s)]
     sft, demos, record = sft_run(args, out, flags)
-    before = greedy_eval(sft, out / "eval_sft.json", args.eval_tasks)
+    if args.sft_eval:  # the same checkpoint's eval from an earlier seed: the same tasks
+        shutil.copyfile(args.sft_eval, out / "eval_sft.json")
+        before = float(json.loads(args.sft_eval.read_text())["results"][0]["avg"])
+    else:
+        before = greedy_eval(sft, out / "eval_sft.json", args.eval_tasks)
 
     rl = out / "rl"
     shutil.copytree(sft / CHECKPOINT_0, rl / CHECKPOINT_0)
@@ -181,6 +185,12 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--sft-from", metavar="RUN", help="an earlier seed's OUT/sft: its cold start, no new SFT"
     )
+    parser.add_argument(
+        "--sft-eval",
+        type=Path,
+        metavar="JSON",
+        help="with --sft-from: that checkpoint's greedy eval from an earlier seed, reused",
+    )
     parser.add_argument("--no-base", action="store_true", help="skip RL from the base model")
     parser.add_argument("--no-control", action="store_true", help="skip the SFT-continued control")
     parser.add_argument(
@@ -194,7 +204,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if args.sft_eval and not args.sft_from:
+        parser.error("--sft-eval reuses the eval of the checkpoint --sft-from names: pass both")
     if args.smoke:
         args.demos, args.sft_epochs, args.eval_tasks = 4, 1, 2
     summary = pipeline(args)

@@ -321,9 +321,12 @@ def test_wrong_proposals_show_the_plan_a_wrong_move_list_and_keep_its_right_answ
     assert main([*args, "--wrong-proposals", "0.5", "--out", str(again)]) == 0
     assert out.read_text() == again.read_text()  # the seed picks the episodes and the lists
     lines = read(out)
-    tool_seeds = {r["seed"] for r in lines if r["agent"] == "tool"}
+    tool = {r["seed"]: r["messages"][-1]["content"] for r in lines if r["agent"] == "tool"}
     plan = [r for r in lines if r["agent"] == "plan"]
-    assert len(plan) == 40 and 10 <= 40 - len(tool_seeds) <= 30  # about half the episodes
+    # every episode keeps the tool's line, the solver's answer to its prompt (which the wrong
+    # proposal played after it cannot change): a tool line per episode, as without the option
+    assert len(plan) == 40 and sorted(tool) == list(range(200000, 200040))
+    wrong = 0
     moves = {"U": (-1, 0), "D": (1, 0), "L": (0, -1), "R": (0, 1)}
     for row in plan:
         prompt, reply = row["messages"][-2]["content"], row["messages"][-1]["content"]
@@ -336,10 +339,13 @@ def test_wrong_proposals_show_the_plan_a_wrong_move_list_and_keep_its_right_answ
             if 0 <= r < 4 and 0 <= c < 4 and board[r][c] != "#":
                 pos = (r, c)
             seen.append(pos)
-        # the tool's line is kept exactly when its proposal was the solver's (so right) ...
-        assert (cell["G"] in seen) == (row["seed"] in tool_seeds), (prompt, reply)
+        # the plan reads the tool's (right) line, or a wrong list that never touches G ...
+        written = tool[row["seed"]].split("#### ")[1]
+        assert (cell["G"] in seen) == (f"[{', '.join(proposed)}]" == written), (prompt, reply)
+        wrong += cell["G"] not in seen
         # ... and the plan answers from the board either way: the solver's worked answer
         assert reply.startswith(f"A is at row {cell['A'][0]}, column {cell['A'][1]}; G is at")
+    assert 10 <= wrong <= 30  # about half the episodes
     # only where a plan agent reads a tool's proposal, and a share in [0, 1]
     capsys.readouterr()
     sudoku = ["demos", "sudoku", "--seeds", "0:2", "--out", str(tmp_path / "s")]

@@ -99,9 +99,9 @@ def build_parser() -> argparse.ArgumentParser:
         default=0.0,
         metavar="SHARE",
         help="plan-path with tool_task: propose: in this share of the episodes the plan agent "
-        "reads a wrong move list from the tool (one move changed, dropped or added; that tool "
-        "line is not written) and still answers right, so it learns to read the board rather "
-        "than copy the proposal",
+        "reads a wrong move list from the tool (one move changed, dropped or added; the tool's "
+        "line is still the solver's answer) and still answers right, so it learns to read the "
+        "board rather than copy the proposal",
     )
     return parser
 
