@@ -15,6 +15,8 @@ import json
 import sys
 from pathlib import Path
 
+import yaml
+
 ORDER = ("tool", "plan")  # the team's turn order; a single-agent run has the plan alone
 
 
@@ -47,6 +49,16 @@ def greedy_rewards(metrics: list[dict], role: str) -> str:
     """A role's reward on the greedy validation tasks (the same tasks each time), first -> last."""
     values = [m[f"val/reward/{role}"] for m in metrics if f"val/reward/{role}" in m]
     return f"{values[0]:+.2f} -> {values[-1]:+.2f}" if values else "-"
+
+
+def groups_learned(out: Path, metrics: list[dict], role: str) -> str:
+    """How many of a role's groups had rewards that differ, so GRPO learned from them, of all
+    its groups (`drop_zero_std_groups` drops the rest): a role that copies another's answer
+    gets none."""
+    rollout = yaml.safe_load((out / "rl" / "config.yaml").read_text())["rollout"]
+    kept = sum(m.get(f"learner/{role}/samples", 0) for m in metrics) / rollout["branches"]
+    groups = sum("train/success" in m for m in metrics) * rollout["tasks_per_step"]
+    return f"{kept:.0f} of {groups}"
 
 
 def validation(metrics: list[dict]) -> str:
@@ -86,6 +98,7 @@ def seed_row(out: Path, names: list[str], exact: bool) -> str:
         validation(metrics),
         *(first_last(metrics, f"train/reward/{role}") for role in names),
         " ; ".join(greedy_rewards(metrics, role) for role in names),
+        " ; ".join(groups_learned(out, metrics, role) for role in names),
         f"{rl_seconds / 60:.1f} min",
     ]
     return "| " + " | ".join(cells) + " |"
@@ -101,6 +114,7 @@ def header(names: list[str], exact: bool) -> str:
         "greedy validation during RL (32 tasks)",
         *(f"{role} reward (first 2 -> last 2 steps)" for role in names),
         f"{' ; '.join(names)} reward on the greedy validation tasks (first -> last)",
+        f"{' ; '.join(names)} groups learned from (rewards differ)",
         "RL wall",
     ]
     return f"| {' | '.join(cells)} |\n|{' --- |' * len(cells)}"
