@@ -99,6 +99,8 @@ def sft_run(args: argparse.Namespace, out: Path, flags: list[str]) -> tuple[Path
         demos = out / "demos.jsonl"
         seeds = f"{args.demo_seeds}:{args.demo_seeds + args.demos}"
         explain = [] if args.plain else ["--explain"]
+        if args.wrong_proposals:
+            explain += ["--wrong-proposals", str(args.wrong_proposals)]
         run(
             ["demos", "--config", str(args.config), "--seeds", seeds, "--out", str(demos), *explain]
         )
@@ -184,6 +186,14 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--eval-tasks", type=int, default=64, help="greedy eval tasks")
     parser.add_argument(
         "--sft-from", metavar="RUN", help="an earlier seed's OUT/sft: its cold start, no new SFT"
+    )
+    parser.add_argument(
+        "--wrong-proposals",
+        type=float,
+        default=0.0,
+        metavar="SHARE",
+        help="plan-path: that share of the demonstrations show the plan a wrong tool proposal "
+        "(`masenvs demos --wrong-proposals`; 0.5 gave the 3-seed result in docs/learning.md)",
     )
     parser.add_argument(
         "--sft-eval",

@@ -42,9 +42,10 @@ def pipeline(tmp_path: Path, *args: str) -> str:
 
 def test_the_smoke_pipeline_runs_every_step_from_demos_to_rl(tmp_path: Path) -> None:
     out = tmp_path / "cold"
-    said = pipeline(tmp_path, "--out", str(out))
+    said = pipeline(tmp_path, "--out", str(out), "--wrong-proposals", "0.5")
     # each step as the command a user types, in order
     steps = ["$ masenvs demos", "$ masenvs sft", "$ masenvs eval", "$ masenvs train", "--resume"]
+    assert "--explain --wrong-proposals 0.5" in said
     at = [said.find(s) for s in steps]
     assert -1 not in at and at[:4] == sorted(at[:4]), said
 
@@ -109,6 +110,16 @@ def test_the_smoke_pipeline_runs_every_step_from_demos_to_rl(tmp_path: Path) -> 
             for a, b in zip(lora_b(out / "sft", 0, policy), lora_b(again / "rl", 0, policy))
         )
     assert (again / "rl" / "checkpoints" / "step_00000001").is_dir()
+    # A third seed reuses the cold start's greedy eval (--sft-eval): the eval after RL only
+    third = tmp_path / "cold-s2"
+    said = pipeline(
+        tmp_path, "--out", str(third), "--seed", "2", "--sft-from", str(out / "sft"),
+        "--sft-eval", str(out / "eval_sft.json"), "--no-base", "--no-control",
+    )  # fmt: skip
+    assert said.count("$ masenvs eval") == 1 and "$ masenvs sft" not in said, said
+    assert (third / "eval_sft.json").read_text() == (out / "eval_sft.json").read_text()
+    before = json.loads((out / "eval_sft.json").read_text())["results"][0]["avg"]
+    assert json.loads((third / "summary.json").read_text())["greedy_success"]["sft"] == before
     # each seed trains on its own tasks: seed S draws from S * 10000 on (one task a step here)
     for run, first in ((rl, 0), (again / "rl", 10_000)):
         state = json.loads((run / "checkpoints" / "step_00000001" / "state.json").read_text())
