@@ -218,6 +218,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.sft_eval and not args.sft_from:
         parser.error("--sft-eval reuses the eval of the checkpoint --sft-from names: pass both")
+    if args.wrong_proposals and args.sft_from:
+        parser.error("--wrong-proposals writes new demonstrations; --sft-from reuses a cold start")
     if args.smoke:
         args.demos, args.sft_epochs, args.eval_tasks = 4, 1, 2
     summary = pipeline(args)
